@@ -1,0 +1,276 @@
+"""Triton kernels for attention, and their launchers.
+
+The forward is FlashAttention-2's algorithm: one program per (query block, head, batch) keeps a
+running max and sum of the scores in fp32 and rescales its accumulator as it walks the key blocks
+(Dao, "FlashAttention-2", 2023). Scores live in the log2 domain (exp2 is the native instruction).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from lanekit.runtime import tuning
+from lanekit.runtime.lanes import triton_interpreted
+
+if triton_interpreted():
+    from lanekit.runtime.interpreter import fix_bf16_dot
+
+    fix_bf16_dot()
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _flash_attn_fwd_inner(
+    acc, l_i, m_i, q,
+    k_base, v_base, bias_base, mask_base, rng_base,
+    stride_kn, stride_kd, stride_vn, stride_vd,
+    stride_bm, stride_bn, stride_mm, stride_mn,
+    offs_m, offs_m_local, offs_d, offs_dv, pos_m,
+    slope_log2, sm_scale_log2, softcap_scale, softcap_log2,
+    Sq, Sk, D, Dv, window_left, window_right, dropout_p, seed,
+    lo, hi,
+    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, EVEN_D: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+):
+    offs_n_local = tl.arange(0, BLOCK_N)
+    for start_n in range(lo, hi, BLOCK_N):
+        start_n64 = tl.cast(start_n, tl.int64)
+        offs_n = start_n + offs_n_local                                       # [BLOCK_N]
+        n_in = offs_n < Sk
+        k_ptrs = k_base + start_n64 * stride_kn + offs_n_local[None, :] * stride_kn + offs_d[:, None] * stride_kd
+        v_ptrs = v_base + start_n64 * stride_vn + offs_n_local[:, None] * stride_vn + offs_dv[None, :] * stride_vd
+        if MASKED:
+            k = tl.load(k_ptrs, mask=n_in[None, :] & (offs_d[:, None] < D), other=0.0)     # [BLOCK_D, BLOCK_N]
+            v = tl.load(v_ptrs, mask=n_in[:, None] & (offs_dv[None, :] < Dv), other=0.0)   # [BLOCK_N, BLOCK_DV]
+        elif EVEN_D:
+            k = tl.load(k_ptrs)
+            v = tl.load(v_ptrs)
+        else:
+            k = tl.load(k_ptrs, mask=offs_d[:, None] < D, other=0.0)
+            v = tl.load(v_ptrs, mask=offs_dv[None, :] < Dv, other=0.0)
+        qk = tl.dot(q, k, input_precision=INPUT_PRECISION)                      # [BLOCK_M, BLOCK_N] fp32
+        if HAS_SOFTCAP:
+            s = softcap_log2 * _tanh(qk * softcap_scale)
+        else:
+            s = qk * sm_scale_log2
+
+        # keep: inside the window and the mask; the additive terms (ALiBi, bias) go in b, log2 units
+        keep = offs_m[:, None] < Sq
+        if MASKED:
+            keep = keep & n_in[None, :]
+            if HAS_LEFT:
+                keep = keep & (offs_n[None, :] >= pos_m[:, None] - window_left)
+            if HAS_RIGHT:
+                keep = keep & (offs_n[None, :] <= pos_m[:, None] + window_right)
+        tile_in = (offs_m[:, None] < Sq) & n_in[None, :]
+        if HAS_MASK:
+            mk = tl.load(mask_base + start_n64 * stride_mn + offs_m_local[:, None] * stride_mm
+                         + offs_n_local[None, :] * stride_mn, mask=tile_in, other=0)
+            keep = keep & (mk != 0)
+        if HAS_ALIBI or HAS_BIAS:
+            b = tl.zeros_like(s)
+            if HAS_ALIBI:
+                b -= slope_log2 * tl.abs(pos_m[:, None] - offs_n[None, :]).to(tl.float32)
+            if HAS_BIAS:
+                bias = tl.load(bias_base + start_n64 * stride_bn + offs_m_local[:, None] * stride_bm
+                               + offs_n_local[None, :] * stride_bn, mask=tile_in, other=0.0)
+                b += bias.to(tl.float32) * 1.4426950408889634
+            t = tl.where(keep, s + b, float("-inf"))
+        else:
+            t = tl.where(keep, s, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(t, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)                    # all-masked row
+        if HAS_ALIBI or HAS_BIAS:
+            # (b - m) + s rather than (s + b) - m: with a bias far from zero, s + b would round
+            # away the low bits of s; b - m is exact when b is near the row max.
+            p = tl.where(keep, tl.math.exp2((b - m_safe[:, None]) + s), 0.0)
+        else:
+            p = tl.math.exp2(t - m_safe[:, None])
+        alpha = tl.math.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if HAS_DROPOUT:
+            counter = rng_base + offs_m_local[:, None].to(tl.int64) * Sk + offs_n[None, :]
+            p = tl.where(tl.rand(seed, counter) >= dropout_p, p, 0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _tanh(x):
+    # tanh(x) = 1 - 2 / (exp(2x) + 1): exact at +-inf, no libdevice call, same on every target
+    return 1.0 - 2.0 / (tl.math.exp2(x * 2.8853900817779268) + 1.0)
+
+
+@triton.jit
+def _flash_attn_fwd_kernel(
+    Q, K, V, Out, Lse, Bias, Mask, Alibi,
+    stride_qb, stride_qm, stride_qh, stride_qd,
+    stride_kb, stride_kn, stride_kh, stride_kd,
+    stride_vb, stride_vn, stride_vh, stride_vd,
+    stride_ob, stride_om, stride_oh, stride_od,
+    stride_bb, stride_bh, stride_bm, stride_bn,
+    stride_mb, stride_mh, stride_mm, stride_mn,
+    stride_ab, stride_ah,
+    Hq, GROUP, Sq, Sk, D, Dv,
+    sm_scale_log2, softcap_scale, softcap_log2,
+    window_left, window_right, dropout_p, seed, rng_offset,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    EVEN_D: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_BIAS: tl.constexpr,
+    HAS_MASK: tl.constexpr, HAS_DROPOUT: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    h = tl.program_id(1).to(tl.int64)
+    b = tl.program_id(2).to(tl.int64)
+    hk = h // GROUP
+    start_m = pid_m * BLOCK_M
+    start_m64 = start_m.to(tl.int64)
+
+    offs_m_local = tl.arange(0, BLOCK_M)
+    offs_m = start_m + offs_m_local                                              # [BLOCK_M]
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    pos_m = offs_m + (Sk - Sq)                     # query i sits at key position i + Sk - Sq
+
+    q_ptrs = (Q + b * stride_qb + h * stride_qh + start_m64 * stride_qm
+              + offs_m_local[:, None] * stride_qm + offs_d[None, :] * stride_qd)
+    q = tl.load(q_ptrs, mask=(offs_m[:, None] < Sq) & (offs_d[None, :] < D), other=0.0)   # [BLOCK_M, BLOCK_D]
+    k_base = K + b * stride_kb + hk * stride_kh
+    v_base = V + b * stride_vb + hk * stride_vh
+    bias_base = Bias + b * stride_bb + h * stride_bh + start_m64 * stride_bm
+    mask_base = Mask + b * stride_mb + h * stride_mh + start_m64 * stride_mm
+    rng_base = rng_offset + ((b * Hq + h) * Sq + start_m64) * Sk
+    slope_log2 = 0.0
+    if HAS_ALIBI:
+        slope_log2 = tl.load(Alibi + b * stride_ab + h * stride_ah).to(tl.float32) * 1.4426950408889634
+
+    # Key blocks this query block can see: [lo, hi). Inside it, [full_lo, full_hi) needs no
+    # bound or window mask; the blocks on either side do.
+    lo = 0
+    hi = Sk
+    if HAS_LEFT:
+        lo = tl.maximum(start_m + (Sk - Sq) - window_left, 0) // BLOCK_N * BLOCK_N
+    if HAS_RIGHT:
+        hi = tl.minimum(tl.maximum(start_m + BLOCK_M + (Sk - Sq) + window_right, 0), Sk)
+    full_lo = lo
+    if HAS_LEFT:
+        full_lo = tl.cdiv(tl.maximum(start_m + BLOCK_M - 1 + (Sk - Sq) - window_left, 0), BLOCK_N) * BLOCK_N
+        full_lo = tl.minimum(tl.maximum(full_lo, lo), hi)
+    full_hi = Sk // BLOCK_N * BLOCK_N
+    if HAS_RIGHT:
+        full_hi = tl.minimum(full_hi, tl.maximum(start_m + (Sk - Sq) + window_right + 1, 0) // BLOCK_N * BLOCK_N)
+    full_hi = tl.maximum(full_hi, full_lo)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    # [lo, full_lo) masked, [full_lo, full_hi) unmasked, [full_hi, hi) masked
+    acc, l_i, m_i = _flash_attn_fwd_inner(
+        acc, l_i, m_i, q, k_base, v_base, bias_base, mask_base, rng_base,
+        stride_kn, stride_kd, stride_vn, stride_vd, stride_bm, stride_bn, stride_mm, stride_mn,
+        offs_m, offs_m_local, offs_d, offs_dv, pos_m, slope_log2, sm_scale_log2, softcap_scale,
+        softcap_log2, Sq, Sk, D, Dv, window_left, window_right, dropout_p, seed, lo, full_lo,
+        BLOCK_N, True, EVEN_D, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_BIAS, HAS_MASK,
+        HAS_DROPOUT, INPUT_PRECISION)
+    acc, l_i, m_i = _flash_attn_fwd_inner(
+        acc, l_i, m_i, q, k_base, v_base, bias_base, mask_base, rng_base,
+        stride_kn, stride_kd, stride_vn, stride_vd, stride_bm, stride_bn, stride_mm, stride_mn,
+        offs_m, offs_m_local, offs_d, offs_dv, pos_m, slope_log2, sm_scale_log2, softcap_scale,
+        softcap_log2, Sq, Sk, D, Dv, window_left, window_right, dropout_p, seed, full_lo, full_hi,
+        BLOCK_N, False, EVEN_D, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_BIAS, HAS_MASK,
+        HAS_DROPOUT, INPUT_PRECISION)
+    acc, l_i, m_i = _flash_attn_fwd_inner(
+        acc, l_i, m_i, q, k_base, v_base, bias_base, mask_base, rng_base,
+        stride_kn, stride_kd, stride_vn, stride_vd, stride_bm, stride_bn, stride_mm, stride_mn,
+        offs_m, offs_m_local, offs_d, offs_dv, pos_m, slope_log2, sm_scale_log2, softcap_scale,
+        softcap_log2, Sq, Sk, D, Dv, window_left, window_right, dropout_p, seed, full_hi, hi,
+        BLOCK_N, True, EVEN_D, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_BIAS, HAS_MASK,
+        HAS_DROPOUT, INPUT_PRECISION)
+
+    empty = l_i == 0.0                                                           # no visible key
+    l_safe = tl.where(empty, 1.0, l_i)
+    out = acc / l_safe[:, None]
+    if HAS_DROPOUT:
+        out = out * (1.0 / (1.0 - dropout_p))
+    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
+    m_in = offs_m < Sq
+    o_ptrs = (Out + b * stride_ob + h * stride_oh + start_m64 * stride_om
+              + offs_m_local[:, None] * stride_om + offs_dv[None, :] * stride_od)
+    tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=m_in[:, None] & (offs_dv[None, :] < Dv))
+    tl.store(Lse + (b * Hq + h) * Sq + offs_m, lse, mask=m_in)
+
+
+def _strides4(t: torch.Tensor | None) -> tuple[int, int, int, int]:
+    return tuple(t.stride()) if t is not None else (0, 0, 0, 0)
+
+
+def _block(d: int) -> int:
+    return max(16, triton.next_power_of_2(d))
+
+
+def flash_attn_fwd(
+    *,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    softmax_scale: float,
+    window_size: tuple[int, int],
+    softcap: float,
+    alibi_slopes: torch.Tensor | None,
+    attn_bias: torch.Tensor | None,
+    attn_mask: torch.Tensor | None,
+    dropout_p: float,
+    seed: int,
+    offset: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch the forward. Arguments are already validated and normalized by the public function:
+    ``attn_bias``/``attn_mask`` are 4-D views expanded to (B, Hq, Sq, Sk) (stride 0 where
+    broadcast), ``alibi_slopes`` is (B, Hq) (stride 0 over B when shared), ``window_size`` holds
+    the causal mask. Returns out (B, Sq, Hq, Dv) in q's dtype and lse (B, Hq, Sq) fp32.
+    """
+    B, Sq, Hq, D = q.shape
+    Sk, Hkv, Dv = k.shape[1], k.shape[2], v.shape[3]
+    out = torch.empty((B, Sq, Hq, Dv), dtype=q.dtype, device=q.device)
+    lse = torch.empty((B, Hq, Sq), dtype=torch.float32, device=q.device)
+    if out.numel() == 0:
+        return out, lse
+
+    block_d, block_dv = _block(D), _block(Dv)
+    if triton_interpreted():
+        cfg = tuning.INTERPRETER
+    else:
+        cfg = tuning.lookup(tuning.FLASH_ATTN_FWD, q.device, max(block_d, block_dv))
+    left, right = window_size
+    # The mask is read as bytes: a bool tensor views as uint8 without a copy.
+    mask = attn_mask.view(torch.uint8) if attn_mask is not None else None
+    grid = (triton.cdiv(Sq, cfg.block_m), Hq, B)
+    _flash_attn_fwd_kernel[grid](
+        q, k, v, out, lse,
+        attn_bias if attn_bias is not None else q,
+        mask if mask is not None else q,
+        alibi_slopes if alibi_slopes is not None else q,
+        *q.stride(), *k.stride(), *v.stride(), *out.stride(),
+        *_strides4(attn_bias), *_strides4(mask),
+        *(alibi_slopes.stride() if alibi_slopes is not None else (0, 0)),
+        Hq, Hq // Hkv, Sq, Sk, D, Dv,
+        softmax_scale * LOG2E,
+        softmax_scale / softcap if softcap > 0 else 0.0,
+        softcap * LOG2E,
+        left, right, dropout_p, seed, offset,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, BLOCK_DV=block_dv,
+        EVEN_D=(D == block_d and Dv == block_dv),
+        HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0, HAS_SOFTCAP=softcap > 0,
+        HAS_ALIBI=alibi_slopes is not None, HAS_BIAS=attn_bias is not None,
+        HAS_MASK=mask is not None, HAS_DROPOUT=dropout_p > 0,
+        INPUT_PRECISION="ieee" if q.dtype == torch.float32 else None,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out, lse

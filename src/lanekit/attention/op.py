@@ -1,0 +1,63 @@
+"""The attention lanes, and the custom op that makes the Triton lane opaque to torch.compile.
+
+Every lane takes the normalized keyword arguments that ``flash_attn_func`` produces after
+validation (window_size holding the causal mask, bias/mask expanded to (B, Hq, Sq, Sk), slopes to
+(B, Hq)) and returns ``(out, lse)``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lanekit.reference import attention as ref
+
+
+@torch.library.custom_op("lanekit::flash_attn_fwd", mutates_args=())
+def _flash_attn_fwd_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    attn_bias: torch.Tensor | None, attn_mask: torch.Tensor | None, alibi_slopes: torch.Tensor | None,
+    softmax_scale: float, window_left: int, window_right: int, softcap: float,
+    dropout_p: float, seed: int, offset: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    from lanekit.attention.kernels import flash_attn_fwd  # imported on first use: see runtime.lanes
+
+    return flash_attn_fwd(
+        q=q, k=k, v=v, softmax_scale=softmax_scale, window_size=(window_left, window_right),
+        softcap=softcap, alibi_slopes=alibi_slopes, attn_bias=attn_bias, attn_mask=attn_mask,
+        dropout_p=dropout_p, seed=seed, offset=offset,
+    )
+
+
+@_flash_attn_fwd_op.register_fake
+def _(q, k, v, attn_bias, attn_mask, alibi_slopes, softmax_scale, window_left, window_right,
+      softcap, dropout_p, seed, offset):
+    B, Sq, Hq, _ = q.shape
+    return (q.new_empty((B, Sq, Hq, v.shape[3])),
+            q.new_empty((B, Hq, Sq), dtype=torch.float32))
+
+
+def _no_backward(ctx, grad_out, grad_lse):
+    raise NotImplementedError(
+        "flash_attn_func: the Triton lane has no backward yet (issue 3); "
+        "run the forward under torch.no_grad(), or pass lane='reference' to differentiate"
+    )
+
+
+_flash_attn_fwd_op.register_autograd(_no_backward)
+
+
+def flash_attn_triton(*, q, k, v, softmax_scale, window_size, softcap, alibi_slopes, attn_bias,
+                      attn_mask, dropout_p, seed, offset):
+    return _flash_attn_fwd_op(q, k, v, attn_bias, attn_mask, alibi_slopes, softmax_scale,
+                              window_size[0], window_size[1], softcap, dropout_p, seed, offset)
+
+
+def flash_attn_reference(*, q, k, v, alibi_slopes, attn_bias, **kw):
+    """The oracle as a lane: computes in float64, returns out in q's dtype and lse in fp32."""
+    f64 = torch.float64
+    out, lse = ref.flash_attn(
+        q.to(f64), k.to(f64), v.to(f64),
+        alibi_slopes=alibi_slopes.to(f64) if alibi_slopes is not None else None,
+        attn_bias=attn_bias.to(f64) if attn_bias is not None else None, **kw,
+    )
+    return out.to(q.dtype), lse.to(torch.float32)

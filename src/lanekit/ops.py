@@ -1,0 +1,79 @@
+"""The registry's entries: every op, its oracle, its lanes, its sample inputs and its tolerance.
+
+Adding an op means adding one ``register(Op(...))`` here; the execution matrix, ``lanekit check``
+and the registry-driven tests pick it up from there.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lanekit.runtime.lanes import Op, Sample, register
+from lanekit.testing import randn
+
+
+def attention_case(name, device, *, B=1, Sq=17, Sk=17, Hq=2, Hkv=None, D=64, Dv=None,
+                   dtype=torch.float16, causal=False, window_size=(-1, -1), softcap=0.0,
+                   alibi=None, bias_shape=None, mask_shape=None, dropout_p=0.0, seed=0,
+                   kv_transposed=False) -> Sample:
+    """A ``flash_attn_func`` sample in the lanes' normalized form, from readable parameters.
+
+    ``alibi``: None, "head" (Hq,) or "batch" (B, Hq). ``bias_shape``/``mask_shape``: a shape
+    broadcastable to (B, Hq, Sq, Sk). ``kv_transposed``: k and v are non-contiguous views.
+    """
+    g = torch.Generator().manual_seed(hash(name) % 2**31)
+    Hkv = Hkv or Hq
+    Dv = Dv or D
+    q = randn(B, Sq, Hq, D, dtype=dtype, device=device, generator=g)
+    if kv_transposed:  # (B, Hkv, Sk, D) storage viewed as (B, Sk, Hkv, D)
+        k = randn(B, Hkv, Sk, D, dtype=dtype, device=device, generator=g).transpose(1, 2)
+        v = randn(B, Hkv, Sk, Dv, dtype=dtype, device=device, generator=g).transpose(1, 2)
+    else:
+        k = randn(B, Sk, Hkv, D, dtype=dtype, device=device, generator=g)
+        v = randn(B, Sk, Hkv, Dv, dtype=dtype, device=device, generator=g)
+    slopes = None
+    if alibi is not None:
+        slopes = (torch.rand(Hq if alibi == "head" else (B, Hq), generator=g) * 0.5).to(device)
+        slopes = slopes.expand(B, Hq)
+    bias = mask = None
+    if bias_shape is not None:
+        bias = randn(*bias_shape, dtype=dtype, device=device, generator=g, scale=2.0).expand(B, Hq, Sq, Sk)
+    if mask_shape is not None:
+        mask = (torch.rand(*mask_shape, generator=g) > 0.3).to(device).expand(B, Hq, Sq, Sk)
+    left, right = window_size
+    return Sample(name, dict(
+        q=q, k=k, v=v, softmax_scale=D ** -0.5, window_size=(left, 0 if causal else right),
+        softcap=softcap, alibi_slopes=slopes, attn_bias=bias, attn_mask=mask,
+        dropout_p=dropout_p, seed=seed, offset=0,
+    ))
+
+
+def _attention_samples(device):
+    f16, bf16, f32 = torch.float16, torch.bfloat16, torch.float32
+    yield attention_case("mha d64 bf16 S97", device, B=2, Sq=97, Sk=97, Hq=3, D=64, dtype=bf16)
+    yield attention_case("gqa 6:2 causal Sq17 Sk129 d72", device, Sq=17, Sk=129, Hq=6, Hkv=2, D=72, causal=True)
+    yield attention_case("causal Sq129 Sk37 d80 (empty rows)", device, Sq=129, Sk=37, D=80, dtype=bf16, causal=True)
+    yield attention_case("mqa 4:1 window(4,0) Sq1 Sk37 d59", device, Sq=1, Sk=37, Hq=4, Hkv=1, D=59, window_size=(4, 0))
+    yield attention_case("window(8,3) S97 d96", device, Sq=97, Sk=97, D=96, dtype=bf16, window_size=(8, 3))
+    yield attention_case("softcap30 alibi(B,H) d96", device, B=2, Sq=33, Sk=65, D=96, softcap=30.0, alibi="batch")
+    yield attention_case("alibi(H) causal d128", device, Sq=48, Sk=48, D=128, alibi="head", causal=True, dtype=bf16)
+    yield attention_case("bias+mask d111", device, B=2, Sq=19, Sk=41, Hq=2, D=111, dtype=bf16,
+                         bias_shape=(1, 2, 19, 41), mask_shape=(2, 1, 1, 41))
+    yield attention_case("Dqk192 Dv128", device, Sq=20, Sk=33, D=192, Dv=128)
+    yield attention_case("d256 fp32", device, Sq=17, Sk=40, D=256, dtype=f32)
+    yield attention_case("d1 fp32 causal", device, Sq=9, Sk=9, D=1, dtype=f32, causal=True)
+    yield attention_case("dropout0.2 d32", device, Sq=33, Sk=47, D=32, dropout_p=0.2, seed=1234)
+    yield attention_case("k,v transposed views d64", device, Sq=21, Sk=50, Hq=4, Hkv=2, D=64, kv_transposed=True)
+    yield attention_case("Sk0", device, Sq=5, Sk=0, D=16)
+
+
+register(Op(
+    name="flash_attn_func",
+    family="attention",
+    oracle="lanekit.reference.attention:flash_attn",
+    lanes={"triton": "lanekit.attention.op:flash_attn_triton",
+           "reference": "lanekit.attention.op:flash_attn_reference"},
+    samples=_attention_samples,
+    outputs=(("out", "attention_fwd"), ("lse", "lse")),
+    doc="FlashAttention-compatible attention forward: MHA/GQA/MQA, causal/window, softcap, ALiBi, bias, mask, dropout",
+))

@@ -1,0 +1,5 @@
+"""The oracles: plain PyTorch definitions of every op, one module per family. No Triton here."""
+
+from lanekit.reference import attention
+
+__all__ = ["attention"]

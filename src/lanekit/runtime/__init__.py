@@ -1,0 +1,1 @@
+"""Lanes and the registry, tile-configuration tables, and (later) targets."""

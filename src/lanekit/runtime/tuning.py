@@ -1,0 +1,67 @@
+"""Tile configurations as data: one table per kernel, keyed by architecture id, then by bucket.
+
+Launchers read these tables; no block size or warp count is written in host code. An architecture
+id is ``sm<major><minor>`` on NVIDIA (``sm80``, ``sm90``) and the gfx name on AMD (``gfx942``,
+``gfx1201``); ``generic`` is the fallback for any other, and for Triton's interpreter.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+# flash_attn_fwd: keyed by the padded head dim (max of Dqk and Dv, rounded up to a power of two, at
+# least 16). Bigger head dims take smaller tiles so that q, k, v tiles and the accumulator fit in
+# registers and shared memory.
+FLASH_ATTN_FWD: dict[str, dict[int, TileConfig]] = {
+    "generic": {
+        16: TileConfig(64, 64, 4, 2),
+        32: TileConfig(64, 64, 4, 2),
+        64: TileConfig(64, 64, 4, 2),
+        128: TileConfig(64, 64, 4, 2),
+        256: TileConfig(64, 32, 4, 1),
+    },
+    "sm90": {
+        16: TileConfig(128, 64, 4, 3),
+        32: TileConfig(128, 64, 4, 3),
+        64: TileConfig(128, 64, 4, 3),
+        128: TileConfig(128, 64, 8, 3),
+        256: TileConfig(64, 64, 4, 2),
+    },
+    "sm80": {
+        16: TileConfig(128, 64, 4, 3),
+        32: TileConfig(128, 64, 4, 3),
+        64: TileConfig(128, 64, 4, 3),
+        128: TileConfig(128, 64, 8, 3),
+        256: TileConfig(64, 32, 4, 2),
+    },
+}
+
+# The interpreter runs each program in Python: small tiles keep CPU runs quick.
+INTERPRETER = TileConfig(16, 16, 1, 1)
+
+
+def arch_id(device: torch.device) -> str:
+    """``sm90``, ``gfx942``, ... for a GPU device; ``generic`` for anything else."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return "generic"
+    props = torch.cuda.get_device_properties(device)
+    if getattr(torch.version, "hip", None):
+        return props.gcnArchName.split(":")[0]
+    return f"sm{props.major}{props.minor}"
+
+
+def lookup(table: dict[str, dict[int, TileConfig]], device: torch.device, bucket: int) -> TileConfig:
+    """The config for ``bucket`` on ``device``'s architecture, else the generic one."""
+    rows = table.get(arch_id(device), table["generic"])
+    return rows.get(bucket, table["generic"][bucket])

@@ -1,0 +1,136 @@
+"""The accuracy rule, NaN poisoning and sample inputs; used by the tests and by ``lanekit check``.
+
+The rule (DESIGN.md): the oracle runs in float64 on the same low-precision inputs; a result passes
+when its largest error is within ``ulps`` steps of the output format at the output's magnitude, one
+step being the spacing of the output dtype at max |ref| (near 1.0: 0.00098 for fp16, 0.0078 for
+bf16; it doubles when the value doubles). NaN never passes; neither does a NaN or inf where the
+oracle has a finite value. Ops whose math cannot meet one step say why in :data:`TOLERANCES`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """Allowed error of one output, in steps of its format at max |ref|.
+
+    ``fp32_ulps`` replaces ``ulps`` when the output is fp32, whose step (2^-23 relative) is below
+    the rounding of any reduction longer than a few terms.
+    """
+
+    ulps: float = 1.0
+    fp32_ulps: float | None = None
+    reason: str = "one step of the output format (the project's rule)"
+
+    def steps_for(self, dtype: torch.dtype) -> float:
+        if dtype == torch.float32 and self.fp32_ulps is not None:
+            return self.fp32_ulps
+        return self.ulps
+
+
+# Every exception to the one-step rule, with its reason, in one place.
+TOLERANCES: dict[str, Tolerance] = {
+    "exact": Tolerance(1.0),
+    "attention_fwd": Tolerance(
+        ulps=2.0,
+        fp32_ulps=64.0,
+        reason=(
+            "the probabilities P are rounded to the input dtype before the P.V product, as "
+            "FlashAttention does to use the tensor cores: up to one more step on top of the final "
+            "rounding. fp32: the online softmax and the length-Sk sums round at 2^-24 per term; "
+            "64 steps (2^-17 relative to max |out|) holds for Sk up to 64k; PyTorch's own fp32 "
+            "attention lands in the same range."
+        ),
+    ),
+    "lse": Tolerance(
+        ulps=1.0,
+        fp32_ulps=64.0,
+        reason="the LSE is an fp32 reduction over Sk terms: same bound as the fp32 attention output",
+    ),
+}
+
+
+def ulp(dtype: torch.dtype, magnitude: float) -> float:
+    """The spacing of ``dtype`` at ``magnitude`` (one step of the format there)."""
+    finfo = torch.finfo(dtype)
+    magnitude = max(abs(magnitude), finfo.tiny)
+    return 2.0 ** math.floor(math.log2(magnitude)) * finfo.eps
+
+
+@dataclass(frozen=True)
+class Comparison:
+    max_error: float
+    steps: float          # max_error in steps of the output format at max |ref|
+    allowed_steps: float
+    ok: bool
+    detail: str
+
+
+def compare(out: torch.Tensor, ref: torch.Tensor, tolerance: Tolerance | str = "exact",
+            dtype: torch.dtype | None = None) -> Comparison:
+    """Compare ``out`` (any dtype) with the float64 oracle ``ref`` under the project's rule.
+
+    ``dtype`` is the output format whose step is the unit (default: out's dtype). Positions where
+    ref is -inf or +inf must hold the same infinity; NaN anywhere in out fails.
+    """
+    tol = TOLERANCES[tolerance] if isinstance(tolerance, str) else tolerance
+    dtype = dtype or out.dtype
+    if out.shape != ref.shape:
+        return Comparison(math.inf, math.inf, tol.steps_for(dtype), False,
+                          f"shape {tuple(out.shape)} != oracle's {tuple(ref.shape)}")
+    o, r = out.detach().double().cpu(), ref.detach().double().cpu()
+    if torch.isnan(o).any():
+        n = int(torch.isnan(o).sum())
+        return Comparison(math.nan, math.nan, tol.steps_for(dtype), False, f"{n} NaN in the output")
+    inf_r = torch.isinf(r)
+    if not torch.equal(torch.isinf(o), inf_r) or not torch.equal(o[inf_r], r[inf_r]):
+        return Comparison(math.inf, math.inf, tol.steps_for(dtype), False,
+                          "infinities differ from the oracle's")
+    finite = ~inf_r
+    if not finite.any():
+        return Comparison(0.0, 0.0, tol.steps_for(dtype), True, "")
+    err = (o[finite] - r[finite]).abs().max().item()
+    unit = ulp(dtype, r[finite].abs().max().item())
+    steps = err / unit
+    allowed = tol.steps_for(dtype)
+    ok = steps <= allowed
+    detail = "" if ok else f"largest error {err:.3g} = {steps:.2f} steps of {dtype} at max|ref| (allowed {allowed})"
+    return Comparison(err, steps, allowed, ok, detail)
+
+
+def assert_close(out: torch.Tensor, ref: torch.Tensor, tolerance: Tolerance | str = "exact",
+                 dtype: torch.dtype | None = None) -> Comparison:
+    """:func:`compare`, raising AssertionError with the detail when it fails."""
+    c = compare(out, ref, tolerance, dtype)
+    assert c.ok, c.detail
+    return c
+
+
+def poison(t: torch.Tensor) -> torch.Tensor:
+    """Fill ``t`` with NaN (floats) or the dtype's max (integers), in place, and return it."""
+    if t.is_floating_point():
+        return t.fill_(math.nan)
+    return t.fill_(torch.iinfo(t.dtype).max)
+
+
+def poisoned_empty(*shape, dtype, device) -> torch.Tensor:
+    """An uninitialized tensor filled with NaN, so that an element a kernel forgets to write fails."""
+    return poison(torch.empty(*shape, dtype=dtype, device=device))
+
+
+def randn(*shape, dtype, device, generator=None, scale: float = 1.0) -> torch.Tensor:
+    """Normal samples drawn in fp32 on the CPU (repeatable everywhere), then cast and moved."""
+    x = torch.randn(*shape, generator=generator, dtype=torch.float32) * scale
+    return x.to(dtype=dtype, device=device)
+
+
+def upcast(x):
+    """float64 copy of a floating tensor; anything else unchanged."""
+    if isinstance(x, torch.Tensor) and x.is_floating_point():
+        return x.detach().to(torch.float64)
+    return x
