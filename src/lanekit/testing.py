@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from lanekit.runtime.alloc import poisoned_outputs  # noqa: F401  (re-exported for tests and check)
+
 
 @dataclass(frozen=True)
 class Tolerance:
@@ -37,14 +39,16 @@ class Tolerance:
 TOLERANCES: dict[str, Tolerance] = {
     "exact": Tolerance(1.0),
     "attention_fwd": Tolerance(
-        ulps=2.0,
+        ulps=3.0,
         fp32_ulps=64.0,
         reason=(
-            "the probabilities P are rounded to the input dtype before the P.V product, as "
-            "FlashAttention does to use the tensor cores: up to one more step on top of the final "
-            "rounding. fp32: the online softmax and the length-Sk sums round at 2^-24 per term; "
-            "64 steps (2^-17 relative to max |out|) holds for Sk up to 64k; PyTorch's own fp32 "
-            "attention lands in the same range."
+            "the probabilities P are rounded to the input format before the P.V product, as "
+            "FlashAttention does to run it on the tensor cores. That adds up to u_in * max|v| "
+            "(u_in: the input format's unit roundoff) on top of the final rounding: with "
+            "max|v| about 3 * max|out|, as for random inputs, one to two more steps; measured "
+            "up to 2.2 steps in bf16 (with an additive bias, whose largest probability is then "
+            "not exactly 1) and 1.4 without. fp32: the online softmax and the length-Sk sums "
+            "round at 2^-24 per term; 64 steps (2^-17 relative to max|out|) holds for Sk up to 64k."
         ),
     ),
     "lse": Tolerance(

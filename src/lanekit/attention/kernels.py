@@ -7,13 +7,11 @@ running max and sum of the scores in fp32 and rescales its accumulator as it wal
 
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
 
-from lanekit.runtime import tuning
+from lanekit.runtime import alloc, tuning
 from lanekit.runtime.lanes import triton_interpreted
 
 if triton_interpreted():
@@ -22,6 +20,7 @@ if triton_interpreted():
     fix_bf16_dot()
 
 LOG2E = 1.4426950408889634
+MAX_GRID_YZ = 65535  # CUDA's limit on grid dimensions 1 and 2 (heads, batch)
 
 
 @triton.jit
@@ -91,7 +90,7 @@ def _flash_attn_fwd_inner(
         if HAS_ALIBI or HAS_BIAS:
             # (b - m) + s rather than (s + b) - m: with a bias far from zero, s + b would round
             # away the low bits of s; b - m is exact when b is near the row max.
-            p = tl.where(keep, tl.math.exp2((b - m_safe[:, None]) + s), 0.0)
+            p = tl.math.exp2(tl.where(keep, (b - m_safe[:, None]) + s, float("-inf")))
         else:
             p = tl.math.exp2(t - m_safe[:, None])
         alpha = tl.math.exp2(m_i - m_safe)
@@ -238,8 +237,11 @@ def flash_attn_fwd(
     """
     B, Sq, Hq, D = q.shape
     Sk, Hkv, Dv = k.shape[1], k.shape[2], v.shape[3]
-    out = torch.empty((B, Sq, Hq, Dv), dtype=q.dtype, device=q.device)
-    lse = torch.empty((B, Hq, Sq), dtype=torch.float32, device=q.device)
+    if B > MAX_GRID_YZ or Hq > MAX_GRID_YZ:
+        raise ValueError(f"q: the Triton lane runs at most {MAX_GRID_YZ} batches and heads "
+                         f"(grid dimensions 1 and 2), got B={B}, Hq={Hq}")
+    out = alloc.empty((B, Sq, Hq, Dv), dtype=q.dtype, device=q.device)
+    lse = alloc.empty((B, Hq, Sq), dtype=torch.float32, device=q.device)
     if out.numel() == 0:
         return out, lse
 

@@ -1,0 +1,274 @@
+"""flash_attn_func forward: every sample and the pinned behaviours, against the float64 oracle."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import lanekit
+from lanekit.ops import attention_case
+from lanekit.reference import attention as ref
+from lanekit.runtime.lanes import get_op
+from lanekit.testing import assert_close, poisoned_outputs, randn, upcast
+
+OP = get_op("flash_attn_func")
+
+
+def run_lane(sample_kwargs, lane="triton"):
+    with poisoned_outputs():
+        return OP.lane(lane)(**sample_kwargs)
+
+
+def oracle(sample_kwargs):
+    return ref.flash_attn(**{k: upcast(v) for k, v in sample_kwargs.items()})
+
+
+def check_sample(kwargs, lane="triton"):
+    out, lse = run_lane(kwargs, lane)
+    ref_out, ref_lse = oracle(kwargs)
+    assert_close(out, ref_out, "attention_fwd")
+    assert_close(lse, ref_lse, "lse")
+    return out, lse
+
+
+@pytest.mark.parametrize("sample", list(OP.samples("cpu")), ids=lambda s: s.name)
+def test_registered_sample_matches_oracle(sample, device):
+    sample = next(s for s in OP.samples(device) if s.name == sample.name)
+    check_sample(sample.kwargs)
+
+
+def call(q, k, v, **kw):
+    with poisoned_outputs():
+        return lanekit.flash_attn_func(q, k, v, lane="triton", **kw)
+
+
+def qkv(B, Sq, Sk, Hq, Hkv, D, device, dtype=torch.float16, seed=0, Dv=None):
+    g = torch.Generator().manual_seed(seed)
+    return (randn(B, Sq, Hq, D, dtype=dtype, device=device, generator=g),
+            randn(B, Sk, Hkv, D, dtype=dtype, device=device, generator=g),
+            randn(B, Sk, Hkv, Dv or D, dtype=dtype, device=device, generator=g))
+
+
+def test_causal_sq_longer_than_sk_first_rows_are_exactly_zero(device):
+    q, k, v = qkv(1, 2048, 1024, 1, 1, 16, device)
+    out, lse, _ = call(q, k, v, causal=True, return_attn_probs=True)
+    assert torch.equal(out[:, :1024], torch.zeros_like(out[:, :1024]))
+    assert torch.isneginf(lse[..., :1024]).all()
+    ref_out, ref_lse = ref.flash_attn(*map(upcast, (q, k, v)), softmax_scale=16 ** -0.5, window_size=(-1, 0))
+    assert_close(out, ref_out, "attention_fwd")
+    assert_close(lse, ref_lse, "lse")
+
+
+def test_huge_negative_bias_on_every_key_changes_nothing(device):
+    q, k, v = qkv(1, 40, 70, 2, 2, 64, device, dtype=torch.bfloat16)
+    plain = call(q, k, v)
+    biased = call(q, k, v, attn_bias=torch.full((70,), -1e6, device=device))
+    ref_out, _ = ref.flash_attn(*map(upcast, (q, k, v)), softmax_scale=64 ** -0.5)
+    assert biased.abs().amax() > 0.1  # not zeros
+    assert_close(biased, ref_out, "attention_fwd")
+    assert_close(plain, ref_out, "attention_fwd")
+
+
+def test_window_4_0_single_query_sees_keys_32_to_36(device):
+    Sk = 37
+    q, k, _ = qkv(1, 1, Sk, 1, 1, 64, device, dtype=torch.float32)
+    v = torch.eye(Sk, 64, dtype=torch.float32, device=device)[None, :, None, :]  # v_j = e_j
+    out = call(q, k, v.contiguous(), window_size=(4, 0))
+    seen = torch.nonzero(out[0, 0, 0] > 0).flatten().tolist()
+    assert seen == [32, 33, 34, 35, 36]
+    assert math.isclose(out[0, 0, 0].sum().item(), 1.0, rel_tol=1e-5)
+
+
+def test_head_dim_72_writes_every_output_column(device):
+    q, k, v = qkv(2, 33, 45, 4, 2, 72, device, dtype=torch.bfloat16)
+    out = call(q, k, v)
+    assert out.shape == (2, 33, 4, 72)
+    assert not torch.isnan(out).any()
+    assert_close(out, ref.flash_attn(*map(upcast, (q, k, v)), softmax_scale=72 ** -0.5)[0], "attention_fwd")
+
+
+def test_transposed_kv_views_match_their_contiguous_copies(device):
+    g = torch.Generator().manual_seed(3)
+    q = randn(2, 29, 4, 80, dtype=torch.float16, device=device, generator=g)
+    k = randn(2, 2, 61, 80, dtype=torch.float16, device=device, generator=g).transpose(1, 2)
+    v = randn(2, 2, 61, 80, dtype=torch.float16, device=device, generator=g).transpose(1, 2)
+    assert not k.is_contiguous() and not v.is_contiguous()
+    assert torch.equal(call(q, k, v, causal=True), call(q, k.contiguous(), v.contiguous(), causal=True))
+
+
+def test_every_head_dim_from_1_to_256(device):
+    for D in range(1, 257):
+        q, k, v = qkv(1, 3, 5, 2, 1, D, device, seed=D)
+        out = call(q, k, v, causal=D % 2 == 0)
+        expected, _ = ref.flash_attn(*map(upcast, (q, k, v)), softmax_scale=D ** -0.5,
+                                     window_size=(-1, 0 if D % 2 == 0 else -1))
+        assert_close(out, expected, "attention_fwd")
+
+
+def test_value_head_dim_may_differ(device):
+    q, k, v = qkv(1, 24, 40, 4, 4, 192, device, Dv=128)
+    out = call(q, k, v, causal=True)
+    assert out.shape == (1, 24, 4, 128)
+    assert_close(out, ref.flash_attn(*map(upcast, (q, k, v)), softmax_scale=192 ** -0.5,
+                                     window_size=(-1, 0))[0], "attention_fwd")
+
+
+def test_bias_gets_added_after_scaling(device):
+    q, k, v = qkv(1, 9, 13, 1, 1, 32, device, dtype=torch.float32)
+    bias = torch.randn(9, 13, device=device)
+    out = call(q, k, v, softmax_scale=0.3, attn_bias=bias)
+    scores = (q[0, :, 0].double() @ k[0, :, 0].double().T) * 0.3 + bias.double()
+    expected = torch.softmax(scores, -1) @ v[0, :, 0].double()
+    assert_close(out[0, :, 0], expected, "attention_fwd")
+
+
+def test_fully_masked_rows_give_zero_and_neg_inf_lse(device):
+    q, k, v = qkv(1, 6, 10, 2, 2, 16, device)
+    mask = torch.ones(6, 10, dtype=torch.bool, device=device)
+    mask[2] = False
+    out, lse, _ = call(q, k, v, attn_mask=mask, return_attn_probs=True)
+    assert torch.equal(out[0, 2], torch.zeros_like(out[0, 2]))
+    assert torch.isneginf(lse[0, :, 2]).all()
+    assert not torch.isnan(out).any()
+
+
+def test_dropout_same_seed_same_mask_and_matches_oracle(device):
+    q, k, v = qkv(1, 20, 30, 2, 1, 32, device)
+    a = call(q, k, v, dropout_p=0.3, dropout_seed=7, dropout_offset=5)
+    b = call(q, k, v, dropout_p=0.3, dropout_seed=7, dropout_offset=5)
+    c = call(q, k, v, dropout_p=0.3, dropout_seed=8, dropout_offset=5)
+    assert torch.equal(a, b)
+    assert not torch.equal(a, c)
+    expected, _ = ref.flash_attn(*map(upcast, (q, k, v)), softmax_scale=32 ** -0.5, dropout_p=0.3,
+                                 seed=7, offset=5)
+    assert_close(a, expected, "attention_fwd")
+
+
+def test_dropout_default_seed_follows_torch_manual_seed(device):
+    q, k, v = qkv(1, 8, 8, 1, 1, 16, device)
+    torch.manual_seed(11)
+    a = call(q, k, v, dropout_p=0.5)
+    torch.manual_seed(11)
+    b = call(q, k, v, dropout_p=0.5)
+    assert torch.equal(a, b)
+
+
+def test_reference_lane_is_the_oracle_in_the_input_dtype():
+    q, k, v = qkv(2, 7, 9, 4, 2, 24, "cpu", dtype=torch.bfloat16)
+    out, lse, _ = lanekit.flash_attn_func(q, k, v, causal=True, return_attn_probs=True, lane="reference")
+    expected, expected_lse = ref.flash_attn(*map(upcast, (q, k, v)), softmax_scale=24 ** -0.5, window_size=(-1, 0))
+    assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
+    assert torch.equal(out, expected.to(torch.bfloat16))
+    assert torch.equal(lse, expected_lse.float())
+
+
+def test_cpu_tensors_default_to_the_reference_lane(monkeypatch):
+    monkeypatch.delenv("LANEKIT_LANE", raising=False)
+    q, k, v = qkv(1, 4, 4, 1, 1, 8, "cpu", dtype=torch.float32)
+    calls = []
+    original = OP.lane("reference")
+    monkeypatch.setattr("lanekit.attention.op.flash_attn_reference",
+                        lambda **kw: calls.append(1) or original(**kw))
+    lanekit.flash_attn_func(q, k, v)
+    assert calls == [1]
+
+
+def test_lanekit_lane_variable_and_argument_choose_the_lane(monkeypatch):
+    q, k, v = qkv(1, 4, 4, 1, 1, 8, "cpu", dtype=torch.float32)
+    monkeypatch.setenv("LANEKIT_LANE", "bogus")
+    with pytest.raises(ValueError, match="LANEKIT_LANE"):
+        lanekit.flash_attn_func(q, k, v)
+    with pytest.raises(ValueError, match="lane: expected one of"):
+        lanekit.flash_attn_func(q, k, v, lane="cuda")
+    monkeypatch.setenv("LANEKIT_LANE", "reference")
+    assert torch.equal(lanekit.flash_attn_func(q, k, v), lanekit.flash_attn_func(q, k, v, lane="reference"))
+
+
+def test_triton_lane_has_no_backward_yet_and_says_so(device):
+    q, k, v = qkv(1, 4, 4, 1, 1, 16, device)
+    q.requires_grad_(True)
+    out = call(q, k, v)
+    with pytest.raises(NotImplementedError, match="no backward"):
+        out.sum().backward()
+
+
+def test_reference_lane_is_differentiable():
+    q, k, v = (t.requires_grad_(True) for t in qkv(1, 5, 6, 2, 1, 8, "cpu", dtype=torch.float32))
+    out = lanekit.flash_attn_func(q, k, v, causal=True, lane="reference")
+    out.sum().backward()
+    assert q.grad is not None and torch.isfinite(q.grad).all()
+
+
+BAD_INPUTS = {
+    "q rank": (dict(q=(1, 4, 2)), ValueError, "q: expected 4 dimensions"),
+    "q dtype": (dict(dtype=torch.float64), TypeError, "q: expected dtype"),
+    "k dtype": (dict(k_dtype=torch.float32), TypeError, "k: expected the dtype of q"),
+    "Hq not multiple of Hkv": (dict(Hq=6, Hkv=4), ValueError, "divides Hq=6"),
+    "head dim 257": (dict(D=257), ValueError, "head dim: expected 1..256, got 257"),
+    "head dims differ": (dict(k_D=32), ValueError, "k: expected head dim"),
+    "window below -1": (dict(window_size=(-2, 0)), ValueError, "window_size: expected values >= -1"),
+    "window not ints": (dict(window_size=(1.5, 0)), TypeError, "window_size"),
+    "bias not broadcastable": (dict(attn_bias=(3, 5)), ValueError, "attn_bias: expected a shape broadcastable"),
+    "mask not bool": (dict(attn_mask_float=True), TypeError, "attn_mask: expected dtype"),
+    "dropout 1": (dict(dropout_p=1.0), ValueError, "dropout_p"),
+    "softcap negative": (dict(softcap=-1.0), ValueError, "softcap"),
+    "alibi shape": (dict(alibi=(3,)), ValueError, "alibi_slopes: expected shape"),
+    "alibi dtype": (dict(alibi_f16=True), TypeError, "alibi_slopes: expected dtype"),
+    "batch mismatch": (dict(k_B=2), ValueError, "expected batch size"),
+    "not a tensor": (dict(q_list=True), TypeError, "q: expected a torch.Tensor"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUTS), ids=list(BAD_INPUTS))
+def test_bad_input_raises_a_clear_error_and_launches_nothing(case, device, monkeypatch):
+    spec, exc, message = BAD_INPUTS[case]
+    Hq, Hkv, D = spec.get("Hq", 2), spec.get("Hkv", 2), spec.get("D", 16)
+    dtype = spec.get("dtype", torch.float16)
+    q = torch.randn(*spec.get("q", (1, 4, Hq, D)), device=device).to(dtype)
+    k = torch.randn(spec.get("k_B", 1), 5, Hkv, spec.get("k_D", D), device=device).to(spec.get("k_dtype", dtype))
+    v = torch.randn(1, 5, Hkv, D, device=device).to(dtype)
+    kw = {}
+    for key in ("window_size", "dropout_p", "softcap"):
+        if key in spec:
+            kw[key] = spec[key]
+    if "attn_bias" in spec:
+        kw["attn_bias"] = torch.zeros(spec["attn_bias"], device=device)
+    if spec.get("attn_mask_float"):
+        kw["attn_mask"] = torch.ones(4, 5, device=device)
+    if "alibi" in spec:
+        kw["alibi_slopes"] = torch.ones(spec["alibi"], device=device)
+    if spec.get("alibi_f16"):
+        kw["alibi_slopes"] = torch.ones(Hq, device=device, dtype=torch.float16)
+    if spec.get("q_list"):
+        q = q.tolist()
+    snapshot = [t.clone() for t in (k, v)]
+
+    def no_launch(**_):
+        raise AssertionError("a lane ran on bad input")
+
+    monkeypatch.setattr("lanekit.attention.op.flash_attn_triton", no_launch)
+    monkeypatch.setattr("lanekit.attention.op.flash_attn_reference", no_launch)
+    with pytest.raises(exc, match=message):
+        lanekit.flash_attn_func(q, k, v, **kw)
+    assert all(torch.equal(a, b) for a, b in zip(snapshot, (k, v)))
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    Sq=st.integers(0, 40), Sk=st.integers(0, 40), group=st.sampled_from([1, 2, 3]), Hkv=st.integers(1, 2),
+    D=st.integers(1, 130), dtype=st.sampled_from([torch.float16, torch.bfloat16, torch.float32]),
+    causal=st.booleans(), left=st.integers(-1, 12), right=st.integers(-1, 12),
+    softcap=st.sampled_from([0.0, 5.0]), alibi=st.sampled_from([None, "head", "batch"]),
+    bias=st.booleans(), mask=st.booleans(),
+)
+def test_random_configurations_match_the_oracle(device, Sq, Sk, group, Hkv, D, dtype, causal, left, right,
+                                                softcap, alibi, bias, mask):
+    sample = attention_case(
+        f"prop {Sq} {Sk} {group} {Hkv} {D} {dtype} {causal} {left} {right} {softcap} {alibi} {bias} {mask}",
+        device, B=2, Sq=Sq, Sk=Sk, Hq=group * Hkv, Hkv=Hkv, D=D, dtype=dtype, causal=causal,
+        window_size=(left, right), softcap=softcap, alibi=alibi,
+        bias_shape=(1, group * Hkv, Sq, Sk) if bias else None, mask_shape=(2, 1, Sq, Sk) if mask else None,
+    )
+    check_sample(sample.kwargs)
