@@ -1,0 +1,192 @@
+"""``lanekit``: the command line.
+
+    lanekit check [--op NAME ...] [--lane triton|reference ...] [--json PATH]
+        every registered op on every lane this machine has, against its oracle (lanekit.check)
+    lanekit matrix [--check]
+        regenerate docs/execution-matrix.md from the registry and docs/checks/*.json
+    lanekit demo [ARGS ...]
+        lanekit.demo.main(ARGS)
+
+Triton runs natively when PyTorch sees a GPU; otherwise this process sets ``TRITON_INTERPRET=1``
+before any kernel module is imported, and the Triton lane runs under the interpreter on the CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["demo"]:  # everything after "demo" belongs to the demo, --help included
+        return _demo(argv[1:])
+    args = _parser().parse_args(argv)
+    return args.run(args)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="lanekit", description="lanekit: fused Triton kernels, "
+                                     "each checked against a readable PyTorch oracle.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    check = sub.add_parser("check", help="check every op on every lane of this machine against its oracle",
+                           description="Run every registered op on every lane this machine has (Triton "
+                           "natively on a GPU, else interpreted on the CPU; the reference), on each of its "
+                           "samples, against the float64 oracle. Exits 1 when any sample fails.")
+    check.add_argument("--op", action="append", metavar="NAME", help="only this op (repeatable)")
+    check.add_argument("--lane", action="append", choices=("triton", "reference"),
+                       help="only this lane (repeatable)")
+    check.add_argument("--json", metavar="PATH",
+                       help="also write the results and the machine's description as JSON "
+                       "(docs/checks/<machine>.json records a machine for the execution matrix)")
+    check.set_defaults(run=_check)
+
+    matrix = sub.add_parser("matrix", help="regenerate docs/execution-matrix.md",
+                            description="Write docs/execution-matrix.md from the op registry and the "
+                            "check records in docs/checks/*.json.")
+    matrix.add_argument("--check", action="store_true",
+                        help="write nothing; exit 1 if the file differs from what would be written")
+    matrix.add_argument("--docs", metavar="DIR", help="the docs folder (default: the checkout's docs/)")
+    matrix.set_defaults(run=_matrix)
+
+    sub.add_parser("demo", help="run lanekit's demo (lanekit demo --help for its arguments)")
+    return parser
+
+
+def _use_gpu_or_interpreter() -> str:
+    """Decide native or interpreted Triton before any kernel module is imported; the device."""
+    import torch
+
+    if torch.cuda.is_available():
+        return "cuda"
+    os.environ["TRITON_INTERPRET"] = "1"
+    return "cpu"
+
+
+def _check(args) -> int:
+    device = _use_gpu_or_interpreter()
+
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from lanekit import check
+
+    console = Console()
+    if not console.is_terminal:  # a log or a pipe: no need to squeeze the table into 80 columns
+        console.width = max(console.width, 120)
+    try:
+        pairs = check.plan(args.op, args.lane)
+    except ValueError as e:
+        console.print(f"lanekit check: {e}", style="red", markup=False, highlight=False)
+        return 2
+    start = time.perf_counter()
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=Console(stderr=True), transient=True) as progress:
+        task = progress.add_task("checking", total=check.count_samples(device, pairs))
+
+        def on_sample(op, lane, sample, result):
+            if result is None:
+                progress.update(task, description=f"{op} · {lane} · {sample}")
+            else:
+                progress.advance(task)
+
+        results = [check.check_lane(op, lane, device, on_sample) for op, lane in pairs]
+    run = check.CheckRun(check.machine_info(device), results)
+    elapsed = time.perf_counter() - start
+
+    console.print(_table(run))
+    console.print("error: the comparison closest to its limit over all samples and outputs, in steps of "
+                  "the output format at max |oracle| / the steps its tolerance allows", style="dim",
+                  markup=False, highlight=False)
+    failures = _failures(run)
+    if failures:
+        console.print(failures)
+    passed = sum(r.passed for r in results)
+    total = sum(r.total for r in results)
+    failing = [r for r in results if not r.ok]
+    mode = "interpreted on the CPU" if run.machine["interpreted"] else f"native on {run.machine['device']}"
+    verdict = f"{len(failing)} of {len(results)} lanes failing" if failing else "all lanes passed"
+    console.print(f"{verdict}: {passed}/{total} samples passed in {elapsed:.1f} s (Triton {mode})",
+                  style="red" if failing else "green", markup=False, highlight=False)
+    if args.json:
+        run.write(args.json)
+        console.print(f"wrote {args.json}", markup=False, highlight=False)
+    return 1 if failing else 0
+
+
+_STYLES = {"native": "green", "interpreted": "green", "reference": "cyan", "failing": "bold red",
+           "not run": "yellow"}
+
+
+def _table(run):
+    from rich.table import Table
+
+    info = run.machine
+    mode = "interpreted" if info["interpreted"] else "native"
+    table = Table(title=f"lanekit check on {info['device']} ({info['arch']}), Triton {mode}",
+                  caption=f"torch {info['torch']} · triton {info['triton']} · python {info['python']}")
+    table.add_column("op", no_wrap=True)
+    table.add_column("lane")
+    table.add_column("status")
+    table.add_column("samples", justify="right")
+    table.add_column("error", justify="right")
+    table.add_column("time", justify="right")
+    for r in run.results:
+        worst = r.worst()
+        error = f"{worst[1].steps:.2f} / {worst[1].allowed:g}" if worst else "—"
+        table.add_row(r.op, r.lane, f"[{_STYLES[r.status]}]{r.status}[/]", f"{r.passed}/{r.total}",
+                      error, f"{r.seconds:.1f} s")
+    return table
+
+
+def _failures(run):
+    from rich.text import Text
+
+    text = Text()
+    for r in run.results:
+        if r.status == "not run" or (not r.ok and not r.samples):
+            text.append(f"\n{r.op} · {r.lane}: {r.status}: {r.note}\n", style=_STYLES[r.status])
+        if r.failures:
+            text.append(f"\n{r.op} · {r.lane}: {len(r.failures)} of {r.total} samples failed\n", style="bold red")
+            for s in r.failures:
+                text.append(f"  {s.name}: ", style="bold")
+                text.append(f"{s.detail}\n")
+    return text
+
+
+def _matrix(args) -> int:
+    from pathlib import Path
+
+    from lanekit import matrix
+
+    path, generated = matrix.render_repo(Path(args.docs) if args.docs else None)
+    committed = path.read_text() if path.exists() else ""
+    if args.check:
+        if committed == generated:
+            print(f"{path} is up to date")
+            return 0
+        sys.stdout.write(matrix.diff(committed, generated))
+        print(f"{path} is out of date: run `lanekit matrix`")
+        return 1
+    path.write_text(generated)
+    print(f"wrote {path}")
+    return 0
+
+
+def _demo(argv: list[str]) -> int:
+    _use_gpu_or_interpreter()  # the demo may run the Triton lane
+    try:
+        from lanekit.demo import main as demo_main
+    except ModuleNotFoundError as e:
+        if e.name != "lanekit.demo":
+            raise
+        print("lanekit demo: this version of lanekit has no demo yet", file=sys.stderr)
+        return 2
+    return demo_main(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,160 @@
+"""The check machinery (lanekit.check, `lanekit check`): every registered sample passes, and a wrong
+lane of any op is reported failing, with its sample names and a non-zero exit."""
+
+import importlib
+import json
+import math
+
+import pytest
+import torch
+
+from lanekit import check
+from lanekit.cli import main
+from lanekit.runtime.lanes import registry
+
+OPS = registry()
+PAIRS = [(name, lane) for name, op in OPS.items() for lane in op.lanes]
+
+
+def test_every_registered_sample_passes_on_every_lane(device):
+    run = check.run_checks(device)
+
+    assert {(r.op, r.lane) for r in run.results} == set(PAIRS)
+    failures = [f"{r.op} · {r.lane} · {s.name}: {s.detail}" for r in run.results for s in r.failures]
+    assert not failures, "\n".join(failures)
+    interpreted = device == "cpu"
+    for r in run.results:
+        assert r.total == len(list(OPS[r.op].samples(device))) > 0
+        assert r.passed == r.total
+        expected = "reference" if r.lane == "reference" else ("interpreted" if interpreted else "native")
+        assert r.status == expected
+        steps, allowed = r.worst()[1].steps, r.worst()[1].allowed
+        assert 0 <= steps <= allowed
+    assert run.ok
+    assert run.machine["interpreted"] is interpreted
+    assert run.machine["arch"] == ("generic" if interpreted else run.machine["arch"])
+
+
+def _wrong_by(kind: str, index: int):
+    """A perturbation of output ``index``: "off" adds 1 + |x| to every finite element (an error of
+    over 100%), "nan" writes one NaN, as an element a kernel forgot to write would read."""
+
+    def perturb(outputs):
+        outputs = list(outputs)
+        o = outputs[index].clone(memory_format=torch.contiguous_format)
+        if kind == "off":
+            o = torch.where(torch.isfinite(o), o + 1 + o.abs(), o)
+        elif o.numel():
+            o.view(-1)[o.numel() // 2] = math.nan
+        outputs[index] = o
+        return tuple(outputs)
+
+    return perturb
+
+
+def _as_tuple(x):
+    return x if isinstance(x, tuple) else (x,)
+
+
+def _differs(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return not (torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num()))
+
+
+def _patch_lane(monkeypatch, path: str, fn) -> None:
+    module, _, attr = path.partition(":")
+    monkeypatch.setattr(importlib.import_module(module), attr, fn)
+
+
+def _install_wrong_lanes(monkeypatch, perturb):
+    """Replace every lane of every op by its reference lane, perturbed."""
+    for op in OPS.values():
+        reference = op.lane("reference")
+        for path in op.lanes.values():
+            _patch_lane(monkeypatch, path,
+                        lambda _reference=reference, **kw: perturb(_as_tuple(_reference(**kw))))
+
+
+@pytest.mark.parametrize("kind", ["off", "nan"])
+@pytest.mark.parametrize("output", [0, 1], ids=["first output", "second output"])
+def test_a_wrong_lane_is_reported_failing(monkeypatch, device, kind, output):
+    perturb = _wrong_by(kind, output)
+    pairs = [(n, lane) for n, lane in PAIRS if len(OPS[n].outputs) > output]
+    if not pairs:
+        pytest.skip("no registered op has that many outputs")
+    # Per sample, whether the perturbation changes the right answer at all (it leaves an output
+    # that is all -inf, or empty, as it is): exactly those samples must be reported.
+    changes = {}
+    for name in {n for n, _ in pairs}:
+        reference = OPS[name].lane("reference")
+        changes[name] = [any(map(_differs, right, perturb(right)))
+                         for right in (_as_tuple(reference(**s.kwargs)) for s in OPS[name].samples(device))]
+    _install_wrong_lanes(monkeypatch, perturb)
+
+    for name, lane in pairs:
+        result = check.check_lane(OPS[name], lane, device)
+        assert result.status == "failing"
+        assert result.passed < result.total
+        assert [not s.ok for s in result.samples] == changes[name]
+        output_name = OPS[name].outputs[output][0]
+        for s in result.failures:
+            assert s.detail.startswith(f"{output_name}: ")
+            assert ("NaN" in s.detail) if kind == "nan" else ("largest error" in s.detail)
+
+
+def test_check_command_exits_nonzero_and_records_the_failing_samples(monkeypatch, tmp_path, capsys):
+    _install_wrong_lanes(monkeypatch, _wrong_by("nan", 0))
+    path = tmp_path / "record.json"
+
+    assert main(["check", "--json", str(path)]) == 1
+
+    printed = capsys.readouterr().out
+    assert "failing" in printed and "lanes failing" in printed
+    data = json.loads(path.read_text())
+    assert {(r["op"], r["lane"]) for r in data["results"]} == set(PAIRS)
+    for r in data["results"]:
+        assert r["status"] == "failing"
+        failed = [s["name"] for s in r["samples"] if not s["ok"]]
+        assert failed and all(name in printed for name in failed)
+        assert r["worst"]["steps"] == "nan"
+    assert set(data["machine"]) >= {"device", "arch", "interpreted", "torch", "triton", "date"}
+    assert check.CheckRun.read(path).to_dict() == data
+
+
+def test_an_exception_in_a_lane_fails_its_samples_with_the_message(monkeypatch, device, capsys):
+    def boom(**kwargs):
+        raise RuntimeError("the kernel fell over")
+
+    for op in OPS.values():
+        for path in op.lanes.values():
+            _patch_lane(monkeypatch, path, boom)
+
+    run = check.run_checks(device)
+    assert not run.ok
+    for r in run.results:
+        assert r.status == "failing" and r.passed == 0 and r.total > 0
+        assert all(s.error == "RuntimeError: the kernel fell over" for s in r.samples)
+    assert main(["check", "--lane", "reference"]) == 1
+    assert "RuntimeError: the kernel fell over" in capsys.readouterr().out
+
+
+def test_a_lane_that_modifies_its_input_fails(monkeypatch, device):
+    for name, op in OPS.items():
+        reference = op.lane("reference")
+
+        def scribbles(_reference=reference, **kwargs):
+            out = _reference(**kwargs)
+            first = next(v for v in kwargs.values() if isinstance(v, torch.Tensor) and v.is_floating_point())
+            first.mul_(2)
+            return out
+
+        _patch_lane(monkeypatch, op.lanes["reference"], scribbles)
+        result = check.check_lane(op, "reference", device)
+        assert result.status == "failing"
+        assert any("modified its input" in s.error for s in result.samples)
+
+
+def test_unknown_op_or_lane_is_a_usage_error(capsys):
+    assert main(["check", "--op", "no_such_op"]) == 2
+    assert "unknown op no_such_op" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="unknown lane"):
+        check.plan(lanes=["cuda"])
