@@ -109,7 +109,10 @@ def _tanh(x):
     return 1.0 - 2.0 / (tl.math.exp2(x * 2.8853900817779268) + 1.0)
 
 
-@triton.jit
+# Lengths, window sizes and the RNG state change from call to call: not specializing them keeps one
+# compiled kernel per set of flags and tile sizes.
+@triton.jit(do_not_specialize=["Hq", "GROUP", "Sq", "Sk", "D", "Dv", "window_left", "window_right",
+                               "dropout_p", "seed", "rng_offset"])
 def _flash_attn_fwd_kernel(
     Q, K, V, Out, Lse, Bias, Mask, Alibi,
     stride_qb, stride_qm, stride_qh, stride_qd,

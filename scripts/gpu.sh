@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# The GPU run, on the machine with the GPU (the device tool), from the repo root:
+#   bash scripts/gpu.sh [STEP ...]      steps: info tests sanitizer check demo tune bench (default: all but tune)
+# Uses the machine's own python3 (torch, triton, transformers preinstalled); lanekit from src/.
+# Each step's log goes to $OUT/<step>.log; a line per step with its exit code and last line.
+set -u
+OUT=${OUT:-/tmp/lanekit-gpu}
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD/src:$PWD" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+steps=("$@")
+[ ${#steps[@]} -eq 0 ] && steps=(info tests sanitizer check demo bench)
+
+run_step() {
+  local name=$1; shift
+  local t0=$SECONDS
+  "$@" >"$OUT/$name.log" 2>&1
+  local rc=$?
+  echo "== $name: rc=$rc $((SECONDS - t0))s | $(grep -v '^\s*$' "$OUT/$name.log" | tail -1)"
+}
+
+for s in "${steps[@]}"; do
+  case $s in
+    info) run_step info bash -c 'nvidia-smi; python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__, torch.cuda.get_device_name())"' ;;
+    tests) run_step tests python3 -m pytest ${TESTS:-tests} -q -p no:cacheprovider ;;
+    sanitizer) run_step sanitizer compute-sanitizer --tool memcheck --error-exitcode 9 \
+                 python3 -m pytest tests/test_attention.py -q -p no:cacheprovider -k "not random and not every_head_dim" ;;
+    check) run_step check python3 -m lanekit check --json "$OUT/sm90.json" ;;
+    demo) run_step demo python3 -m lanekit demo --model-dir .gpu/minilm ;;
+    tune) run_step tune python3 -m benchmarks.tune_attention ;;
+    bench) run_step bench python3 -m benchmarks.run --json "$OUT/bench.json" ;;
+    *) echo "unknown step $s"; exit 2 ;;
+  esac
+done
