@@ -32,9 +32,6 @@ from lanekit.testing import TOLERANCES, compare, poisoned_outputs, upcast
 
 RECORD_VERSION = 1
 
-# What a lane's column says; the execution matrix adds "compiled" (a target with no device here).
-STATUSES = ("native", "interpreted", "reference", "failing", "not run")
-
 TRITON_UNAVAILABLE = ("Triton needs a GPU, or TRITON_INTERPRET=1 set before lanekit's kernel "
                       "modules are imported (`lanekit check` does that on a machine with no GPU)")
 
@@ -72,7 +69,9 @@ class SampleResult:
 
 @dataclass
 class LaneResult:
-    """One op on one lane, over all its samples."""
+    """One op on one lane, over all its samples. ``status``: "native" or "interpreted" (the Triton
+    lane matched on every sample), "reference" (the reference lane did), "failing", or "not run"
+    (the lane cannot run here)."""
 
     op: str
     lane: str

@@ -93,8 +93,8 @@ def _check(args) -> int:
             else:
                 progress.advance(task)
 
-        results = [check.check_lane(op, lane, device, on_sample) for op, lane in pairs]
-    run = check.CheckRun(check.machine_info(device), results)
+        run = check.run_checks(device, args.op, args.lane, on_sample)
+    results = run.results
     elapsed = time.perf_counter() - start
 
     console.print(_table(run))
