@@ -18,9 +18,9 @@ import torch
 
 pytest.importorskip("transformers")
 
-import lanekit.integrations.transformers as lanekit_hf  # noqa: E402
-from lanekit import demo  # noqa: E402
-from lanekit.testing import ulp  # noqa: E402
+import lanekit.integrations.transformers as lanekit_hf
+from lanekit import demo
+from lanekit.testing import ulp
 
 LANES = ("reference", "triton")
 

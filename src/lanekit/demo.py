@@ -25,12 +25,12 @@ SENTENCES = (
     "The cat sat on the mat.",
     "Flash attention computes exact attention without storing the full score matrix.",
     "Paris is the capital of France.",
-    "A quick brown fox jumps over the lazy dog while the farmer watches from the porch, "
-    "wondering whether the fence will hold through another winter of storms.",
+    ("A quick brown fox jumps over the lazy dog while the farmer watches from the porch, "
+     "wondering whether the fence will hold through another winter of storms."),
     "GPUs are fast.",
-    "Sentence embeddings map text to vectors so that sentences with similar meaning end up close "
-    "together, which makes them useful for semantic search, clustering, deduplication and "
-    "retrieval-augmented generation over large document collections.",
+    ("Sentence embeddings map text to vectors so that sentences with similar meaning end up close "
+     "together, which makes them useful for semantic search, clustering, deduplication and "
+     "retrieval-augmented generation over large document collections."),
     "Padding must not change the result.",
 )
 
