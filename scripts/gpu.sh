@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # The GPU run, on the machine with the GPU (the device tool), from the repo root:
-#   bash scripts/gpu.sh [STEP ...]      steps: info tests sanitizer check demo tune bench (default: all but tune)
+#   bash scripts/gpu.sh [STEP ...]      steps: info tests sanitizer check demo tune bench (default: all but tune, in this order: info tests check demo bench sanitizer)
 # Uses the machine's own python3 (torch, triton, transformers preinstalled); lanekit from src/.
 # Each step's log goes to $OUT/<step>.log; a line per step with its exit code and last line.
 set -u
 OUT=${OUT:-/tmp/lanekit-gpu}
 mkdir -p "$OUT"
-export PYTHONPATH="$PWD/src:$PWD" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+# .gpu/minilm: an fp16 copy of all-MiniLM-L6-v2 (the fp32 one is over the 64 MiB the device tool carries)
+export PYTHONPATH="$PWD/src:$PWD" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 LANEKIT_MINILM_DIR="$PWD/.gpu/minilm"
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(info tests sanitizer check demo bench)
+[ ${#steps[@]} -eq 0 ] && steps=(info tests check demo bench sanitizer)
 
 run_step() {
   local name=$1; shift
@@ -21,7 +22,7 @@ run_step() {
 for s in "${steps[@]}"; do
   case $s in
     info) run_step info bash -c 'nvidia-smi; python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__, torch.cuda.get_device_name())"' ;;
-    tests) run_step tests python3 -m pytest ${TESTS:-tests} -q -p no:cacheprovider ;;
+    tests) run_step tests python3 -m pytest ${TESTS:-tests} -q -p no:cacheprovider -n 8 ;;
     sanitizer) run_step sanitizer compute-sanitizer --tool memcheck --error-exitcode 9 \
                  python3 -m pytest tests/test_attention.py -q -p no:cacheprovider -k "not random and not every_head_dim" ;;
     check) run_step check python3 -m lanekit check --json "$OUT/sm90.json" ;;
