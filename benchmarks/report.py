@@ -38,6 +38,8 @@ def render(records: list[dict]) -> str:
             lines.append(f"torch {m['torch']}, triton {m['triton']}, CUDA {m['cuda']}, cuDNN {m['cudnn']}.\n")
             if fam in NOTES:
                 lines.append(NOTES[fam] + "\n")
+            if rec.get("note"):
+                lines.append(f"Note on this record: {rec['note']}\n")
             peers = sorted({p for r in rows for p in r["tflops"] if p != "lanekit"})
             head = ["case", "lanekit TFLOP/s"] + [c for p in peers for c in (f"{p} TFLOP/s", f"vs {p}")]
             lines.append("| " + " | ".join(head) + " |")

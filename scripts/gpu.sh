@@ -22,7 +22,7 @@ run_step() {
 for s in "${steps[@]}"; do
   case $s in
     info) run_step info bash -c 'nvidia-smi; python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__, torch.cuda.get_device_name())"' ;;
-    tests) run_step tests python3 -m pytest ${TESTS:-tests} -q -p no:cacheprovider -n 8 ;;
+    tests) run_step tests python3 -m pytest ${TESTS:-tests} -v -p no:cacheprovider -p no:benchmark -n 8 --durations=25 ;;
     sanitizer) run_step sanitizer compute-sanitizer --tool memcheck --error-exitcode 9 \
                  python3 -m pytest tests/test_attention.py -q -p no:cacheprovider -k "not random and not every_head_dim" ;;
     check) run_step check python3 -m lanekit check --json "$OUT/sm90.json" ;;

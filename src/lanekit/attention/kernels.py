@@ -174,14 +174,16 @@ def _flash_attn_fwd_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
-    # [lo, full_lo) masked, [full_lo, full_hi) unmasked, [full_hi, hi) masked
-    acc, l_i, m_i = _flash_attn_fwd_inner(
-        acc, l_i, m_i, q, k_base, v_base, bias_base, mask_base, rng_base,
-        stride_kn, stride_kd, stride_vn, stride_vd, stride_bm, stride_bn, stride_mm, stride_mn,
-        offs_m, offs_m_local, offs_d, offs_dv, pos_m, slope_log2, sm_scale_log2, softcap_scale,
-        softcap_log2, Sq, Sk, D, Dv, window_left, window_right, dropout_p, seed, lo, full_lo,
-        BLOCK_N, True, EVEN_D, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_BIAS, HAS_MASK,
-        HAS_DROPOUT, INPUT_PRECISION)
+    # [lo, full_lo) masked (empty without a left window), [full_lo, full_hi) unmasked,
+    # [full_hi, hi) masked
+    if HAS_LEFT:
+        acc, l_i, m_i = _flash_attn_fwd_inner(
+            acc, l_i, m_i, q, k_base, v_base, bias_base, mask_base, rng_base,
+            stride_kn, stride_kd, stride_vn, stride_vd, stride_bm, stride_bn, stride_mm, stride_mn,
+            offs_m, offs_m_local, offs_d, offs_dv, pos_m, slope_log2, sm_scale_log2, softcap_scale,
+            softcap_log2, Sq, Sk, D, Dv, window_left, window_right, dropout_p, seed, lo, full_lo,
+            BLOCK_N, True, EVEN_D, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_BIAS, HAS_MASK,
+            HAS_DROPOUT, INPUT_PRECISION)
     acc, l_i, m_i = _flash_attn_fwd_inner(
         acc, l_i, m_i, q, k_base, v_base, bias_base, mask_base, rng_base,
         stride_kn, stride_kd, stride_vn, stride_vd, stride_bm, stride_bn, stride_mm, stride_mn,
