@@ -224,6 +224,10 @@ BAD_INPUTS = {
     "alibi dtype": (dict(alibi_f16=True), TypeError, "alibi_slopes: expected dtype"),
     "batch mismatch": (dict(k_B=2), ValueError, "expected batch size"),
     "not a tensor": (dict(q_list=True), TypeError, "q: expected a torch.Tensor"),
+    "no query heads": (dict(Hq=0), ValueError, "q: expected at least one head"),
+    "scale is a bool": (dict(softmax_scale=True), ValueError, "softmax_scale"),
+    "scale beyond fp32": (dict(softmax_scale=1e300), ValueError, "softmax_scale"),
+    "causal not a bool": (dict(causal="yes"), TypeError, "causal: expected a bool"),
 }
 
 
@@ -236,7 +240,7 @@ def test_bad_input_raises_a_clear_error_and_launches_nothing(case, device, monke
     k = torch.randn(spec.get("k_B", 1), 5, Hkv, spec.get("k_D", D), device=device).to(spec.get("k_dtype", dtype))
     v = torch.randn(1, 5, Hkv, D, device=device).to(dtype)
     kw = {}
-    for key in ("window_size", "dropout_p", "softcap"):
+    for key in ("window_size", "dropout_p", "softcap", "softmax_scale", "causal"):
         if key in spec:
             kw[key] = spec[key]
     if "attn_bias" in spec:
@@ -279,3 +283,46 @@ def test_random_configurations_match_the_oracle(device, Sq, Sk, group, Hkv, D, d
         bias_shape=(1, group * Hkv, Sq, Sk) if bias else None, mask_shape=(2, 1, Sq, Sk) if mask else None,
     )
     check_sample(sample.kwargs)
+
+
+@pytest.mark.parametrize("window", [(-1, 2**31 - 1), (2**31 - 1, -1), (2**63, 2**64), (40, 40)],
+                         ids=["right 2^31-1", "left 2^31-1", "beyond int64", "past both ends"])
+def test_windows_past_every_key_are_unbounded(window, device):
+    q, k, v = qkv(1, 20, 10, 1, 1, 16, device)
+    assert torch.equal(call(q, k, v, window_size=window), call(q, k, v))
+    assert torch.equal(lanekit.flash_attn_func(q, k, v, window_size=window, lane="reference"),
+                       lanekit.flash_attn_func(q, k, v, lane="reference"))
+
+
+def test_strides_past_int32_tiles_use_int64_offsets(device):
+    # A mask row stride S with S * BLOCK_M >= 2^31: the tile offsets must not wrap (2.1 GB of bools).
+    S = 143_165_584
+    storage = torch.zeros(15 * S + 8, dtype=torch.bool, device=device)
+    mask = storage.as_strided((1, 1, 16, 8), (0, 0, S, 1))
+    mask[:] = torch.rand(16, 8, generator=torch.Generator().manual_seed(0)).to(device) > 0.3
+    q, k, v = qkv(1, 16, 8, 1, 1, 16, device)
+    out = call(q, k, v, attn_mask=mask)
+    expected, _ = ref.flash_attn(*map(upcast, (q, k, v)), softmax_scale=0.25, attn_mask=mask.clone())
+    assert_close(out, expected, "attention_fwd")
+
+
+@pytest.mark.parametrize("softcap", [50.0, 1e3, 1e5])
+def test_large_softcaps_stay_accurate_in_fp32(softcap, device):
+    q, k, v = qkv(1, 17, 29, 1, 1, 32, device, dtype=torch.float32)
+    out, lse, _ = call(q, k, v, softcap=softcap, return_attn_probs=True)
+    expected, expected_lse = ref.flash_attn(*map(upcast, (q, k, v)), softmax_scale=32 ** -0.5, softcap=softcap)
+    assert_close(out, expected, "attention_fwd")
+    assert_close(lse, expected_lse, "lse")
+
+
+def test_oracle_normalizes_rows_with_a_huge_constant_bias():
+    q, k, v = qkv(1, 6, 10, 1, 1, 16, "cpu", dtype=torch.float32)
+    out = lanekit.flash_attn_func(q, k, v, attn_bias=torch.full((10,), -1e20), lane="reference")
+    lo, hi = v.amin(dim=1, keepdim=True), v.amax(dim=1, keepdim=True)
+    assert ((out >= lo - 1e-6) & (out <= hi + 1e-6)).all()  # a convex combination of the values
+
+
+def test_empty_batch_over_the_grid_limit_launches_nothing(device):
+    q = torch.zeros(70000, 0, 1, 16, dtype=torch.float16, device=device)
+    k = v = torch.zeros(70000, 3, 1, 16, dtype=torch.float16, device=device)
+    assert call(q, k, v).shape == (70000, 0, 1, 16)

@@ -12,6 +12,14 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
 
 
+_FP32_MAX = 3.4028234663852886e38
+
+
+def _is_real(x) -> bool:
+    """An int or float, and not a bool (True would silently mean 1.0)."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
 def _check_tensor(name: str, t, ndim: int | tuple[int, ...], dtypes=None):
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
@@ -119,22 +127,32 @@ def flash_attn_func(
     for name, d in (("q/k head dim", D), ("v head dim", Dv)):
         if not 1 <= d <= MAX_HEAD_DIM:
             raise ValueError(f"{name}: expected 1..{MAX_HEAD_DIM}, got {d}")
+    if Hq == 0:
+        raise ValueError(f"q: expected at least one head, got shape {tuple(q.shape)}")
     if Hkv == 0 or Hq % Hkv != 0:
         raise ValueError(f"k, v: expected a number of heads that divides Hq={Hq}, got Hkv={Hkv}")
-    if not (isinstance(dropout_p, (int, float)) and 0.0 <= dropout_p < 1.0):
+    if not (_is_real(dropout_p) and 0.0 <= dropout_p < 1.0):
         raise ValueError(f"dropout_p: expected a float in [0, 1), got {dropout_p!r}")
     if softmax_scale is None:
         softmax_scale = D ** -0.5
-    elif not (isinstance(softmax_scale, (int, float)) and math.isfinite(softmax_scale)):
-        raise ValueError(f"softmax_scale: expected a finite float or None, got {softmax_scale!r}")
-    if not (isinstance(softcap, (int, float)) and softcap >= 0 and math.isfinite(softcap)):
+    elif not (_is_real(softmax_scale) and math.isfinite(softmax_scale) and abs(softmax_scale) < _FP32_MAX):
+        raise ValueError(f"softmax_scale: expected a finite float (fp32 range) or None, got {softmax_scale!r}")
+    if not (_is_real(softcap) and softcap >= 0 and math.isfinite(softcap)):
         raise ValueError(f"softcap: expected a finite float >= 0, got {softcap!r}")
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal: expected a bool, got {type(causal).__name__}")
     if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
             or not all(isinstance(w, int) and not isinstance(w, bool) for w in window_size)):
         raise TypeError(f"window_size: expected a pair of ints (left, right), got {window_size!r}")
     left, right = window_size
     if left < -1 or right < -1:
         raise ValueError(f"window_size: expected values >= -1 (-1 is unbounded), got {tuple(window_size)}")
+    # A side that reaches past every key is unbounded (FlashAttention also turns window sizes
+    # >= Sk into -1); this keeps the kernel's int32 window arithmetic in range.
+    if left >= Sk:
+        left = -1
+    if right >= max(Sq, Sk):
+        right = -1
     if causal:
         right = 0
     shape4 = (B, Hq, Sq, Sk)

@@ -7,6 +7,8 @@ running max and sum of the scores in fp32 and rescales its accumulator as it wal
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import triton
 import triton.language as tl
@@ -36,9 +38,11 @@ def _flash_attn_fwd_inner(
     BLOCK_N: tl.constexpr, MASKED: tl.constexpr, EVEN_D: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, INPUT_PRECISION: tl.constexpr, INT64_TILES: tl.constexpr,
 ):
     offs_n_local = tl.arange(0, BLOCK_N)
+    if INT64_TILES:
+        offs_n_local = offs_n_local.to(tl.int64)
     for start_n in range(lo, hi, BLOCK_N):
         start_n64 = tl.cast(start_n, tl.int64)
         offs_n = start_n + offs_n_local                                       # [BLOCK_N]
@@ -105,8 +109,13 @@ def _flash_attn_fwd_inner(
 
 @triton.jit
 def _tanh(x):
-    # tanh(x) = 1 - 2 / (exp(2x) + 1): exact at +-inf, no libdevice call, same on every target
-    return 1.0 - 2.0 / (tl.math.exp2(x * 2.8853900817779268) + 1.0)
+    # No libdevice call, so the same on every target and in the interpreter. Below |x| = 1/8 an
+    # odd Taylor polynomial (truncation < 2e-10); above, 1 - 2 / (exp(2x) + 1), exact at +-inf,
+    # whose absolute error (~1e-7) would swamp tanh(x) ~ x for small x.
+    x2 = x * x
+    small = x * (1.0 + x2 * (-0.3333333333333333 + x2 * (0.13333333333333333 + x2 * -0.05396825396825397)))
+    big = 1.0 - 2.0 / (tl.math.exp2(x * 2.8853900817779268) + 1.0)
+    return tl.where(tl.abs(x) < 0.125, small, big)
 
 
 # Lengths, window sizes and the RNG state change from call to call: not specializing them keeps one
@@ -129,6 +138,7 @@ def _flash_attn_fwd_kernel(
     EVEN_D: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_BIAS: tl.constexpr,
     HAS_MASK: tl.constexpr, HAS_DROPOUT: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    INT64_TILES: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     h = tl.program_id(1).to(tl.int64)
@@ -138,9 +148,13 @@ def _flash_attn_fwd_kernel(
     start_m64 = start_m.to(tl.int64)
 
     offs_m_local = tl.arange(0, BLOCK_M)
-    offs_m = start_m + offs_m_local                                              # [BLOCK_M]
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
+    if INT64_TILES:  # a stride so large that (block size) * stride overflows int32
+        offs_m_local = offs_m_local.to(tl.int64)
+        offs_d = offs_d.to(tl.int64)
+        offs_dv = offs_dv.to(tl.int64)
+    offs_m = start_m + offs_m_local                                              # [BLOCK_M]
     pos_m = offs_m + (Sk - Sq)                     # query i sits at key position i + Sk - Sq
 
     q_ptrs = (Q + b * stride_qb + h * stride_qh + start_m64 * stride_qm
@@ -183,21 +197,21 @@ def _flash_attn_fwd_kernel(
             offs_m, offs_m_local, offs_d, offs_dv, pos_m, slope_log2, sm_scale_log2, softcap_scale,
             softcap_log2, Sq, Sk, D, Dv, window_left, window_right, dropout_p, seed, lo, full_lo,
             BLOCK_N, True, EVEN_D, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_BIAS, HAS_MASK,
-            HAS_DROPOUT, INPUT_PRECISION)
+            HAS_DROPOUT, INPUT_PRECISION, INT64_TILES)
     acc, l_i, m_i = _flash_attn_fwd_inner(
         acc, l_i, m_i, q, k_base, v_base, bias_base, mask_base, rng_base,
         stride_kn, stride_kd, stride_vn, stride_vd, stride_bm, stride_bn, stride_mm, stride_mn,
         offs_m, offs_m_local, offs_d, offs_dv, pos_m, slope_log2, sm_scale_log2, softcap_scale,
         softcap_log2, Sq, Sk, D, Dv, window_left, window_right, dropout_p, seed, full_lo, full_hi,
         BLOCK_N, False, EVEN_D, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_BIAS, HAS_MASK,
-        HAS_DROPOUT, INPUT_PRECISION)
+        HAS_DROPOUT, INPUT_PRECISION, INT64_TILES)
     acc, l_i, m_i = _flash_attn_fwd_inner(
         acc, l_i, m_i, q, k_base, v_base, bias_base, mask_base, rng_base,
         stride_kn, stride_kd, stride_vn, stride_vd, stride_bm, stride_bn, stride_mm, stride_mn,
         offs_m, offs_m_local, offs_d, offs_dv, pos_m, slope_log2, sm_scale_log2, softcap_scale,
         softcap_log2, Sq, Sk, D, Dv, window_left, window_right, dropout_p, seed, full_hi, hi,
         BLOCK_N, True, EVEN_D, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_BIAS, HAS_MASK,
-        HAS_DROPOUT, INPUT_PRECISION)
+        HAS_DROPOUT, INPUT_PRECISION, INT64_TILES)
 
     empty = l_i == 0.0                                                           # no visible key
     l_safe = tl.where(empty, 1.0, l_i)
@@ -242,13 +256,13 @@ def flash_attn_fwd(
     """
     B, Sq, Hq, D = q.shape
     Sk, Hkv, Dv = k.shape[1], k.shape[2], v.shape[3]
-    if B > MAX_GRID_YZ or Hq > MAX_GRID_YZ:
-        raise ValueError(f"q: the Triton lane runs at most {MAX_GRID_YZ} batches and heads "
-                         f"(grid dimensions 1 and 2), got B={B}, Hq={Hq}")
     out = alloc.empty((B, Sq, Hq, Dv), dtype=q.dtype, device=q.device)
     lse = alloc.empty((B, Hq, Sq), dtype=torch.float32, device=q.device)
     if out.numel() == 0:
         return out, lse
+    if B > MAX_GRID_YZ or Hq > MAX_GRID_YZ:
+        raise ValueError(f"q: the Triton lane runs at most {MAX_GRID_YZ} batches and heads "
+                         f"(grid dimensions 1 and 2), got B={B}, Hq={Hq}")
 
     block_d, block_dv = _block(D), _block(Dv)
     if triton_interpreted():
@@ -258,7 +272,21 @@ def flash_attn_fwd(
     left, right = window_size
     # The mask is read as bytes: a bool tensor views as uint8 without a copy.
     mask = attn_mask.view(torch.uint8) if attn_mask is not None else None
+    # Tile offsets (row within a block times a stride) are int32 unless some stride is so large
+    # that they would overflow; the block's own start is always int64.
+    tile_strides = [*q.stride(), *k.stride(), *v.stride(), *_strides4(attn_bias), *_strides4(mask)]
+    int64_tiles = max(tile_strides) * max(cfg.block_m, cfg.block_n, block_d, block_dv) >= 2**31
     grid = (triton.cdiv(Sq, cfg.block_m), Hq, B)
+    with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
+        _launch(grid, cfg, q, k, v, out, lse, mask, attn_bias, alibi_slopes, softmax_scale, softcap,
+                left, right, dropout_p, seed, offset, block_d, block_dv, int64_tiles)
+    return out, lse
+
+
+def _launch(grid, cfg, q, k, v, out, lse, mask, attn_bias, alibi_slopes, softmax_scale, softcap,
+            left, right, dropout_p, seed, offset, block_d, block_dv, int64_tiles):
+    B, Sq, Hq, D = q.shape
+    Sk, Hkv, Dv = k.shape[1], k.shape[2], v.shape[3]
     _flash_attn_fwd_kernel[grid](
         q, k, v, out, lse,
         attn_bias if attn_bias is not None else q,
@@ -277,7 +305,6 @@ def flash_attn_fwd(
         HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0, HAS_SOFTCAP=softcap > 0,
         HAS_ALIBI=alibi_slopes is not None, HAS_BIAS=attn_bias is not None,
         HAS_MASK=mask is not None, HAS_DROPOUT=dropout_p > 0,
-        INPUT_PRECISION="ieee" if q.dtype == torch.float32 else None,
+        INPUT_PRECISION="ieee" if q.dtype == torch.float32 else None, INT64_TILES=int64_tiles,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    return out, lse

@@ -122,8 +122,12 @@ def flash_attn(
         keep = keep & attn_mask
     s = s.masked_fill(~keep, float("-inf"))
 
-    lse = torch.logsumexp(s, dim=-1)                                # (B, Hq, Sq); -inf if empty
-    p = torch.exp(s - torch.where(lse.isinf(), 0, lse)[..., None])  # empty rows: all zeros
+    m = s.amax(dim=-1, keepdim=True) if Sk > 0 else s.new_zeros(s.shape[:-1] + (1,))
+    m = torch.where(torch.isneginf(m), 0, m)                        # a row that sees no key
+    e = torch.exp(s - m)
+    total = e.sum(dim=-1, keepdim=True)
+    p = e / torch.where(total == 0, 1, total)                       # empty rows: all zeros
+    lse = (m + torch.log(total)).squeeze(-1)                        # (B, Hq, Sq); -inf if empty
     if dropout_p > 0:
         u = dropout_uniforms(seed, offset, B, Hq, Sq, Sk).to(q.device)
         p = torch.where(u >= dropout_p, p / (1 - dropout_p), 0)
