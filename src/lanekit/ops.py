@@ -51,7 +51,7 @@ def attention_case(name, device, *, B=1, Sq=17, Sk=17, Hq=2, Hkv=None, D=64, Dv=
 
 
 def _attention_samples(device):
-    f16, bf16, f32 = torch.float16, torch.bfloat16, torch.float32
+    bf16, f32 = torch.bfloat16, torch.float32
     yield attention_case("mha d64 bf16 S97", device, B=2, Sq=97, Sk=97, Hq=3, D=64, dtype=bf16)
     yield attention_case("gqa 6:2 causal Sq17 Sk129 d72", device, Sq=17, Sk=129, Hq=6, Hkv=2, D=72, causal=True)
     yield attention_case("causal Sq129 Sk37 d80 (empty rows)", device, Sq=129, Sk=37, D=80, dtype=bf16, causal=True)

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from lanekit.runtime.alloc import poisoned_outputs  # noqa: F401  (re-exported for tests and check)
+# Outputs are poisoned where the launchers allocate them: runtime.alloc, re-exported here.
+from lanekit.runtime.alloc import poisoned_outputs  # noqa: F401
 
 
 @dataclass(frozen=True)
@@ -113,18 +114,6 @@ def assert_close(out: torch.Tensor, ref: torch.Tensor, tolerance: Tolerance | st
     c = compare(out, ref, tolerance, dtype)
     assert c.ok, c.detail
     return c
-
-
-def poison(t: torch.Tensor) -> torch.Tensor:
-    """Fill ``t`` with NaN (floats) or the dtype's max (integers), in place, and return it."""
-    if t.is_floating_point():
-        return t.fill_(math.nan)
-    return t.fill_(torch.iinfo(t.dtype).max)
-
-
-def poisoned_empty(*shape, dtype, device) -> torch.Tensor:
-    """An uninitialized tensor filled with NaN, so that an element a kernel forgets to write fails."""
-    return poison(torch.empty(*shape, dtype=dtype, device=device))
 
 
 def randn(*shape, dtype, device, generator=None, scale: float = 1.0) -> torch.Tensor:

@@ -277,34 +277,27 @@ def flash_attn_fwd(
     tile_strides = [*q.stride(), *k.stride(), *v.stride(), *_strides4(attn_bias), *_strides4(mask)]
     int64_tiles = max(tile_strides) * max(cfg.block_m, cfg.block_n, block_d, block_dv) >= 2**31
     grid = (triton.cdiv(Sq, cfg.block_m), Hq, B)
+    # Triton launches on the current device: make it q's.
     with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
-        _launch(grid, cfg, q, k, v, out, lse, mask, attn_bias, alibi_slopes, softmax_scale, softcap,
-                left, right, dropout_p, seed, offset, block_d, block_dv, int64_tiles)
+        _flash_attn_fwd_kernel[grid](
+            q, k, v, out, lse,
+            attn_bias if attn_bias is not None else q,
+            mask if mask is not None else q,
+            alibi_slopes if alibi_slopes is not None else q,
+            *q.stride(), *k.stride(), *v.stride(), *out.stride(),
+            *_strides4(attn_bias), *_strides4(mask),
+            *(alibi_slopes.stride() if alibi_slopes is not None else (0, 0)),
+            Hq, Hq // Hkv, Sq, Sk, D, Dv,
+            softmax_scale * LOG2E,
+            softmax_scale / softcap if softcap > 0 else 0.0,
+            softcap * LOG2E,
+            left, right, dropout_p, seed, offset,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, BLOCK_DV=block_dv,
+            EVEN_D=(D == block_d and Dv == block_dv),
+            HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0, HAS_SOFTCAP=softcap > 0,
+            HAS_ALIBI=alibi_slopes is not None, HAS_BIAS=attn_bias is not None,
+            HAS_MASK=mask is not None, HAS_DROPOUT=dropout_p > 0,
+            INPUT_PRECISION="ieee" if q.dtype == torch.float32 else None, INT64_TILES=int64_tiles,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
     return out, lse
-
-
-def _launch(grid, cfg, q, k, v, out, lse, mask, attn_bias, alibi_slopes, softmax_scale, softcap,
-            left, right, dropout_p, seed, offset, block_d, block_dv, int64_tiles):
-    B, Sq, Hq, D = q.shape
-    Sk, Hkv, Dv = k.shape[1], k.shape[2], v.shape[3]
-    _flash_attn_fwd_kernel[grid](
-        q, k, v, out, lse,
-        attn_bias if attn_bias is not None else q,
-        mask if mask is not None else q,
-        alibi_slopes if alibi_slopes is not None else q,
-        *q.stride(), *k.stride(), *v.stride(), *out.stride(),
-        *_strides4(attn_bias), *_strides4(mask),
-        *(alibi_slopes.stride() if alibi_slopes is not None else (0, 0)),
-        Hq, Hq // Hkv, Sq, Sk, D, Dv,
-        softmax_scale * LOG2E,
-        softmax_scale / softcap if softcap > 0 else 0.0,
-        softcap * LOG2E,
-        left, right, dropout_p, seed, offset,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, BLOCK_DV=block_dv,
-        EVEN_D=(D == block_d and Dv == block_dv),
-        HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0, HAS_SOFTCAP=softcap > 0,
-        HAS_ALIBI=alibi_slopes is not None, HAS_BIAS=attn_bias is not None,
-        HAS_MASK=mask is not None, HAS_DROPOUT=dropout_p > 0,
-        INPUT_PRECISION="ieee" if q.dtype == torch.float32 else None, INT64_TILES=int64_tiles,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
