@@ -268,7 +268,8 @@ def flash_attn_fwd(
     if triton_interpreted():
         cfg = tuning.INTERPRETER
     else:
-        cfg = tuning.lookup(tuning.FLASH_ATTN_FWD, q.device, max(block_d, block_dv))
+        table = tuning.FLASH_ATTN_FWD_FP32 if q.dtype == torch.float32 else tuning.FLASH_ATTN_FWD
+        cfg = tuning.lookup(table, q.device, max(block_d, block_dv))
     left, right = window_size
     # The mask is read as bytes: a bool tensor views as uint8 without a copy.
     mask = attn_mask.view(torch.uint8) if attn_mask is not None else None
