@@ -173,12 +173,13 @@ def test_lanekit_lane_variable_and_argument_choose_the_lane(monkeypatch):
     assert torch.equal(lanekit.flash_attn_func(q, k, v), lanekit.flash_attn_func(q, k, v, lane="reference"))
 
 
-def test_triton_lane_has_no_backward_yet_and_says_so(device):
-    q, k, v = qkv(1, 4, 4, 1, 1, 16, device)
-    q.requires_grad_(True)
-    out = call(q, k, v)
-    with pytest.raises(NotImplementedError, match="no backward"):
-        out.sum().backward()
+def test_float64_runs_on_the_reference_lane_only(device):
+    q, k, v = qkv(1, 5, 6, 2, 1, 8, device, dtype=torch.float64)
+    with pytest.raises(TypeError, match="float64 runs on the reference lane only"):
+        lanekit.flash_attn_func(q, k, v, lane="triton")
+    out = lanekit.flash_attn_func(q, k, v, causal=True, lane="reference")
+    expected, _ = ref.flash_attn(q, k, v, softmax_scale=8 ** -0.5, window_size=(-1, 0))
+    assert out.dtype == torch.float64 and torch.equal(out, expected)
 
 
 def test_reference_lane_is_differentiable():
@@ -190,7 +191,7 @@ def test_reference_lane_is_differentiable():
 
 BAD_INPUTS = {
     "q rank": (dict(q=(1, 4, 2)), ValueError, "q: expected 4 dimensions"),
-    "q dtype": (dict(dtype=torch.float64), TypeError, "q: expected dtype"),
+    "q dtype": (dict(dtype=torch.int32), TypeError, "q: expected dtype"),
     "k dtype": (dict(k_dtype=torch.float32), TypeError, "k: expected the dtype of q"),
     "Hq not multiple of Hkv": (dict(Hq=6, Hkv=4), ValueError, "divides Hq=6"),
     "head dim 257": (dict(D=257), ValueError, "head dim: expected 1..256, got 257"),

@@ -69,6 +69,17 @@ def _attention_samples(device):
     yield attention_case("Sk0", device, Sq=5, Sk=0, D=16)
 
 
+def _attention_bwd_samples(device):
+    """The forward's samples, each with a gradient of out (dout), plus an empty query."""
+    cases = list(_attention_samples(device))
+    cases.append(attention_case("Sq0", device, Sq=0, Sk=7, D=16))
+    for case in cases:
+        q, v = case.kwargs["q"], case.kwargs["v"]
+        g = torch.Generator().manual_seed(zlib.crc32(b"dout " + case.name.encode()))
+        dout = randn(*q.shape[:3], v.shape[3], dtype=q.dtype, device=device, generator=g)
+        yield Sample(case.name, dict(case.kwargs, dout=dout))
+
+
 register(Op(
     name="flash_attn_func",
     family="attention",
@@ -78,4 +89,16 @@ register(Op(
     samples=_attention_samples,
     outputs=(("out", "attention_fwd"), ("lse", "lse")),
     doc="FlashAttention-compatible attention forward: MHA/GQA/MQA, causal/window, softcap, ALiBi, bias, mask, dropout",
+))
+
+register(Op(
+    name="flash_attn_func.backward",
+    family="attention",
+    oracle="lanekit.reference.attention:flash_attn_backward",
+    lanes={"triton": "lanekit.attention.op:flash_attn_backward_triton",
+           "reference": "lanekit.attention.op:flash_attn_backward_reference"},
+    samples=_attention_bwd_samples,
+    outputs=(("dq", "attention_bwd"), ("dk", "attention_bwd"), ("dv", "attention_bwd"),
+             ("dbias", "attention_dbias")),
+    doc="Gradients of flash_attn_func by autograd: dq, dk, dv, and the bias's gradient when it has one",
 ))

@@ -6,7 +6,8 @@ import math
 
 import torch
 
-from lanekit.runtime.lanes import get_op, select_lane
+from lanekit.attention import op as _lanes
+from lanekit.runtime.lanes import select_lane
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
@@ -67,7 +68,8 @@ def flash_attn_func(
     heads than q: query head h reads key/value head ``h // (Hq // Hkv)``.
 
     Arguments:
-        q: (B, Sq, Hq, D), fp16, bf16 or fp32. Any strides.
+        q: (B, Sq, Hq, D), fp16, bf16 or fp32 (also fp64 on the reference lane, to check a model
+            in float64). Any strides.
         k: (B, Sk, Hkv, D), same dtype and device as q; Hq must be a multiple of Hkv.
         v: (B, Sk, Hkv, Dv), same dtype and device; Dv may differ from D. 1 <= D, Dv <= 256.
         dropout_p: probability of dropping an attention probability, in [0, 1). The kept ones are
@@ -79,8 +81,10 @@ def flash_attn_func(
             p - left <= j <= p + right; -1 leaves that side unbounded.
         softcap: if > 0, scores become ``softcap * tanh(score / softcap)`` (Gemma 2, Grok).
         alibi_slopes: (Hq,) or (B, Hq) fp32: adds ``-slope * |i + Sk - Sq - j|`` to the scores.
-        deterministic: accepted for FlashAttention compatibility; the forward is always
-            deterministic.
+        deterministic: accepted for FlashAttention compatibility. lanekit's backward is always
+            deterministic (no atomic adds: backward runs on the same inputs give bit-identical
+            gradients); on the H200 the atomic variant FlashAttention uses by default measured
+            slower in Triton.
         return_attn_probs: also return the LSE (see Returns).
         attn_bias: (lanekit) additive float bias broadcastable to (B, Hq, Sq, Sk), added after
             scaling and softcap: ``softmax(q k^T * scale + attn_bias)``. Not in FlashAttention.
@@ -104,10 +108,17 @@ def flash_attn_func(
             devices differ, window sizes below -1, dropout_p outside [0, 1), softcap < 0, a bias
             or mask not broadcastable to (B, Hq, Sq, Sk), or an unknown lane.
 
+    Gradients: differentiable in q, k, v and ``attn_bias`` (its gradient is summed over the
+    dimensions it was broadcast along; FlashAttention has no bias). A gradient of the returned
+    ``softmax_lse`` is honoured too. The Triton lane runs FlashAttention-2's backward (the
+    probabilities recomputed from the LSE, the dropout mask regenerated from its seed and
+    offset); the reference lane differentiates the float64 oracle. Works under
+    ``torch.compile(fullgraph=True)``: both directions are custom ops with fake implementations.
+
     Semantics: FlashAttention 2.7 (Dao et al.), incl. bottom-right aligned causal/window masks,
     ALiBi and softcap; docs/semantics.md lists where lanekit differs or goes beyond.
     """
-    _check_tensor("q", q, 4, _DTYPES)
+    _check_tensor("q", q, 4, _DTYPES + (torch.float64,))
     _check_tensor("k", k, 4)
     _check_tensor("v", v, 4)
     for name, t in (("k", k), ("v", v)):
@@ -180,7 +191,12 @@ def flash_attn_func(
         dropout_seed = int(torch.randint(0, 2**62, (1,), device="cpu").item())
 
     chosen = select_lane(q.device, lane)
-    out, lse = get_op("flash_attn_func").lane(chosen)(
+    if q.dtype == torch.float64 and chosen != "reference":
+        raise TypeError(f"q: expected dtype in {[str(d) for d in _DTYPES]} on the {chosen} lane, got "
+                        "torch.float64 (float64 runs on the reference lane only: lane='reference')")
+    # The lane functions the registry names (ops.py), looked up by attribute rather than through
+    # the registry's importlib, which torch.compile cannot trace.
+    out, lse = getattr(_lanes, f"flash_attn_{chosen}")(
         q=q, k=k, v=v, softmax_scale=float(softmax_scale), window_size=(left, right),
         softcap=float(softcap), alibi_slopes=alibi_slopes, attn_bias=attn_bias, attn_mask=attn_mask,
         dropout_p=float(dropout_p), seed=dropout_seed or 0, offset=dropout_offset,
@@ -188,3 +204,84 @@ def flash_attn_func(
     if return_attn_probs:
         return out, lse, None
     return out
+
+
+def flash_attn_qkvpacked_func(
+    qkv: torch.Tensor,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+    *,
+    attn_bias: torch.Tensor | None = None,
+    attn_mask: torch.Tensor | None = None,
+    dropout_seed: int | None = None,
+    dropout_offset: int = 0,
+    lane: str | None = None,
+):
+    """:func:`flash_attn_func` on q, k and v packed in one tensor, FlashAttention-2's signature.
+
+    Arguments:
+        qkv: (B, S, 3, H, D), fp16, bf16 or fp32: q, k and v along dimension 2 (self-attention,
+            as many key/value heads as query heads). The gradient is returned in the same layout.
+        The rest: as :func:`flash_attn_func`.
+
+    Returns: as :func:`flash_attn_func`, out (B, S, H, D).
+
+    Raises:
+        TypeError: qkv is not a tensor, or has an unsupported dtype.
+        ValueError: qkv is not 5-D with size 3 in dimension 2; and as :func:`flash_attn_func`.
+    """
+    _check_tensor("qkv", qkv, 5, _DTYPES)
+    if qkv.shape[2] != 3:
+        raise ValueError(f"qkv: expected shape (B, S, 3, H, D), got {tuple(qkv.shape)}")
+    return flash_attn_func(
+        qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], dropout_p, softmax_scale, causal, window_size, softcap,
+        alibi_slopes, deterministic, return_attn_probs, attn_bias=attn_bias, attn_mask=attn_mask,
+        dropout_seed=dropout_seed, dropout_offset=dropout_offset, lane=lane,
+    )
+
+
+def flash_attn_kvpacked_func(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+    *,
+    attn_bias: torch.Tensor | None = None,
+    attn_mask: torch.Tensor | None = None,
+    dropout_seed: int | None = None,
+    dropout_offset: int = 0,
+    lane: str | None = None,
+):
+    """:func:`flash_attn_func` with k and v packed in one tensor, FlashAttention-2's signature.
+
+    Arguments:
+        q: (B, Sq, Hq, D), fp16, bf16 or fp32.
+        kv: (B, Sk, 2, Hkv, D), same dtype: k and v along dimension 2; Hq a multiple of Hkv.
+        The rest: as :func:`flash_attn_func`.
+
+    Returns: as :func:`flash_attn_func`, out (B, Sq, Hq, D).
+
+    Raises:
+        TypeError: kv is not a tensor, or has an unsupported dtype.
+        ValueError: kv is not 5-D with size 2 in dimension 2; and as :func:`flash_attn_func`.
+    """
+    _check_tensor("kv", kv, 5, _DTYPES)
+    if kv.shape[2] != 2:
+        raise ValueError(f"kv: expected shape (B, Sk, 2, Hkv, D), got {tuple(kv.shape)}")
+    return flash_attn_func(
+        q, kv[:, :, 0], kv[:, :, 1], dropout_p, softmax_scale, causal, window_size, softcap,
+        alibi_slopes, deterministic, return_attn_probs, attn_bias=attn_bias, attn_mask=attn_mask,
+        dropout_seed=dropout_seed, dropout_offset=dropout_offset, lane=lane,
+    )

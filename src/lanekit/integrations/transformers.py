@@ -67,8 +67,8 @@ def attention_forward(
         module: the calling attention module. Read: ``training`` (dropout only while training),
             ``is_causal`` (when the call does not pass ``is_causal``; default True, as in
             transformers' SDPA integration).
-        query: (B, Hq, Sq, D), fp16, bf16 or fp32. Passed to lanekit as the (B, Sq, Hq, D) view,
-            without a copy.
+        query: (B, Hq, Sq, D), fp16, bf16 or fp32 (fp64 on the reference lane only, to check a
+            model in float64). Passed to lanekit as the (B, Sq, Hq, D) view, without a copy.
         key: (B, Hkv, Sk, D), same dtype and device; Hq a multiple of Hkv (GQA/MQA run natively,
             keys and values are not repeated).
         value: (B, Hkv, Sk, Dv).
@@ -97,7 +97,7 @@ def attention_forward(
     Raises:
         NotImplementedError: ``s_aux`` (attention sinks) is given.
         TypeError, ValueError: from :func:`lanekit.flash_attn_func` (unsupported dtype such as
-            fp64, head dim over 256, Hq not a multiple of Hkv, a mask not broadcastable to
+            fp64 on the Triton lane, head dim over 256, Hq not a multiple of Hkv, a mask not broadcastable to
             (B, Hq, Sq, Sk), the Triton lane on CPU tensors without Triton's interpreter, ...).
 
     Semantics: those of transformers' eager and SDPA attention for every query that sees at least

@@ -133,3 +133,25 @@ def flash_attn(
         p = torch.where(u >= dropout_p, p / (1 - dropout_p), 0)
     out = (p @ vh).transpose(1, 2)                                  # (B, Sq, Hq, Dv)
     return out, lse
+
+
+
+def gradients(forward, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+              attn_bias: torch.Tensor | None = None, **kwargs):
+    """(dq, dk, dv, dbias) of ``forward(q=, k=, v=, attn_bias=, **kwargs) -> (out, lse)`` by
+    autograd, for the gradient ``dout`` (B, Sq, Hq, Dv) of out. dbias is the gradient of each
+    element of ``attn_bias`` as a full (B, Hq, Sq, Sk) tensor (the caller's autograd sums its
+    broadcast dimensions), or an empty tensor without a bias.
+    """
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    bias = attn_bias.detach().requires_grad_() if attn_bias is not None else None
+    with torch.enable_grad():
+        out, _ = forward(q=leaves[0], k=leaves[1], v=leaves[2], attn_bias=bias, **kwargs)
+        grads = torch.autograd.grad(out, leaves + ([bias] if bias is not None else []), dout)
+    dbias = grads[3] if bias is not None else q.new_zeros(0)
+    return grads[0], grads[1], grads[2], dbias
+
+
+def flash_attn_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs):
+    """The gradients of :func:`flash_attn` (see :func:`gradients`), computed in the dtype of q."""
+    return gradients(flash_attn, dout, q, k, v, **kwargs)
