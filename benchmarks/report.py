@@ -26,6 +26,12 @@ NOTES = {
         "FlashAttention-2 backend (`sdpa-flash`) and to cuDNN (`sdpa-cudnn`), on the same tensors "
         "(transposed views)."
     ),
+    "attention_train": (
+        "Attention forward + backward (`torch.autograd.grad` of the output with a random gradient), "
+        "bf16, same shapes and peers as the forward. FLOPs = 3.5 x the forward's (the backward does "
+        "2.5 forwards' worth of matrix products, as FlashAttention's benchmark counts it), halved "
+        "when causal."
+    ),
 }
 
 

@@ -17,9 +17,9 @@ import triton
 from rich.console import Console
 from rich.table import Table
 
-from benchmarks import attention, report
+from benchmarks import attention, attention_train, report
 
-FAMILIES = {"attention": attention}
+FAMILIES = {"attention": attention, "attention_train": attention_train}
 
 
 def machine() -> dict:
@@ -41,11 +41,11 @@ def bench(fn) -> float:
 def run_family(module, quick: bool, console: Console) -> list[dict]:
     rows = []
     for case in module.cases(quick):
-        q, k, v = module.make_inputs(case)
-        error = module.check(case, q, k, v)
+        inputs = module.make_inputs(case)
+        error = module.check(case, *inputs)
         row = {"case": module.name(case), "flops": module.flops(case), "error": error, "tflops": {}}
         if error is None:
-            for peer, fn in module.runners(case, q, k, v).items():
+            for peer, fn in module.runners(case, *inputs).items():
                 try:
                     ms = bench(fn)
                     row["tflops"][peer] = module.flops(case) / ms / 1e9
@@ -53,7 +53,7 @@ def run_family(module, quick: bool, console: Console) -> list[dict]:
                     row["tflops"][peer] = None
                     console.print(f"[yellow]{row['case']}: {peer} did not run: {str(exc).splitlines()[0][:120]}")
         rows.append(row)
-        del q, k, v
+        del inputs
         torch.cuda.empty_cache()
     return rows
 

@@ -1,13 +1,17 @@
-"""Sweep tile configurations of the attention forward on this GPU and print the fastest per head
-dim, to fill runtime/tuning.py's table for this architecture: `python -m benchmarks.tune_attention`.
-Every candidate is checked against the oracle before it is timed."""
+"""Sweep tile configurations of the attention kernels on this GPU and print the fastest per head
+dim, to fill runtime/tuning.py's tables for this architecture:
+`python -m benchmarks.tune_attention [--backward] [--dims 64 128]`. Every candidate is checked
+against the oracle before it is timed. The backward sweep times forward + backward, first over the
+dK/dV kernel's tiles, then over the dQ kernel's."""
 
 from __future__ import annotations
+
+import argparse
 
 import torch
 import triton
 
-from benchmarks import attention
+from benchmarks import attention, attention_train
 from lanekit.runtime import tuning
 from lanekit.runtime.tuning import TileConfig
 
@@ -15,12 +19,63 @@ CANDIDATES = [TileConfig(bm, bn, w, s) for bm, bn, w, s in [
     (128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 128, 8, 2), (128, 32, 4, 3),
     (64, 64, 4, 3), (64, 128, 4, 3), (128, 64, 4, 4), (128, 128, 4, 3),
 ]]
+BWD_DKDV_CANDIDATES = [TileConfig(bm, bn, w, s) for bm, bn, w, s in [
+    (64, 128, 8, 2), (64, 128, 8, 3), (32, 128, 8, 3), (32, 128, 8, 2), (64, 64, 4, 3),
+]]
+BWD_DQ_CANDIDATES = [TileConfig(bm, bn, w, s) for bm, bn, w, s in [
+    (128, 64, 8, 3), (64, 32, 4, 3), (128, 32, 8, 3), (128, 128, 8, 2),
+]]
+
+
+def sweep(module, case, table, D, candidates, runner="lanekit") -> None:
+    """Time ``module``'s runner on ``case`` with each candidate in ``table[D]``; print them, fastest
+    first, and leave the fastest in the table."""
+    inputs = module.make_inputs(case)
+    results = []
+    for cfg in candidates:
+        table[D] = cfg
+        try:
+            err = module.check(case, *inputs)
+            if err:
+                results.append((0.0, cfg, err))
+                continue
+            ms = triton.testing.do_bench(module.runners(case, *inputs)[runner], return_mode="median")
+            results.append((module.flops(case) / ms / 1e9, cfg, ""))
+        except Exception as exc:  # out of shared memory, say
+            results.append((0.0, cfg, str(exc).splitlines()[0][:100]))
+    results.sort(key=lambda r: -r[0])
+    table[D] = results[0][1]
+    print(f"{tuning.arch_id(torch.device('cuda'))} {module.name(case)} [{runner}]", flush=True)
+    for tf, cfg, err in results:
+        print(f"   {tf:7.1f} TFLOP/s  {cfg}  {err}", flush=True)
+    for peer, fn in module.runners(case, *inputs).items():
+        if peer.startswith("sdpa"):
+            print(f"   {module.flops(case) / triton.testing.do_bench(fn, return_mode='median') / 1e9:7.1f} "
+                  f"TFLOP/s  {peer}", flush=True)
+
+
+def backward(dims) -> None:
+    arch = tuning.arch_id(torch.device("cuda"))
+    dkdv = tuning.FLASH_ATTN_BWD_DKDV.setdefault(arch, dict(tuning.FLASH_ATTN_BWD_DKDV["generic"]))
+    dq = tuning.FLASH_ATTN_BWD_DQ.setdefault(arch, dict(tuning.FLASH_ATTN_BWD_DQ["generic"]))
+    for D in dims:
+        for causal in (False, True):
+            case = dict(D=D, S=4096, causal=causal, B=attention.TOKENS // 4096, H=2048 // D)
+            sweep(attention_train, case, dkdv, D, BWD_DKDV_CANDIDATES)
+            sweep(attention_train, case, dq, D, BWD_DQ_CANDIDATES)
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.tune_attention")
+    parser.add_argument("--backward", action="store_true", help="sweep the backward's tiles")
+    parser.add_argument("--dims", type=int, nargs="*", default=[64, 128])
+    args = parser.parse_args()
+    if args.backward:
+        backward(args.dims)
+        return
     arch = tuning.arch_id(torch.device("cuda"))
     table = tuning.FLASH_ATTN_FWD.setdefault(arch, dict(tuning.FLASH_ATTN_FWD["generic"]))
-    for D in (64, 128):
+    for D in args.dims:
         for causal in (False, True):
             case = dict(D=D, S=4096, causal=causal, B=attention.TOKENS // 4096, H=2048 // D)
             q, k, v = attention.make_inputs(case)

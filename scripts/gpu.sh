@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU run, on the machine with the GPU (the device tool), from the repo root:
-#   bash scripts/gpu.sh [STEP ...]      steps: info tests sanitizer check demo tune bench (default: all but tune, in this order: info tests check demo bench sanitizer)
+#   bash scripts/gpu.sh [STEP ...]      steps: info tests sanitizer check demo tune tune-bwd profile bench (default: all but tune, in this order: info tests check demo bench sanitizer)
 # Uses the machine's own python3 (torch, triton, transformers preinstalled); lanekit from src/.
 # Each step's log goes to $OUT/<step>.log; a line per step with its exit code and last line.
 set -u
@@ -25,10 +25,13 @@ for s in "${steps[@]}"; do
     info) run_step info bash -c 'nvidia-smi; python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__, torch.cuda.get_device_name())"' ;;
     tests) run_step tests python3 -m pytest ${TESTS:-tests} -v -p no:cacheprovider -p no:benchmark -n 8 --durations=25 ;;
     sanitizer) run_step sanitizer compute-sanitizer --tool memcheck --error-exitcode 9 \
-                 python3 -m pytest tests/test_attention.py -q -p no:cacheprovider -k "not random and not every_head_dim" ;;
+                 python3 -m pytest ${SANITIZE_TESTS:-tests/test_attention.py tests/test_attention_backward.py} -q -p no:cacheprovider \
+                 -k "${SANITIZE_K:-not random and not every_head_dim and not fifty and not over_2_to_the_31 and not compile}" ;;
     check) run_step check python3 -m lanekit check --json "$OUT/sm90.json" ;;
     demo) run_step demo python3 -m lanekit demo --model-dir .gpu/minilm ;;
     tune) run_step tune python3 -m benchmarks.tune_attention ;;
+    profile) run_step profile python3 -m benchmarks.profile_attention --dims ${DIMS:-64 128} ;;
+    tune-bwd) run_step tune-bwd python3 -m benchmarks.tune_attention --backward --dims ${DIMS:-64 128} ;;
     bench) run_step bench python3 -m benchmarks.run --json "$OUT/bench.json" ;;
     *) echo "unknown step $s"; exit 2 ;;
   esac
