@@ -410,7 +410,7 @@ def _flash_attn_bwd_dkdv_inner(
     offs_n, offs_n_local, offs_m_local, offs_d, offs_dv,
     sm_scale_log2, softcap_scale, softcap_log2,
     GROUP, Sq, Sk, D, Dv, window_left, window_right, dropout_p, seed,
-    lo, hi,
+    lo, hi, lo2, hi2,
     BLOCK_M: tl.constexpr, MASKED: tl.constexpr, EVEN_D: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, HAS_DROPOUT: tl.constexpr,
@@ -422,10 +422,12 @@ def _flash_attn_bwd_dkdv_inner(
     j = offs_n[:, None]
     d_in = offs_d[None, :] < D
     dv_in = offs_dv[None, :] < Dv
-    blocks = tl.cdiv(hi - lo, BLOCK_M)
+    blocks1 = tl.cdiv(tl.maximum(hi - lo, 0), BLOCK_M)
+    blocks = blocks1 + tl.cdiv(tl.maximum(hi2 - lo2, 0), BLOCK_M)
     for it in range(0, GROUP * blocks):
         g = (it // blocks).to(tl.int64)
-        start_m = lo + (it % blocks) * BLOCK_M
+        t = it % blocks
+        start_m = tl.where(t < blocks1, lo + t * BLOCK_M, lo2 + (t - blocks1) * BLOCK_M)
         start_m64 = tl.cast(start_m, tl.int64)
         offs_m = start_m + offs_m_local                                             # [BLOCK_M]
         rows = row_base + g * Sq                                   # (b * Hq + h) * Sq, h = h0 + g
@@ -556,25 +558,16 @@ def _flash_attn_bwd_dkdv_kernel(
     bias_base = Bias + b * stride_bb + h0 * stride_bh + start_n64 * stride_bn
     mask_base = Mask + b * stride_mb + h0 * stride_mh + start_n64 * stride_mn
     row_base = (b * Hq + h0) * Sq
-    # [m_lo, full_lo) masked (empty without a right window), [full_lo, full_hi) unmasked,
-    # [full_hi, m_hi) masked
-    if HAS_RIGHT:
-        dk, dv = _flash_attn_bwd_dkdv_inner(
-            dk, dv, k, v, q_base, do_base, bias_base, mask_base, Alibi + b * stride_ab, Lse2, Delta,
-            DBias + start_n64, row_base, rng_offset, h0,
-            stride_qh, stride_qm, stride_qd, stride_doh, stride_dom, stride_dod, stride_bh, stride_bm, stride_bn,
-            stride_mh, stride_mm, stride_mn, stride_ah,
-            offs_n, offs_n_local, offs_m_local, offs_d, offs_dv, sm_scale_log2, softcap_scale,
-            softcap_log2, GROUP, Sq, Sk, D, Dv, window_left, window_right, dropout_p, seed, m_lo, full_lo,
-            BLOCK_M, True, EVEN_D, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_BIAS, HAS_MASK,
-            HAS_DROPOUT, HAS_DBIAS, INPUT_PRECISION)
+    # [full_lo, full_hi) unmasked; then, in one loop, the masked blocks on either side of it:
+    # [m_lo, full_lo) (on the causal diagonal; empty without a right window) and [full_hi, m_hi)
+    # (a window's far edge, the last partial block). A third loop for the diagonal cost registers.
     dk, dv = _flash_attn_bwd_dkdv_inner(
         dk, dv, k, v, q_base, do_base, bias_base, mask_base, Alibi + b * stride_ab, Lse2, Delta,
         DBias + start_n64, row_base, rng_offset, h0,
         stride_qh, stride_qm, stride_qd, stride_doh, stride_dom, stride_dod, stride_bh, stride_bm, stride_bn,
         stride_mh, stride_mm, stride_mn, stride_ah,
         offs_n, offs_n_local, offs_m_local, offs_d, offs_dv, sm_scale_log2, softcap_scale,
-        softcap_log2, GROUP, Sq, Sk, D, Dv, window_left, window_right, dropout_p, seed, full_lo, full_hi,
+        softcap_log2, GROUP, Sq, Sk, D, Dv, window_left, window_right, dropout_p, seed, full_lo, full_hi, 0, 0,
         BLOCK_M, False, EVEN_D, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_BIAS, HAS_MASK,
         HAS_DROPOUT, HAS_DBIAS, INPUT_PRECISION)
     dk, dv = _flash_attn_bwd_dkdv_inner(
@@ -583,7 +576,7 @@ def _flash_attn_bwd_dkdv_kernel(
         stride_qh, stride_qm, stride_qd, stride_doh, stride_dom, stride_dod, stride_bh, stride_bm, stride_bn,
         stride_mh, stride_mm, stride_mn, stride_ah,
         offs_n, offs_n_local, offs_m_local, offs_d, offs_dv, sm_scale_log2, softcap_scale,
-        softcap_log2, GROUP, Sq, Sk, D, Dv, window_left, window_right, dropout_p, seed, full_hi, m_hi,
+        softcap_log2, GROUP, Sq, Sk, D, Dv, window_left, window_right, dropout_p, seed, m_lo, full_lo, full_hi, m_hi,
         BLOCK_M, True, EVEN_D, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_BIAS, HAS_MASK,
         HAS_DROPOUT, HAS_DBIAS, INPUT_PRECISION)
 
