@@ -162,6 +162,41 @@ def test_gradient_of_the_returned_lse_is_honoured(device):
     assert_grads_close(ours, loss("reference"))
 
 
+@pytest.mark.parametrize("layout", ["transposed", "expanded"])
+def test_a_non_contiguous_gradient_of_the_lse_is_read_by_its_strides(layout, device):
+    # Ring attention merges partial outputs with lse.transpose(1, 2); lse.sum() gives a stride-0 grad.
+    (q, k, v), _ = inputs(1, 33, 40, 2, 1, 16, device, dtype=torch.float32)
+    w = torch.linspace(-1, 1, 66, device=device).reshape(1, 33, 2, 1)
+
+    def loss(lane, leaves):
+        out, lse, _ = lanekit.flash_attn_func(*leaves, causal=True, return_attn_probs=True, lane=lane)
+        if layout == "transposed":
+            return (out * torch.exp(lse.transpose(1, 2).unsqueeze(-1)) * w).sum()
+        return out.sum() + lse.sum()
+
+    ours = torch.autograd.grad(loss("triton", (q, k, v)), (q, k, v))
+    leaves = [upcast(t).requires_grad_() for t in (q, k, v)]
+    expected = torch.autograd.grad(loss("reference", leaves), leaves)
+    assert_grads_close(ours, expected)
+
+
+def test_the_backward_op_passes_torch_library_opcheck_on_transposed_inputs(device):
+    # The fake must promise the real kernel's (contiguous) strides, or inductor asserts on them.
+    from lanekit.attention.op import _flash_attn_bwd_op
+
+    q, k, v, out, dout = (randn(1, 2, 17, 16, dtype=torch.float16, device=device).transpose(1, 2)
+                          for _ in range(5))
+    lse = torch.zeros(1, 2, 17, device=device)
+    torch.library.opcheck(_flash_attn_bwd_op, (dout, q, k, v, out, lse, None, None, None, None,
+                                               0.25, -1, 0, 0.0, 0.0, 0, 0, False))
+
+
+def test_kvpacked_names_kv_when_its_dtype_differs_from_q():
+    with pytest.raises(TypeError, match="kv: expected the dtype of q"):
+        lanekit.flash_attn_kvpacked_func(torch.zeros(2, 5, 4, 8, dtype=torch.float16),
+                                         torch.zeros(2, 5, 2, 4, 8, dtype=torch.bfloat16))
+
+
 # (A bias constant along the keys has gradient 0: softmax ignores it. Not a case to measure.)
 @pytest.mark.parametrize("bias_shape", [(1, 2, 1, 45), (45,), (3, 1, 37, 45), (1, 2, 37, 45)], ids=str)
 def test_bias_gradient_is_summed_over_its_broadcast_dimensions(bias_shape, device):

@@ -226,8 +226,9 @@ def flash_attn_qkvpacked_func(
     """:func:`flash_attn_func` on q, k and v packed in one tensor, FlashAttention-2's signature.
 
     Arguments:
-        qkv: (B, S, 3, H, D), fp16, bf16 or fp32: q, k and v along dimension 2 (self-attention,
-            as many key/value heads as query heads). The gradient is returned in the same layout.
+        qkv: (B, S, 3, H, D), fp16, bf16 or fp32 (fp64 on the reference lane): q, k and v along
+            dimension 2 (self-attention, as many key/value heads as query heads). The gradient is
+            returned in the same layout.
         The rest: as :func:`flash_attn_func`.
 
     Returns: as :func:`flash_attn_func`, out (B, S, H, D).
@@ -236,7 +237,7 @@ def flash_attn_qkvpacked_func(
         TypeError: qkv is not a tensor, or has an unsupported dtype.
         ValueError: qkv is not 5-D with size 3 in dimension 2; and as :func:`flash_attn_func`.
     """
-    _check_tensor("qkv", qkv, 5, _DTYPES)
+    _check_tensor("qkv", qkv, 5, _DTYPES + (torch.float64,))
     if qkv.shape[2] != 3:
         raise ValueError(f"qkv: expected shape (B, S, 3, H, D), got {tuple(qkv.shape)}")
     return flash_attn_func(
@@ -268,16 +269,18 @@ def flash_attn_kvpacked_func(
 
     Arguments:
         q: (B, Sq, Hq, D), fp16, bf16 or fp32.
-        kv: (B, Sk, 2, Hkv, D), same dtype: k and v along dimension 2; Hq a multiple of Hkv.
+        kv: (B, Sk, 2, Hkv, D), q's dtype: k and v along dimension 2; Hq a multiple of Hkv.
         The rest: as :func:`flash_attn_func`.
 
     Returns: as :func:`flash_attn_func`, out (B, Sq, Hq, D).
 
     Raises:
-        TypeError: kv is not a tensor, or has an unsupported dtype.
+        TypeError: kv is not a tensor, or has an unsupported dtype or one other than q's.
         ValueError: kv is not 5-D with size 2 in dimension 2; and as :func:`flash_attn_func`.
     """
-    _check_tensor("kv", kv, 5, _DTYPES)
+    _check_tensor("kv", kv, 5, _DTYPES + (torch.float64,))
+    if isinstance(q, torch.Tensor) and kv.dtype != q.dtype:
+        raise TypeError(f"kv: expected the dtype of q ({q.dtype}), got {kv.dtype}")
     if kv.shape[2] != 2:
         raise ValueError(f"kv: expected shape (B, Sk, 2, Hkv, D), got {tuple(kv.shape)}")
     return flash_attn_func(

@@ -771,6 +771,9 @@ def flash_attn_bwd(
     """
     B, Sq, Hq, D = q.shape
     Sk, Hkv, Dv = k.shape[1], k.shape[2], v.shape[3]
+    if dlse is not None:
+        # read as (B, Hq, Sq) rows: autograd may hand over a transposed or expanded (stride 0) grad
+        dlse = dlse.contiguous()
     dq = alloc.empty(q.shape, dtype=q.dtype, device=q.device)
     dk = alloc.empty(k.shape, dtype=k.dtype, device=q.device)
     dv = alloc.empty(v.shape, dtype=v.dtype, device=q.device)

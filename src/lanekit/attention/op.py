@@ -61,7 +61,8 @@ def _(dout, q, k, v, out, lse, dlse, attn_bias, attn_mask, alibi_slopes, softmax
       window_left, window_right, softcap, dropout_p, seed, offset, bias_grad):
     B, Sq, Hq, _ = q.shape
     dbias_shape = (B, Hq, Sq, k.shape[1]) if bias_grad else (0,)
-    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
+    # contiguous, as the kernel's outputs (empty_like would keep a transposed input's layout)
+    return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
             q.new_empty(dbias_shape, dtype=torch.float32))
 
 
