@@ -87,6 +87,23 @@ def test_head_dim_80_writes_every_column_of_every_gradient(device):
     assert_grads_close(ours, oracle_grads(q, k, v, dout))
 
 
+@pytest.mark.parametrize("dims", [(1, 16, 17), (31, 33, 59), (64, 65, 72), (80, 111, 128),
+                                  (129, 160, 192), (193, 224, 256)], ids=lambda d: f"D{d[0]}-{d[-1]}")
+def test_head_dims_of_every_bucket_with_a_different_value_dim(dims, device):
+    # Views into storage padded to 256 columns, as in the forward's sweep: on the GPU the dims of
+    # one bucket share a compiled kernel. Dv is D's neighbour, so Dv != D in every call.
+    g = torch.Generator().manual_seed(dims[0])
+    store = [randn(1, n, 2, 256, dtype=torch.float16, device=device, generator=g) for n in (21, 30, 30, 21)]
+    for D in dims:
+        Dv = D - 1 if D > 1 else 2
+        q, k, v, dout = store[0][..., :D], store[1][..., :D], store[2][..., :Dv], store[3][..., :Dv]
+        q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+        ours = grads(q, k, v, dout, causal=True)
+        for name, grad in zip(("dq", "dk", "dv"), ours):
+            assert not torch.isnan(grad).any(), f"D={D}, Dv={Dv}: {name} has unwritten elements"
+        assert_grads_close(ours, oracle_grads(q, k, v, dout, window_size=(-1, 0)))
+
+
 def test_rows_that_see_no_key_get_zero_dq_and_keys_no_query_sees_get_zero_dk_dv(device):
     (q, k, v), dout = inputs(1, 20, 4, 2, 2, 16, device, dtype=torch.float16)
     dq, dk, dv = grads(q, k, v, dout, causal=True)  # bottom-right: rows 0..15 see no key
