@@ -27,9 +27,9 @@ BWD_DQ_CANDIDATES = [TileConfig(bm, bn, w, s) for bm, bn, w, s in [
 ]]
 
 
-def sweep(module, case, table, D, candidates, runner="lanekit") -> None:
-    """Time ``module``'s runner on ``case`` with each candidate in ``table[D]``; print them, fastest
-    first, and leave the fastest in the table."""
+def sweep(module, case, table, D, candidates) -> None:
+    """Time ``module``'s lanekit runner on ``case`` with each candidate in ``table[D]``; print
+    them fastest first, then the peers, and leave the fastest in the table."""
     inputs = module.make_inputs(case)
     results = []
     for cfg in candidates:
@@ -39,17 +39,17 @@ def sweep(module, case, table, D, candidates, runner="lanekit") -> None:
             if err:
                 results.append((0.0, cfg, err))
                 continue
-            ms = triton.testing.do_bench(module.runners(case, *inputs)[runner], return_mode="median")
+            ms = triton.testing.do_bench(module.runners(case, *inputs)["lanekit"], return_mode="median")
             results.append((module.flops(case) / ms / 1e9, cfg, ""))
         except Exception as exc:  # out of shared memory, say
             results.append((0.0, cfg, str(exc).splitlines()[0][:100]))
     results.sort(key=lambda r: -r[0])
     table[D] = results[0][1]
-    print(f"{tuning.arch_id(torch.device('cuda'))} {module.name(case)} [{runner}]", flush=True)
+    print(f"{tuning.arch_id(torch.device('cuda'))} {module.name(case)}", flush=True)
     for tf, cfg, err in results:
         print(f"   {tf:7.1f} TFLOP/s  {cfg}  {err}", flush=True)
     for peer, fn in module.runners(case, *inputs).items():
-        if peer.startswith("sdpa"):
+        if peer != "lanekit":
             print(f"   {module.flops(case) / triton.testing.do_bench(fn, return_mode='median') / 1e9:7.1f} "
                   f"TFLOP/s  {peer}", flush=True)
 
@@ -78,24 +78,7 @@ def main() -> None:
     for D in args.dims:
         for causal in (False, True):
             case = dict(D=D, S=4096, causal=causal, B=attention.TOKENS // 4096, H=2048 // D)
-            q, k, v = attention.make_inputs(case)
-            results = []
-            for cfg in CANDIDATES:
-                table[D] = cfg
-                try:
-                    err = attention.check(case, q, k, v)
-                    if err:
-                        results.append((0.0, cfg, err))
-                        continue
-                    ms = triton.testing.do_bench(attention.runners(case, q, k, v)["lanekit"], return_mode="median")
-                    results.append((attention.flops(case) / ms / 1e9, cfg, ""))
-                except Exception as exc:  # out of shared memory, say
-                    results.append((0.0, cfg, str(exc).splitlines()[0][:100]))
-            results.sort(key=lambda r: -r[0])
-            print(f"{arch} {attention.name(case)}")
-            for tf, cfg, err in results:
-                print(f"   {tf:7.1f} TFLOP/s  {cfg}  {err}")
-
+            sweep(attention, case, table, D, CANDIDATES)
 
 if __name__ == "__main__":
     main()

@@ -20,7 +20,7 @@ pytest.importorskip("transformers")
 
 import lanekit.integrations.transformers as lanekit_hf
 from lanekit import demo
-from lanekit.testing import ulp
+from lanekit.testing import poisoned_outputs, ulp
 
 LANES = ("reference", "triton")
 
@@ -60,8 +60,8 @@ def recorded_calls():
         lanekit_hf.flash_attn_func = real
 
 
-def assert_within_twice_eager_error(ours, eager, exact, where=None, floor_steps=1):
-    """lanekit's largest error against the float64 run is at most twice eager's, or
+def assert_within_eager_error(ours, eager, exact, where=None, floor_steps=1, factor=2, name=""):
+    """lanekit's largest error against the float64 run is at most ``factor`` times eager's, or
     ``floor_steps`` steps of fp32 at max |exact| (the project's rule), whichever is larger."""
     if where is not None:
         ours, eager, exact = ours[where], eager[where], exact[where]
@@ -69,8 +69,8 @@ def assert_within_twice_eager_error(ours, eager, exact, where=None, floor_steps=
     assert torch.isfinite(ours).all()
     err = (ours - exact).abs().max().item()
     eager_err = (eager - exact).abs().max().item()
-    allowed = max(2 * eager_err, floor_steps * ulp(torch.float32, exact.abs().max().item()))
-    assert err <= allowed, f"lanekit error {err:.3g}, eager's {eager_err:.3g}"
+    allowed = max(factor * eager_err, floor_steps * ulp(torch.float32, exact.abs().max().item()))
+    assert err <= allowed, f"{name}lanekit error {err:.3g}, eager's {eager_err:.3g}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -128,7 +128,7 @@ def test_minilm_padded_batch_embeddings_match_eager(minilm, lane_name):
     assert cos.shape == (len(demo.SENTENCES),)
     assert (cos >= demo.COSINE_BAR).all(), cos.tolist()
     real = batch["attention_mask"].bool()
-    assert_within_twice_eager_error(hidden, minilm["hidden"]["eager"], minilm["hidden"]["exact"], real)
+    assert_within_eager_error(hidden, minilm["hidden"]["eager"], minilm["hidden"]["exact"], real)
 
 
 @pytest.mark.parametrize("lane_name", LANES)
@@ -139,7 +139,7 @@ def test_minilm_padded_rows_are_finite_and_match_eager(minilm, lane_name):
     padded = ~minilm["batch"]["attention_mask"].bool()
     assert padded.sum() > 100
     assert torch.isfinite(hidden[padded]).all()
-    assert_within_twice_eager_error(hidden, minilm["hidden"]["eager"], minilm["hidden"]["exact"], padded)
+    assert_within_eager_error(hidden, minilm["hidden"]["eager"], minilm["hidden"]["exact"], padded)
 
 
 def test_demo_reference_lane_passes_and_prints_every_sentence(capsys):
@@ -225,9 +225,9 @@ def test_tiny_decoder_padded_prefill_logits_match_eager(family, side, lane_name,
     real = mask.bool()
     assert torch.isfinite(outs["ours"]).all()
     assert outs["ours"][real].abs().max() > 0.1
-    assert_within_twice_eager_error(outs["ours"], outs["eager"], outs["exact"], real)
+    assert_within_eager_error(outs["ours"], outs["eager"], outs["exact"], real)
     if side == "unpadded" or (side == "right" and family == "llama"):
-        assert_within_twice_eager_error(outs["ours"], outs["eager"], outs["exact"])
+        assert_within_eager_error(outs["ours"], outs["eager"], outs["exact"])
 
 
 @pytest.mark.parametrize("lane_name", LANES)
@@ -248,7 +248,7 @@ def test_tiny_llama_cached_greedy_decoding_matches_eager(lane_name, device):
     assert torch.equal(runs["ours"].sequences, runs["exact"].sequences)
     assert len(runs["ours"].logits) == 4
     for ours, eager, exact in zip(runs["ours"].logits, runs["eager"].logits, runs["exact"].logits):
-        assert_within_twice_eager_error(ours, eager, exact)
+        assert_within_eager_error(ours, eager, exact)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -351,7 +351,7 @@ def test_training_step_loss_and_parameter_gradients_match_eager(family, lane_nam
                                          ("eager", "eager", torch.float32, None),
                                          ("exact", "lanekit", torch.float64, "reference")):
         model = tiny_decoder(family, impl, dtype, device).train()
-        with lane(lane_used), recorded_calls() as calls:
+        with lane(lane_used), recorded_calls() as calls, poisoned_outputs():
             loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
             loss.backward()
         if impl == "lanekit":
@@ -360,10 +360,7 @@ def test_training_step_loss_and_parameter_gradients_match_eager(family, lane_nam
     # The loss is a mean of log-sum-exps over the vocabulary: the order of those sums alone moves
     # it by a step or two, and eager can land on the float64 value by luck (seen: eager exact,
     # lanekit 2 steps off). Four steps of floor.
-    assert_within_twice_eager_error(runs["ours"][0], runs["eager"][0], runs["exact"][0], floor_steps=4)
+    assert_within_eager_error(runs["ours"][0], runs["eager"][0], runs["exact"][0], floor_steps=4)
     for n, grad in runs["ours"][1].items():
-        assert grad is not None and torch.isfinite(grad).all(), n
-        eager, exact = runs["eager"][1][n], runs["exact"][1][n]
-        err, eager_err = (grad.double() - exact).abs().max().item(), (eager.double() - exact).abs().max().item()
-        allowed = max(3 * eager_err, ulp(torch.float32, exact.abs().max().item()))
-        assert err <= allowed, f"{n}: lanekit error {err:.3g}, eager's {eager_err:.3g}"
+        assert grad is not None, n
+        assert_within_eager_error(grad, runs["eager"][1][n], runs["exact"][1][n], factor=3, name=f"{n}: ")

@@ -103,7 +103,6 @@ def flash_attn_reference(*, q, k, v, alibi_slopes, attn_bias, **kw):
     return out.to(q.dtype), lse.to(torch.float32)
 
 
-
 def flash_attn_backward_triton(*, dout, **kw):
     """The Triton backward, reached the way training reaches it: autograd through the custom op.
     Returns (dq, dk, dv, dbias), dbias per element of the (B, Hq, Sq, Sk) bias or empty."""

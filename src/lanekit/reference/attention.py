@@ -135,13 +135,12 @@ def flash_attn(
     return out, lse
 
 
-
 def gradients(forward, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
               attn_bias: torch.Tensor | None = None, **kwargs):
     """(dq, dk, dv, dbias) of ``forward(q=, k=, v=, attn_bias=, **kwargs) -> (out, lse)`` by
-    autograd, for the gradient ``dout`` (B, Sq, Hq, Dv) of out. dbias is the gradient of each
-    element of ``attn_bias`` as a full (B, Hq, Sq, Sk) tensor (the caller's autograd sums its
-    broadcast dimensions), or an empty tensor without a bias.
+    autograd, for the gradient ``dout`` (B, Sq, Hq, Dv) of out. dbias is the gradient of
+    ``attn_bias`` in its shape (per element of the (B, Hq, Sq, Sk) view the lanes receive), or an
+    empty tensor without a bias.
     """
     leaves = [t.detach().requires_grad_() for t in (q, k, v)]
     bias = attn_bias.detach().requires_grad_() if attn_bias is not None else None
