@@ -26,6 +26,15 @@ NOTES = {
         "FlashAttention-2 backend (`sdpa-flash`) and to cuDNN (`sdpa-cudnn`), on the same tensors "
         "(transposed views)."
     ),
+    "layers": (
+        "Fused-layer forwards at Llama-3-8B shapes (8k tokens, hidden 4096, FFN 14336, 32 query and 8 "
+        "KV heads of 128; AdaLN as (B=4, S=2048, N=4096) with per-batch scale and shift), bf16. GB/s "
+        "counts each tensor read or written once, the least any implementation moves. Peers: the "
+        "same computation in eager PyTorch as models write it (transformers' Llama RMSNorm and "
+        "rotate_half RoPE, `F.layer_norm`, `F.silu(g) * u`) and that function under "
+        "`torch.compile`. Every peer is timed replaying a CUDA graph of its calls (the GPU's time, without "
+        "the host's launch overhead). `of copy` is lanekit's GB/s over the copy bandwidth."
+    ),
     "attention_train": (
         "Attention forward + backward (`torch.autograd.grad` of the output with a random gradient), "
         "bf16, same shapes and peers as the forward. FLOPs = 3.5 x the forward's (the backward does "
@@ -35,24 +44,37 @@ NOTES = {
 }
 
 
+def _rates(row: dict) -> dict:
+    """A row's figures by name: TFLOP/s (compute-bound families) or GB/s (memory-bound)."""
+    return row.get("tflops", row.get("gbps", {}))
+
+
+def _unit(rows: list[dict]) -> str:
+    return "GB/s" if any("gbps" in r for r in rows) else "TFLOP/s"
+
+
 def peers_of(rows: list[dict]) -> list[str]:
     """The peers measured beside lanekit in these rows, in a fixed order."""
-    return sorted({p for r in rows for p in r["tflops"] if p != "lanekit"})
+    return sorted({p for r in rows for p in _rates(r) if p != "lanekit"})
 
 
-def header(peers: list[str]) -> list[str]:
-    return ["case", "lanekit TFLOP/s"] + [c for p in peers for c in (f"{p} TFLOP/s", f"vs {p}")]
+def header(peers: list[str], rows: list[dict] | None = None, copy_gbps: float | None = None) -> list[str]:
+    unit = _unit(rows or [])
+    copy = ["of copy"] if unit == "GB/s" and copy_gbps else []
+    return ["case", f"lanekit {unit}"] + copy + [c for p in peers for c in (f"{p} {unit}", f"vs {p}")]
 
 
-def row_cells(row: dict, peers: list[str]) -> list[str]:
-    """One row's cells under :func:`header`: the figures and the ratios lanekit / peer, or the
-    error of a case that gave a wrong result (and so no speed)."""
+def row_cells(row: dict, peers: list[str], copy_gbps: float | None = None) -> list[str]:
+    """One row's cells under :func:`header`: the figures and the ratios lanekit / peer (and, for
+    GB/s, lanekit's fraction of the copy bandwidth), or the error of a case that gave a wrong
+    result (and so no speed)."""
+    copy = "gbps" in row and bool(copy_gbps)
     if row["error"]:
-        return [row["case"], f"wrong: {row['error']}"] + [""] * (2 * len(peers))
-    ours = row["tflops"]["lanekit"]
-    cells = [row["case"], f"{ours:.0f}"]
+        return [row["case"], f"wrong: {row['error']}"] + [""] * (2 * len(peers) + copy)
+    ours = _rates(row)["lanekit"]
+    cells = [row["case"], f"{ours:.0f}"] + ([f"{ours / copy_gbps:.0%}"] if copy else [])
     for p in peers:
-        theirs = row["tflops"].get(p)
+        theirs = _rates(row).get(p)
         cells += ["n/a", ""] if theirs is None else [f"{theirs:.0f}", f"{ours / theirs:.2f}x"]
     return cells
 
@@ -69,11 +91,14 @@ def render(records: list[dict]) -> str:
             if rec.get("note"):
                 lines.append(f"Note on this record: {rec['note']}\n")
             peers = peers_of(rows)
-            head = header(peers)
+            copy = m.get("copy_gbps")
+            if copy and _unit(rows) == "GB/s":
+                lines.append(f"Device-to-device copy bandwidth measured in the same run: {copy:.0f} GB/s.\n")
+            head = header(peers, rows, copy)
             lines.append("| " + " | ".join(head) + " |")
             lines.append("|" + "---|" * len(head))
             for r in rows:
-                lines.append("| " + " | ".join(row_cells(r, peers)) + " |")
+                lines.append("| " + " | ".join(row_cells(r, peers, copy)) + " |")
             lines.append("")
     return "\n".join(lines)
 

@@ -17,9 +17,9 @@ import triton
 from rich.console import Console
 from rich.table import Table
 
-from benchmarks import attention, attention_train, report
+from benchmarks import attention, attention_train, layers, report
 
-FAMILIES = {"attention": attention, "attention_train": attention_train}
+FAMILIES = {"attention": attention, "attention_train": attention_train, "layers": layers}
 
 
 def machine() -> dict:
@@ -33,24 +33,52 @@ def machine() -> dict:
     }
 
 
+def copy_bandwidth() -> float:
+    """GB/s of a device-to-device copy of 1 GiB (bytes read plus bytes written), the ceiling of a
+    memory-bound kernel on this GPU."""
+    src = torch.empty(2 ** 29, dtype=torch.float16, device="cuda").normal_()
+    dst = torch.empty_like(src)
+    ms = bench(lambda: dst.copy_(src))
+    moved = 2 * src.numel() * src.element_size()
+    del src, dst
+    torch.cuda.empty_cache()
+    return moved / ms / 1e6
+
+
 def bench(fn) -> float:
     """Median milliseconds of ``fn``."""
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def bench_graph(fn) -> float:
+    """Median milliseconds of ``fn`` replayed from a CUDA graph: the GPU's time alone, without the
+    host's launch overhead (which exceeds the GPU time of a kernel moving a few hundred MB)."""
+    for _ in range(3):  # compile and autotune outside the graph
+        fn()
+    return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median")
 
 
 def run_family(module, quick: bool, console: Console) -> list[dict]:
     rows = []
     for case in module.cases(quick):
         inputs = module.make_inputs(case)
-        error = module.check(case, *inputs)
-        row = {"case": module.name(case), "flops": module.flops(case), "error": error, "tflops": {}}
+        try:
+            error = module.check(case, *inputs)
+        except Exception as exc:  # a case that cannot run is reported, and the others still run
+            error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+        # TFLOP/s for compute-bound families (flops), GB/s for memory-bound ones (bytes_moved)
+        gbps = getattr(module, "UNIT", "TFLOP/s") == "GB/s"
+        work = module.bytes_moved(case) if gbps else module.flops(case)
+        key = "gbps" if gbps else "tflops"
+        row = {"case": module.name(case), ("bytes" if gbps else "flops"): work, "error": error, key: {}}
         if error is None:
+            timer = bench_graph if getattr(module, "CUDA_GRAPHS", False) else bench
             for peer, fn in module.runners(case, *inputs).items():
                 try:
-                    ms = bench(fn)
-                    row["tflops"][peer] = module.flops(case) / ms / 1e9
+                    ms = timer(fn)
+                    row[key][peer] = work / ms / (1e6 if gbps else 1e9)
                 except Exception as exc:  # a peer without a kernel for this shape
-                    row["tflops"][peer] = None
+                    row[key][peer] = None
                     console.print(f"[yellow]{row['case']}: {peer} did not run: {str(exc).splitlines()[0][:120]}")
         rows.append(row)
         del inputs
@@ -58,13 +86,13 @@ def run_family(module, quick: bool, console: Console) -> list[dict]:
     return rows
 
 
-def render(rows: list[dict], console: Console, title: str) -> None:
+def render(rows: list[dict], console: Console, title: str, copy_gbps: float | None) -> None:
     peers = report.peers_of(rows)
     table = Table(title=title)
-    for i, name in enumerate(report.header(peers)):
+    for i, name in enumerate(report.header(peers, rows, copy_gbps)):
         table.add_column(name, justify="left" if i == 0 else "right")
     for r in rows:
-        table.add_row(*report.row_cells(r, peers), style="red" if r["error"] else None)
+        table.add_row(*report.row_cells(r, peers, copy_gbps), style="red" if r["error"] else None)
     console.print(table)
 
 
@@ -79,12 +107,15 @@ def main(argv=None) -> int:
         return 2
     console = Console(width=200)
     info = machine()
+    if any(getattr(FAMILIES[f], "UNIT", "") == "GB/s" for f in args.families):
+        info["copy_gbps"] = copy_bandwidth()
     console.print(info)
     results = {"machine": info, "families": {}}
     wrong = False
     for fam in args.families:
         rows = run_family(FAMILIES[fam], args.quick, console)
-        render(rows, console, f"{fam} ({info['gpu']}, torch {info['torch']}, triton {info['triton']})")
+        render(rows, console, f"{fam} ({info['gpu']}, torch {info['torch']}, triton {info['triton']})",
+               info.get("copy_gbps"))
         results["families"][fam] = rows
         wrong |= any(r["error"] for r in rows)
     if args.json:

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU run, on the machine with the GPU (the device tool), from the repo root:
-#   bash scripts/gpu.sh [STEP ...]      steps: info tests sanitizer check demo tune tune-bwd profile bench (default: all but tune, in this order: info tests check demo bench sanitizer)
+#   bash scripts/gpu.sh [STEP ...]      steps: info tests sanitizer check demo tune tune-bwd tune-layers profile bench bench-layers (default: all but the tuning
+#   and profiling steps, in this order: info tests check demo bench bench-layers sanitizer)
 # Uses the machine's own python3 (torch, triton, transformers preinstalled); lanekit from src/.
 # Each step's log goes to $OUT/<step>.log; a line per step with its exit code and last line.
 set -u
@@ -10,7 +11,7 @@ mkdir -p "$OUT"
 export PYTHONPATH="$PWD/src:$PWD" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 LANEKIT_MINILM_DIR="$PWD/.gpu/minilm"
 [ -f .gpu/minilm/config.json ] || echo "warning: .gpu/minilm is missing (carry .gpu): the MiniLM tests and the demo will fail"
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(info tests check demo bench sanitizer)
+[ ${#steps[@]} -eq 0 ] && steps=(info tests check demo bench bench-layers sanitizer)
 
 run_step() {
   local name=$1; shift
@@ -31,8 +32,10 @@ for s in "${steps[@]}"; do
     demo) run_step demo python3 -m lanekit demo --model-dir .gpu/minilm ;;
     tune) run_step tune python3 -m benchmarks.tune_attention ;;
     profile) run_step profile python3 -m benchmarks.profile_attention --dims ${DIMS:-64 128} ;;
+    tune-layers) run_step tune-layers python3 -m benchmarks.tune_layers ;;
     tune-bwd) run_step tune-bwd python3 -m benchmarks.tune_attention --backward --dims ${DIMS:-64 128} ;;
-    bench) run_step bench python3 -m benchmarks.run --json "$OUT/bench.json" ;;
+    bench) run_step bench python3 -m benchmarks.run attention attention_train --json "$OUT/bench.json" ;;
+    bench-layers) run_step bench-layers python3 -m benchmarks.run layers --json "$OUT/bench-layers.json" ;;
     *) echo "unknown step $s"; exit 2 ;;
   esac
 done

@@ -48,8 +48,13 @@ class OutputResult:
 
     @property
     def ratio(self) -> float:
-        """steps / allowed; NaN counts as infinitely far off."""
-        return math.inf if math.isnan(self.steps) else self.steps / self.allowed
+        """steps / allowed; NaN counts as infinitely far off. Exact outputs (allowed 0, such as
+        quantized codes) are 0 when they match and infinitely far off when they do not."""
+        if math.isnan(self.steps):
+            return math.inf
+        if self.allowed == 0:
+            return 0.0 if self.steps == 0 else math.inf
+        return self.steps / self.allowed
 
 
 @dataclass

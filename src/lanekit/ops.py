@@ -102,3 +102,281 @@ register(Op(
              ("dbias", "attention_dbias")),
     doc="Gradients of flash_attn_func by autograd: dq, dk, dv, and the bias's gradient when it has one",
 ))
+
+
+# ---- fused layers (lanekit.layers) ----
+
+def _gen(name: str, salt: str = "") -> torch.Generator:
+    return torch.Generator().manual_seed(zlib.crc32((salt + name).encode()))
+
+
+def _noncontiguous(t: torch.Tensor) -> torch.Tensor:
+    """The same values as a view with a row stride twice the width (every other row of a buffer)."""
+    buf = torch.empty(*t.shape[:-1], 2 * t.shape[-1], dtype=t.dtype, device=t.device)
+    buf[..., : t.shape[-1]] = t
+    return buf[..., : t.shape[-1]]
+
+
+def norm_case(name, device, *, shape, dtype=torch.bfloat16, weight=True, bias=False,
+              residual=False, offset=0.0, noncontiguous=False, eps=1e-6, kind="rms") -> Sample:
+    """An ``rms_norm`` / ``layer_norm`` sample (``kind``), from readable parameters."""
+    g = _gen(name)
+    N = shape[-1]
+    x = randn(*shape, dtype=dtype, device=device, generator=g)
+    if noncontiguous:
+        x = _noncontiguous(x)
+    kw = dict(x=x, weight=randn(N, dtype=torch.float32, device=device, generator=g) if weight else None,
+              eps=eps, residual=randn(*shape, dtype=dtype, device=device, generator=g) if residual else None)
+    if kind == "rms":
+        kw["offset"] = offset
+    else:
+        kw["bias"] = randn(N, dtype=torch.float32, device=device, generator=g) if bias else None
+    return Sample(name, kw)
+
+
+def _rms_norm_samples(device):
+    f16, f32 = torch.float16, torch.float32
+    yield norm_case("N100 rows 1", device, shape=(1, 100))
+    yield norm_case("N300 rows 17 fp16 residual", device, shape=(17, 300), dtype=f16, residual=True)
+    yield norm_case("N700 (2,3) rows, gemma offset 1", device, shape=(2, 3, 700), offset=1.0)
+    yield norm_case("N16384 rows 3 residual", device, shape=(3, 16384), residual=True)
+    yield norm_case("N4096 fp32 non-contiguous", device, shape=(5, 4096), dtype=f32, noncontiguous=True)
+    yield norm_case("N37 no weight", device, shape=(9, 37), weight=False)
+    yield norm_case("rows 0", device, shape=(0, 64))
+
+
+def _layer_norm_samples(device):
+    yield norm_case("N100 rows 1", device, shape=(1, 100), kind="ln", bias=True, eps=1e-5)
+    yield norm_case("N300 rows 17 residual", device, shape=(17, 300), kind="ln", bias=True, residual=True)
+    yield norm_case("N700 fp16 no bias", device, shape=(4, 700), kind="ln", dtype=torch.float16)
+    yield norm_case("N20000 (looped) rows 2", device, shape=(2, 20000), kind="ln", bias=True)
+    yield norm_case("N96 non-contiguous no affine", device, shape=(6, 96), kind="ln", weight=False,
+                    noncontiguous=True)
+
+
+def adaln_case(name, device, *, shape, per_batch=True, gate=False, residual=False,
+               dtype=torch.bfloat16, mod_dtype=None) -> Sample:
+    g = _gen(name)
+    N = shape[-1]
+    mod_rows = shape[0]
+    mod = mod_dtype or dtype
+
+    def m():
+        return randn(mod_rows, N, dtype=mod, device=device, generator=g, scale=0.5)
+
+    x = randn(*shape, dtype=dtype, device=device, generator=g)
+    return Sample(name, dict(
+        x=x, scale=m(), shift=m(), gate=m() if gate else None, eps=1e-6,
+        residual=randn(*shape, dtype=dtype, device=device, generator=g) if residual else None))
+
+
+def _adaln_samples(device):
+    yield adaln_case("N96 (B=2, S=17) per batch", device, shape=(2, 17, 96))
+    yield adaln_case("N160 rows 17 per row, gated residual", device, shape=(17, 160), gate=True, residual=True)
+    yield adaln_case("N384 (B=3, S=5) gated residual fp32 mods", device, shape=(3, 5, 384), gate=True,
+                     residual=True, mod_dtype=torch.float32)
+    yield adaln_case("N384 rows 1 fp16 residual", device, shape=(1, 384), residual=True, dtype=torch.float16)
+
+
+def _with_douts(samples):
+    """Each forward sample with a gradient for each output: dout (and dh for a returned residual
+    sum; dk for rms_norm_rope's k')."""
+    for case in samples:
+        kw = dict(case.kwargs)
+        g = _gen(case.name, "dout ")
+        if "q" in kw:
+            x, kw["dk"] = kw["q"], randn(*kw["k"].shape, dtype=kw["k"].dtype, device=kw["k"].device, generator=g)
+            out_shape = x.shape
+        elif "activation" in kw:
+            x = kw["gate"]
+            out_shape = x.shape if kw["up"] is not None else (*x.shape[:-1], x.shape[-1] // 2)
+        else:
+            x = kw["x"]
+            out_shape = x.shape
+        kw["dout"] = randn(*out_shape, dtype=x.dtype, device=x.device, generator=g)
+        if kw.get("residual") is not None:
+            kw["dh"] = randn(*x.shape, dtype=x.dtype, device=x.device, generator=g)
+        yield Sample(case.name, kw)
+
+
+def rotary_case(name, device, *, shape, rotary_dim=None, interleaved=False, dtype=torch.bfloat16,
+                S_ro=None, position_ids=False, seqlen_offsets=0, cu_seqlens=None, noncontiguous=False):
+    g = _gen(name)
+    D = shape[-1]
+    rd = rotary_dim or D
+    x = randn(*shape, dtype=dtype, device=device, generator=g)
+    if noncontiguous:
+        x = _noncontiguous(x)
+    S_ro = S_ro or 64
+    angles = torch.rand(S_ro, rd // 2, generator=g) * 6.3
+    kw = dict(x=x, cos=angles.cos().to(device), sin=angles.sin().to(device), interleaved=interleaved,
+              rotary_dim=rd, position_ids=None, cu_seqlens=None, max_seqlen=0, seqlen_offsets=seqlen_offsets)
+    if position_ids:
+        kw["position_ids"] = torch.randint(0, S_ro, shape[:-2], generator=g).to(device)
+    if cu_seqlens is not None:
+        cu = torch.tensor(cu_seqlens, dtype=torch.int32)
+        kw.update(cu_seqlens=cu.to(device), max_seqlen=int(cu.diff().max()))
+    if isinstance(seqlen_offsets, list):
+        kw["seqlen_offsets"] = torch.tensor(seqlen_offsets, dtype=torch.int32, device=device)
+    return Sample(name, kw)
+
+
+def _rotary_samples(device):
+    yield rotary_case("NeoX D80 (2, 17, 3)", device, shape=(2, 17, 3, 80))
+    yield rotary_case("interleaved D96 (1, 9, 4) fp16", device, shape=(1, 9, 4, 96), interleaved=True,
+                      dtype=torch.float16)
+    yield rotary_case("partial 32 of D80, offsets per batch", device, shape=(2, 5, 2, 80), rotary_dim=32,
+                      seqlen_offsets=[3, 40])
+    yield rotary_case("position_ids interleaved partial 64 of D96", device, shape=(2, 7, 2, 96),
+                      rotary_dim=64, position_ids=True, interleaved=True)
+    yield rotary_case("packed cu_seqlens [0,5,5,17] D80 offset 2", device, shape=(17, 3, 80),
+                      cu_seqlens=[0, 5, 5, 17], seqlen_offsets=2)
+    yield rotary_case("packed position_ids D64 fp32", device, shape=(11, 2, 64), position_ids=True,
+                      dtype=torch.float32)
+    yield rotary_case("non-contiguous D128 S1", device, shape=(3, 1, 2, 128), noncontiguous=True)
+
+
+def qk_case(name, device, *, B=2, S=9, Hq=4, Hkv=2, D=80, rotary_dim=None, dtype=torch.bfloat16,
+            weights=True, interleaved=False, position_ids=False, seqlen_offsets=0, offset=0.0,
+            quant_dtype=None):
+    g = _gen(name)
+    rd = rotary_dim or D
+    q = randn(B, S, Hq, D, dtype=dtype, device=device, generator=g, scale=2.0)
+    k = randn(B, S, Hkv, D, dtype=dtype, device=device, generator=g, scale=2.0)
+    angles = torch.rand(64, rd // 2, generator=g) * 6.3
+    kw = dict(q=q, k=k,
+              q_weight=randn(D, dtype=dtype, device=device, generator=g) if weights else None,
+              k_weight=randn(D, dtype=dtype, device=device, generator=g) if weights else None,
+              cos=angles.cos().to(device), sin=angles.sin().to(device),
+              eps=float(torch.tensor(1e-6, dtype=torch.float32)), offset=offset,
+              interleaved=interleaved, rotary_dim=rd, position_ids=None, seqlen_offsets=seqlen_offsets)
+    if position_ids:
+        kw["position_ids"] = torch.randint(0, 64, (B, S), generator=g).to(device)
+    if quant_dtype is not None:
+        kw["quant_dtype"] = quant_dtype
+    return Sample(name, kw)
+
+
+def _rms_norm_rope_samples(device):
+    yield qk_case("GQA 4:2 D80", device)
+    yield qk_case("D96 interleaved partial 64, gemma offset", device, D=96, rotary_dim=64,
+                  interleaved=True, offset=1.0, S=17, B=1)
+    yield qk_case("D128 fp16 no weights, position_ids", device, D=128, dtype=torch.float16,
+                  weights=False, position_ids=True, S=3)
+    yield qk_case("D64 S1 offset 30", device, D=64, S=1, seqlen_offsets=30)
+
+
+def _qk_quant_samples(device):
+    for qd, tag in ((torch.float8_e4m3fn, "e4m3"), (torch.int8, "int8")):
+        yield qk_case(f"{tag} GQA 4:2 D128 rope on last 64", device, D=128, rotary_dim=64, quant_dtype=qd)
+        yield qk_case(f"{tag} D80 interleaved, fp16, position_ids", device, D=80, interleaved=True,
+                      dtype=torch.float16, position_ids=True, quant_dtype=qd)
+        yield qk_case(f"{tag} D96 rope on all, S17 B1", device, D=96, S=17, B=1, quant_dtype=qd)
+
+
+def glu_case(name, device, *, shape, fused=False, dtype=torch.bfloat16, noncontiguous=False, act="silu"):
+    g = _gen(name)
+    if fused:
+        return Sample(name, dict(gate=randn(*shape[:-1], 2 * shape[-1], dtype=dtype, device=device,
+                                            generator=g, scale=2.0), up=None, activation=act))
+    gate = randn(*shape, dtype=dtype, device=device, generator=g, scale=2.0)
+    up = randn(*shape, dtype=dtype, device=device, generator=g)
+    if noncontiguous:
+        gate, up = _noncontiguous(gate), _noncontiguous(up)
+    return Sample(name, dict(gate=gate, up=up, activation=act))
+
+
+def _glu_samples(act):
+    def samples(device):
+        yield glu_case("7 x 24 x 40", device, shape=(7, 24, 40), act=act)
+        yield glu_case("fused (17, 2 x 300)", device, shape=(17, 300), fused=True, act=act)
+        yield glu_case("rows 1, N 4097, fp16", device, shape=(1, 4097), dtype=torch.float16, act=act)
+        yield glu_case("non-contiguous (5, 96) fp32", device, shape=(5, 96), dtype=torch.float32,
+                       noncontiguous=True, act=act)
+        if act == "gelu":
+            yield glu_case("tanh approximation (9, 72)", device, shape=(9, 72), act="gelu_tanh")
+    return samples
+
+
+from lanekit.reference.layers import GRAD_INPUTS  # noqa: E402 (no Triton import there)
+
+_LAYERS = "lanekit.layers.op"
+_REF = "lanekit.reference.layers"
+
+def _without_residual(samples):
+    return lambda device: (s for s in samples(device) if s.kwargs.get("residual") is None)
+
+
+def _with_residual(samples):
+    return lambda device: (s for s in samples(device) if s.kwargs.get("residual") is not None)
+
+
+for _name, _samples, _doc in (
+    ("rms_norm", _rms_norm_samples, "RMSNorm over the last dim (Gemma's 1 + w with offset=1)"),
+    ("layer_norm", _layer_norm_samples, "LayerNorm over the last dim"),
+    ("adaln", _adaln_samples, "DiT's adaptive LayerNorm, LN(x) * (1 + scale) + shift"),
+):
+    _lanes = {"triton": f"{_LAYERS}:{_name}_triton", "reference": f"{_LAYERS}:{_name}_reference"}
+    register(Op(name=_name, family="layers", oracle=f"{_REF}:{_name}", lanes=_lanes,
+                samples=_without_residual(_samples), outputs=(("y", "norm"),), doc=_doc))
+    register(Op(name=f"{_name}+residual", family="layers", oracle=f"{_REF}:{_name}", lanes=_lanes,
+                samples=_with_residual(_samples), outputs=(("y", "norm"), ("h", "exact")),
+                doc=f"{_name} of h = x + residual ({'gate * x, ' if _name == 'adaln' else ''}fused), h returned too"))
+    register(Op(
+        name=f"{_name}.backward", family="layers", oracle=f"{_REF}:{_name}_backward",
+        lanes={"triton": f"{_LAYERS}:{_name}_backward_triton",
+               "reference": f"{_LAYERS}:{_name}_backward_reference"},
+        samples=lambda device, _s=_samples: _with_douts(_s(device)),
+        outputs=tuple((f"d{n}", "layers_bwd") for n in GRAD_INPUTS[_name]),
+        doc=f"Gradients of {_name} (with or without residual) by autograd: "
+            + ", ".join(f"d{n}" for n in GRAD_INPUTS[_name]),
+    ))
+
+register(Op(
+    name="apply_rotary", family="layers", oracle=f"{_REF}:apply_rotary",
+    lanes={"triton": f"{_LAYERS}:apply_rotary_triton", "reference": f"{_LAYERS}:apply_rotary_reference"},
+    samples=_rotary_samples, outputs=(("out", "eltwise"),), doc="RoPE, NeoX or interleaved pairs, partial rotary, positions, packed",
+))
+register(Op(
+    name="apply_rotary.backward", family="layers", oracle=f"{_REF}:apply_rotary_backward",
+    lanes={"triton": f"{_LAYERS}:apply_rotary_backward_triton",
+           "reference": f"{_LAYERS}:apply_rotary_backward_reference"},
+    samples=lambda device: _with_douts(_rotary_samples(device)), outputs=(("dx", "eltwise"),),
+    doc="Gradient of apply_rotary: the rotation back",
+))
+register(Op(
+    name="rms_norm_rope", family="layers", oracle=f"{_REF}:rms_norm_rope",
+    lanes={"triton": f"{_LAYERS}:rms_norm_rope_triton", "reference": f"{_LAYERS}:rms_norm_rope_reference"},
+    samples=_rms_norm_rope_samples, outputs=(("q", "norm"), ("k", "norm")),
+    doc="QK-norm: per-head RMSNorm then RoPE of q and k",
+))
+register(Op(
+    name="rms_norm_rope.backward", family="layers", oracle=f"{_REF}:rms_norm_rope_backward",
+    lanes={"triton": f"{_LAYERS}:rms_norm_rope_backward_triton",
+           "reference": f"{_LAYERS}:rms_norm_rope_backward_reference"},
+    samples=lambda device: _with_douts(_rms_norm_rope_samples(device)),
+    outputs=(("dq", "layers_bwd"), ("dk", "layers_bwd"), ("dq_weight", "layers_bwd"),
+             ("dk_weight", "layers_bwd")),
+    doc="Gradients of rms_norm_rope: dq, dk, dq_weight, dk_weight",
+))
+register(Op(
+    name="qk_norm_rope_quant", family="layers", oracle=f"{_REF}:qk_norm_rope_quant",
+    lanes={"triton": f"{_LAYERS}:qk_norm_rope_quant_triton",
+           "reference": f"{_LAYERS}:qk_norm_rope_quant_reference"},
+    samples=_qk_quant_samples,
+    outputs=(("q_codes", "codes"), ("q_scale", "codes"), ("k_codes", "codes"), ("k_scale", "codes")),
+    doc="QK-norm, RoPE on the tail dims, per-(token, head) fp8 e4m3 / int8 codes, bit-exact",
+))
+for _name, _act in (("swiglu", "silu"), ("geglu", "gelu")):
+    register(Op(
+        name=_name, family="layers", oracle=f"{_REF}:glu",
+        lanes={"triton": f"{_LAYERS}:glu_triton", "reference": f"{_LAYERS}:glu_reference"},
+        samples=_glu_samples(_act), outputs=(("out", "eltwise"),), doc=f"{_act}(gate) * up, separate or from one fused (..., 2N) tensor",
+    ))
+    register(Op(
+        name=f"{_name}.backward", family="layers", oracle=f"{_REF}:glu_backward",
+        lanes={"triton": f"{_LAYERS}:glu_backward_triton", "reference": f"{_LAYERS}:glu_backward_reference"},
+        samples=lambda device, _a=_act: _with_douts(_glu_samples(_a)(device)),
+        outputs=(("dgate", "eltwise"), ("dup", "eltwise")),
+        doc=f"Gradients of {_name}: d(gate), d(up) (one fused gradient for a fused input)",
+    ))

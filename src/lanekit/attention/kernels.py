@@ -17,9 +17,9 @@ from lanekit.runtime import alloc, tuning
 from lanekit.runtime.lanes import triton_interpreted
 
 if triton_interpreted():
-    from lanekit.runtime.interpreter import fix_bf16_dot
+    from lanekit.runtime.interpreter import fix_interpreter
 
-    fix_bf16_dot()
+    fix_interpreter()
 
 LOG2E = 1.4426950408889634
 MAX_GRID_YZ = 65535  # CUDA's limit on grid dimensions 1 and 2 (heads, batch)

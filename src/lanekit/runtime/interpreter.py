@@ -1,10 +1,14 @@
-"""A fix for Triton's interpreter, applied when lanekit's kernels run interpreted.
+"""Fixes for Triton's interpreter, applied when lanekit's kernels run interpreted.
 
-Triton's interpreter (3.6.0 through 3.9.0 at least) stores bf16 tensors as their uint16 bit
-patterns and multiplies those integers in ``tl.dot``: every bf16 matrix product it computes is
-garbage. :func:`fix_bf16_dot` wraps the interpreter's ``create_dot`` so bf16 operands are widened
-to fp32 first, which is exact, and what the GPU's bf16 tensor-core product accumulates in fp32
-computes too. Only the interpreter is touched; compiled kernels are not affected.
+Triton's interpreter (3.6.0 through 3.9.0 at least) gets two things wrong that the GPU gets right:
+- It stores bf16 tensors as their uint16 bit patterns and multiplies those integers in ``tl.dot``:
+  every bf16 matrix product it computes is garbage. :func:`fix_bf16_dot` wraps ``create_dot`` so
+  bf16 operands are widened to fp32 first, which is exact, and what the GPU's bf16 tensor-core
+  product accumulating in fp32 computes too.
+- Its casts to bf16 and to fp8 truncate the mantissa (or round half up without carrying into the
+  exponent), where the GPU rounds to nearest even: up to one step of error where the GPU has half.
+  :func:`fix_float_casts` makes those casts round to nearest even, through PyTorch's own casts.
+:func:`fix_interpreter` applies both. Only the interpreter is touched; compiled kernels are not.
 """
 
 from __future__ import annotations
@@ -33,3 +37,49 @@ def fix_bf16_dot() -> None:
 
     create_dot._lanekit_bf16 = True
     builder.create_dot = create_dot
+
+
+def fix_float_casts() -> None:
+    """Make the interpreter's casts to bf16 and fp8 round to nearest even, as the GPU does
+    (idempotent)."""
+    import torch
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    if getattr(builder.cast_impl, "_lanekit_rne", False):
+        return
+    narrow = {tl.bfloat16: (torch.bfloat16, np.uint16), tl.float8e4nv: (torch.float8_e4m3fn, np.uint8),
+              tl.float8e5: (torch.float8_e5m2, np.uint8)}
+    original_cast, original_fp_to_fp = builder.cast_impl, builder.create_fp_to_fp
+
+    def _round(src, dst_type):
+        dst = dst_type.scalar
+        if dst not in narrow or not src.dtype.scalar.is_floating():
+            return None
+        data = src.data
+        if src.dtype.scalar == tl.bfloat16:  # stored as bit patterns: widen exactly first
+            data = (data.astype(np.uint32) << 16).view(np.float32)
+        torch_dtype, bits = narrow[dst]
+        out = torch.from_numpy(np.ascontiguousarray(data, dtype=np.float32)).to(torch_dtype)
+        out = out.view(torch.uint8 if bits == np.uint8 else torch.int16).numpy().view(bits)
+        return interpreter.TensorHandle(out.reshape(np.shape(data)), dst)
+
+    def cast_impl(self, src, dst_type):
+        out = _round(src, dst_type)
+        return out if out is not None else original_cast(self, src, dst_type)
+
+    def create_fp_to_fp(self, src, dst_type, rounding_mode):
+        out = _round(src, dst_type)
+        return out if out is not None else original_fp_to_fp(self, src, dst_type, rounding_mode)
+
+    cast_impl._lanekit_rne = True
+    builder.cast_impl = cast_impl
+    builder.create_fp_to_fp = create_fp_to_fp
+    builder.create_fp_trunc = lambda self, src, dst_type: self.cast_impl(src, dst_type)
+
+
+def fix_interpreter() -> None:
+    """Every fix above (idempotent)."""
+    fix_bf16_dot()
+    fix_float_casts()

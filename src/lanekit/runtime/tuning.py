@@ -7,6 +7,7 @@ id is ``sm<major><minor>`` on NVIDIA (``sm80``, ``sm90``) and the gfx name on AM
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -123,7 +124,13 @@ def arch_id(device: torch.device) -> str:
     """``sm90``, ``gfx942``, ... for a GPU device; ``generic`` for anything else."""
     if device.type != "cuda" or not torch.cuda.is_available():
         return "generic"
-    props = torch.cuda.get_device_properties(device)
+    return _cuda_arch_id(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_arch_id(index: int) -> str:
+    """The architecture of CUDA/ROCm device ``index``, asked of the driver once per process."""
+    props = torch.cuda.get_device_properties(index)
     if getattr(torch.version, "hip", None):
         return props.gcnArchName.split(":")[0]
     return f"sm{props.major}{props.minor}"
@@ -133,3 +140,84 @@ def lookup(table: dict[str, dict[int, TileConfig]], device: torch.device, bucket
     """The config for ``bucket`` on ``device``'s architecture, else the generic one."""
     rows = table.get(arch_id(device), table["generic"])
     return rows.get(bucket, table["generic"][bucket])
+
+
+# ---- fused layers (lanekit.layers) ----
+
+@dataclass(frozen=True)
+class NormConfig:
+    """Rows up to ``max_block_n`` features are held in registers (x read once); wider rows are
+    walked in blocks of ``max_block_n``."""
+
+    max_block_n: int
+    num_warps: int
+
+
+# norm_fwd / norm_bwd, keyed by the padded row width (a power of two); a width over the largest
+# key takes the largest key's row. generic: 4 warps up to 1024 features, then 8, then 16 from 8192.
+# On the H200 (benchmarks.tune_layers, 8k rows of 4096) 4 and 8 warps are within 1% of each
+# other for RMSNorm and LayerNorm (3786 to 3865 GB/s), and 16 warps lose 10% on RMSNorm: generic kept.
+NORM: dict[str, dict[int, NormConfig]] = {
+    "generic": {
+        1024: NormConfig(1024, 4),
+        4096: NormConfig(4096, 8),
+        16384: NormConfig(16384, 16),
+        65536: NormConfig(16384, 16),
+    },
+}
+# Each program of the norm's backward sums the gradients of a run of rows; this many programs
+# (about four per SM on an H100/H200) keep the GPU busy while the partial sums stay small.
+NORM_BWD_PROGRAMS: dict[str, int] = {"generic": 512, "sm90": 528}
+
+
+@dataclass(frozen=True)
+class RotaryConfig:
+    block_rows: int   # (token, head) rows per program of the forward: a token's heads, then tokens
+    num_warps: int
+    norm_block_rows: int = 16   # the same for RMSNorm + RoPE (without quantization)
+    bwd_block_s: int = 16       # tokens per program of rms_norm_rope's backward (loops over heads)
+
+
+# sm90: `python -m benchmarks.tune_layers` on the H200 (CUDA-graph timing, Llama-3-8B shapes):
+# RoPE of q 3844 GB/s at 32 rows and 4 warps (3848 with 8); RMSNorm + RoPE of q and k 3334 at 16
+# rows (32 rows: below 3215); the quantized form 1957 at 32 rows.
+ROTARY: dict[str, RotaryConfig] = {"generic": RotaryConfig(32, 4, 16)}
+
+
+@dataclass(frozen=True)
+class EltwiseConfig:
+    block_n: int      # features per program (one row)
+    num_warps: int
+
+
+# sm90: the same sweep, SwiGLU at 8k x 14336: 8192 features and 16 warps 4248 GB/s, against 4152 to
+# 4191 for 1024 to 4096 features with 4 to 16 warps.
+GLU: dict[str, EltwiseConfig] = {"generic": EltwiseConfig(1024, 4), "sm90": EltwiseConfig(8192, 16)}
+
+# Under the interpreter every program runs in Python: fewer, larger programs are faster.
+INTERPRETER_NORM_BWD_PROGRAMS = 4
+
+
+def _arch_row(table: dict, device: torch.device):
+    return table.get(arch_id(device), table["generic"])
+
+
+def norm_config(device: torch.device, N: int) -> NormConfig:
+    rows = _arch_row(NORM, device)
+    width = max(16, 1 << max(N - 1, 0).bit_length())
+    key = min((k for k in rows if k >= width), default=max(rows))
+    return rows[key]
+
+
+def norm_bwd_programs(device: torch.device) -> int:
+    if device.type != "cuda":
+        return INTERPRETER_NORM_BWD_PROGRAMS
+    return _arch_row(NORM_BWD_PROGRAMS, device)
+
+
+def rotary_config(device: torch.device) -> RotaryConfig:
+    return _arch_row(ROTARY, device)
+
+
+def glu_config(device: torch.device) -> EltwiseConfig:
+    return _arch_row(GLU, device)

@@ -1,0 +1,64 @@
+"""Sweep the fused layers' tile tables on the GPU: `python -m benchmarks.tune_layers`.
+
+For each table in lanekit.runtime.tuning that the layers read (NORM, ROTARY, GLU), every candidate
+replaces this GPU's row in turn and the bench shapes of benchmarks/layers.py are timed; prints GB/s
+per candidate, best first. Copy the winners into tuning.py by hand, with the figures as comment.
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+
+import torch
+
+from benchmarks import layers
+from benchmarks.run import bench_graph
+from lanekit.runtime import tuning
+
+CANDIDATES = {
+    "NORM": ([dict(max_block_n=b, num_warps=w) for b, w in itertools.product((4096, 8192), (4, 8, 16))],
+             ["rms_norm", "rms_norm+residual", "layer_norm", "adaln+gated residual"]),
+    "ROTARY": ([dict(block_rows=r, num_warps=w) for r, w in itertools.product((8, 16, 32, 64), (1, 2, 4, 8))],
+               ["apply_rotary q", "rms_norm_rope q,k", "qk_norm_rope_quant e4m3"]),
+    "GLU": ([dict(block_n=b, num_warps=w) for b, w in itertools.product((1024, 2048, 4096, 8192), (4, 8, 16))],
+            ["swiglu", "swiglu fused"]),
+}
+
+
+def main() -> int:
+    if not torch.cuda.is_available():
+        print("needs a GPU", file=sys.stderr)
+        return 2
+    arch = tuning.arch_id(torch.device("cuda"))
+    for table_name, (candidates, ops) in CANDIDATES.items():
+        table = getattr(tuning, table_name)
+        config_type = type(table["generic"] if table_name != "NORM" else table["generic"][4096])
+        saved = dict(table)
+        for op in ops:
+            case = dict(op=op)
+            inputs = layers.make_inputs(case)
+            fn = layers._lanekit(case)
+            results = []
+            for cand in candidates:
+                cfg = config_type(**cand)
+                table[arch] = {k: cfg for k in saved["generic"]} if table_name == "NORM" else cfg
+                try:
+                    error = layers.check(case, *inputs)
+                    ms = bench_graph(lambda: fn(*inputs)) if error is None else None
+                except Exception as exc:  # a config that does not compile or fit
+                    error, ms = f"{type(exc).__name__}", None
+                results.append((layers.bytes_moved(case) / ms / 1e6 if ms else 0.0, cand, error))
+            table.clear()
+            table.update(saved)
+            results.sort(key=lambda r: -r[0])
+            print(f"== {table_name} {op}")
+            for gbps, cand, error in results[:6]:
+                print(f"   {gbps:7.0f} GB/s  {cand}  {error or ''}")
+            del inputs
+            torch.cuda.empty_cache()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

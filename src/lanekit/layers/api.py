@@ -1,0 +1,477 @@
+"""Public fused layers: validated, dispatched to a lane, differentiable (except the quantizer)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from lanekit.layers import op as _lanes
+from lanekit.runtime.lanes import select_lane
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_WITH_F64 = _DTYPES + (torch.float64,)   # float64 runs on the reference lane only
+_QUANT_DTYPES = (torch.int8, torch.float8_e4m3fn)
+
+
+def _is_real(x) -> bool:
+    """An int or float, and not a bool (True would silently mean 1.0)."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _tensor(name: str, t, *, dtypes=None, ndim=None, like: torch.Tensor | None = None):
+    """Check that t is a tensor of an accepted dtype and rank, on ``like``'s device."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if dtypes is not None and t.dtype not in dtypes:
+        raise TypeError(f"{name}: expected dtype in {[str(d) for d in dtypes]}, got {t.dtype}")
+    if ndim is not None and t.dim() not in ((ndim,) if isinstance(ndim, int) else ndim):
+        raise ValueError(f"{name}: expected {ndim} dimensions, got shape {tuple(t.shape)}")
+    if like is not None and t.device != like.device:
+        raise ValueError(f"{name}: expected a tensor on {like.device} (the input's device), got {t.device}")
+
+
+def _shape(name: str, t: torch.Tensor, expected: tuple, what: str):
+    if tuple(t.shape) != tuple(expected):
+        raise ValueError(f"{name}: expected shape {tuple(expected)} ({what}), got {tuple(t.shape)}")
+
+
+def _lane(x: torch.Tensor, lane: str | None, name: str = "x") -> str:
+    chosen = select_lane(x.device, lane)
+    if x.dtype == torch.float64 and chosen == "triton":
+        raise TypeError(f"{name}: expected dtype in {[str(d) for d in _DTYPES]} on the triton lane, got "
+                        "torch.float64 (float64 runs on the reference lane only: lane='reference')")
+    return chosen
+
+
+def _eps(eps) -> float:
+    if not (_is_real(eps) and eps >= 0 and math.isfinite(eps)):
+        raise ValueError(f"eps: expected a finite number >= 0, got {eps!r}")
+    return float(eps)
+
+
+def _x_and_residual(x, residual):
+    _tensor("x", x, dtypes=_WITH_F64)
+    if x.dim() == 0:
+        raise ValueError("x: expected at least 1 dimension (..., N), got a 0-d tensor")
+    if residual is not None:
+        _tensor("residual", residual, dtypes=(x.dtype,), like=x)
+        _shape("residual", residual, x.shape, "x's shape")
+
+
+def _feature_param(name, t, x):
+    if t is not None:
+        _tensor(name, t, dtypes=_WITH_F64, like=x)
+        _shape(name, t, (x.shape[-1],), "(N,), x's last dim")
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float = 1e-6,
+             residual: torch.Tensor | None = None, offset: float = 0.0, *, lane: str | None = None):
+    """RMSNorm over the last dim, optionally fused with the residual add before it.
+
+    ``y = h / sqrt(mean(h^2) + eps) * (offset + weight)``, with h = x, or h = x + residual. All in
+    fp32, rounded once to x's dtype.
+
+    Arguments:
+        x: (..., N), fp16, bf16 or fp32 (fp64 on the reference lane). Any strides; any N the GPU
+            can hold (rows wider than a tile are walked in blocks, so 65536 features work).
+        weight: (N,), any float dtype, or None for no scaling.
+        eps: added to the mean square, >= 0.
+        residual: (..., N) like x, or None. With it, the sum h = x + residual is normalized and
+            also returned (in x's dtype), the fused add-and-norm between transformer blocks.
+        offset: added to weight: 0.0 (Llama) or 1.0 (Gemma, whose weights are stored minus one).
+        lane: "triton" or "reference"; default triton for CUDA/ROCm tensors, reference otherwise.
+
+    Returns:
+        y (..., N) in x's dtype; with residual, (y, h).
+
+    Differentiable in x, weight and residual (the gradient of h flows back too).
+
+    Raises:
+        TypeError: a non-tensor or an unsupported dtype; residual of another dtype.
+        ValueError: weight not (N,), residual not x's shape, tensors on different devices, eps
+            negative or not finite, an unknown lane.
+
+    Source: Zhang & Sennrich, "Root Mean Square Layer Normalization" (2019), as in Llama; the
+    offset form as Gemma's; the fused residual as vLLM's ``fused_add_rms_norm``.
+    """
+    _x_and_residual(x, residual)
+    _feature_param("weight", weight, x)
+    eps = _eps(eps)
+    if not (_is_real(offset) and math.isfinite(offset)):
+        raise ValueError(f"offset: expected a finite number, got {offset!r}")
+    chosen = _lane(x, lane)
+    return getattr(_lanes, f"rms_norm_{chosen}")(x=x, weight=weight, eps=eps, residual=residual,
+                                                 offset=float(offset))
+
+
+def layer_norm(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
+               eps: float = 1e-5, residual: torch.Tensor | None = None, *, lane: str | None = None):
+    """LayerNorm over the last dim, optionally fused with the residual add before it.
+
+    ``y = (h - mean(h)) / sqrt(var(h) + eps) * weight + bias`` (biased variance), h = x or
+    x + residual; fp32 inside, rounded once to x's dtype.
+
+    Arguments:
+        x: (..., N), fp16, bf16 or fp32 (fp64 on the reference lane), any strides.
+        weight, bias: (N,) or None.
+        eps: added to the variance, >= 0.
+        residual: (..., N) like x, or None; with it, h is also returned.
+        lane: as in :func:`rms_norm`.
+
+    Returns:
+        y (..., N) in x's dtype; with residual, (y, h). Differentiable in every tensor input.
+
+    Raises:
+        TypeError / ValueError: as :func:`rms_norm`.
+
+    Source: ``torch.nn.functional.layer_norm(x, (N,), weight, bias, eps)``.
+    """
+    _x_and_residual(x, residual)
+    _feature_param("weight", weight, x)
+    _feature_param("bias", bias, x)
+    eps = _eps(eps)
+    chosen = _lane(x, lane)
+    return getattr(_lanes, f"layer_norm_{chosen}")(x=x, weight=weight, bias=bias, eps=eps,
+                                                   residual=residual)
+
+
+def adaln(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor,
+          gate: torch.Tensor | None = None, eps: float = 1e-6,
+          residual: torch.Tensor | None = None, *, lane: str | None = None):
+    """Adaptive LayerNorm (DiT's adaLN): ``y = LayerNorm(h) * (1 + scale) + shift``.
+
+    The LayerNorm has no weights of its own. With a residual, h = residual + gate * x (gate 1 when
+    None) is the gated residual add that ends one DiT block (``x = x + gate * block(x)``), fused
+    with the next block's modulated norm, and h is also returned.
+
+    Arguments:
+        x: (B, S, N) or (rows, N), fp16, bf16 or fp32 (fp64 on the reference lane).
+        scale, shift: (B, N), one row per batch entry broadcast over its S tokens (x 3-d), or
+            (rows, N), one per row of x (x 2-d); x's dtype or fp32.
+        gate: like scale, or None. Needs residual.
+        eps: added to the variance, >= 0.
+        residual: like x, or None.
+        lane: as in :func:`rms_norm`.
+
+    Returns:
+        y like x; with residual, (y, h). Differentiable in every tensor input.
+
+    Raises:
+        TypeError: a non-tensor or an unsupported dtype.
+        ValueError: x not 2-d or 3-d, scale/shift/gate of the wrong shape, gate without residual,
+            tensors on different devices, eps negative.
+
+    Source: Peebles & Xie, "Scalable Diffusion Models with Transformers" (DiT, 2023), adaLN-Zero.
+    """
+    _x_and_residual(x, residual)
+    if x.dim() not in (2, 3):
+        raise ValueError(f"x: expected (B, S, N) or (rows, N), got shape {tuple(x.shape)}")
+    mod_shape = (x.shape[0], x.shape[-1])
+    what = "(B, N)" if x.dim() == 3 else "(rows, N)"
+    for name, t in (("scale", scale), ("shift", shift), ("gate", gate)):
+        if t is None and name != "gate":
+            raise TypeError(f"{name}: expected a torch.Tensor, got None")
+        if t is not None:
+            _tensor(name, t, dtypes=_WITH_F64, like=x)
+            _shape(name, t, mod_shape, what)
+    if gate is not None and residual is None:
+        raise ValueError("gate: the gated form adds gate * x to a residual; pass residual= too")
+    eps = _eps(eps)
+    chosen = _lane(x, lane)
+    return getattr(_lanes, f"adaln_{chosen}")(x=x, scale=scale, shift=shift, gate=gate, eps=eps,
+                                              residual=residual)
+
+
+def _rotary_common(name, x, cos, sin, rotary_dim, position_ids, seqlen_offsets, *, tail=False):
+    """Validate RoPE's cos/sin/rotary_dim/positions for x (B, S, H, D) or (T, H, D);
+    returns rotary_dim."""
+    D = x.shape[-1]
+    for n, t in (("cos", cos), ("sin", sin)):
+        _tensor(n, t, dtypes=_WITH_F64, ndim=2, like=x)
+    if cos.shape != sin.shape:
+        raise ValueError(f"sin: expected cos's shape {tuple(cos.shape)}, got {tuple(sin.shape)}")
+    if rotary_dim is None:
+        rotary_dim = 2 * cos.shape[1]
+    if not (isinstance(rotary_dim, int) and not isinstance(rotary_dim, bool)
+            and 0 < rotary_dim <= D and rotary_dim % 2 == 0):
+        raise ValueError(f"rotary_dim: expected an even int in [2, {D}] ({name}'s head dim), got {rotary_dim!r}")
+    if cos.shape[1] != rotary_dim // 2:
+        raise ValueError(f"cos: expected (S_ro, rotary_dim / 2) = (S_ro, {rotary_dim // 2}), got {tuple(cos.shape)}")
+    if position_ids is not None:
+        _tensor("position_ids", position_ids, dtypes=(torch.int32, torch.int64), like=x)
+        tokens = tuple(x.shape[:-2])
+        if tuple(position_ids.shape) != tokens and not (
+                position_ids.dim() == 2 and len(tokens) == 2 and position_ids.shape[0] == 1
+                and position_ids.shape[1] == tokens[1]):
+            raise ValueError(f"position_ids: expected shape {tokens} (one position per token) or "
+                             f"(1, S), got {tuple(position_ids.shape)}")
+        if position_ids.numel() and (int(position_ids.min()) < 0 or int(position_ids.max()) >= cos.shape[0]):
+            raise ValueError(f"position_ids: expected values in [0, {cos.shape[0]}) (cos's rows), got "
+                             f"[{int(position_ids.min())}, {int(position_ids.max())}]")
+        position_ids = position_ids.expand(tokens)
+    if isinstance(seqlen_offsets, torch.Tensor):
+        _tensor("seqlen_offsets", seqlen_offsets, dtypes=(torch.int32, torch.int64), ndim=1, like=x)
+    elif not (isinstance(seqlen_offsets, int) and not isinstance(seqlen_offsets, bool) and seqlen_offsets >= 0):
+        raise ValueError(f"seqlen_offsets: expected an int >= 0 or a (B,) int tensor, got {seqlen_offsets!r}")
+    return rotary_dim, position_ids
+
+
+def _check_rope_range(S, cos, seqlen_offsets, position_ids):
+    """Positions s + offset must index a row of cos: checked here, never read out of bounds."""
+    if position_ids is not None or S == 0:
+        return
+    top = (int(seqlen_offsets.max()) if isinstance(seqlen_offsets, torch.Tensor) and seqlen_offsets.numel()
+           else seqlen_offsets if isinstance(seqlen_offsets, int) else 0)
+    if isinstance(seqlen_offsets, torch.Tensor) and seqlen_offsets.numel() and int(seqlen_offsets.min()) < 0:
+        raise ValueError(f"seqlen_offsets: expected values >= 0, got {int(seqlen_offsets.min())}")
+    if S + top > cos.shape[0]:
+        raise ValueError(f"cos: expected at least {S + top} rows (sequence length {S} + offset {top}), "
+                         f"got {cos.shape[0]}")
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False,
+                 rotary_dim: int | None = None, position_ids: torch.Tensor | None = None,
+                 inplace: bool = False, *, cu_seqlens: torch.Tensor | None = None,
+                 max_seqlen: int | None = None, seqlen_offsets: int | torch.Tensor = 0,
+                 lane: str | None = None) -> torch.Tensor:
+    """Rotary position embedding (RoPE) of x's first ``rotary_dim`` features; the rest pass through.
+
+    Pair i of features is rotated by the angle whose cos and sin are row p (the token's position)
+    of ``cos``/``sin``: (a, b) -> (a cos - b sin, b cos + a sin). Pairing: GPT-NeoX's half split
+    (i, i + rotary_dim / 2) by default (Llama, Mistral, Qwen), GPT-J's (2i, 2i + 1) with
+    ``interleaved=True``.
+
+    Arguments:
+        x: (B, S, H, D), or packed (T, H, D) with ``cu_seqlens`` or ``position_ids``; fp16, bf16
+            or fp32 (fp64 on the reference lane). Any strides.
+        cos, sin: (S_ro, rotary_dim / 2), any float dtype, on x's device (FlashAttention's
+            ``apply_rotary_emb`` layout). Row p covers position p.
+        interleaved: the pairing, above.
+        rotary_dim: features rotated, even, at most D; default ``2 * cos.shape[1]``.
+        position_ids: int32/int64 positions, (B, S) or (1, S) for 4-d x, (T,) for packed x;
+            default: the token's index in its sequence plus ``seqlen_offsets``.
+        inplace: write into x (and return it). Differentiable too.
+        cu_seqlens: (B + 1,) int32 cumulative sequence lengths of packed x (FlashAttention's
+            varlen layout); each sequence's positions start at 0 (+ seqlen_offsets).
+        max_seqlen: the longest sequence in cu_seqlens; computed from it (a device sync) if None.
+        seqlen_offsets: int, or (B,) int tensor, added to every position (decode with a cache).
+        lane: as in :func:`rms_norm`.
+
+    Returns:
+        (x's shape) in x's dtype. Differentiable in x (the backward rotates back); not in cos/sin.
+
+    Raises:
+        TypeError: a non-tensor, an unsupported dtype.
+        ValueError: x not 3-d or 4-d; cos/sin of the wrong shape or too few rows for the positions
+            used; rotary_dim odd, non-positive or over D; position_ids or cu_seqlens malformed.
+
+    Source: Su et al., "RoFormer" (2021); conventions of FlashAttention's ``apply_rotary_emb``.
+    """
+    _tensor("x", x, dtypes=_WITH_F64, ndim=(3, 4))
+    rotary_dim, position_ids = _rotary_common("x", x, cos, sin, rotary_dim, position_ids, seqlen_offsets)
+    if x.dim() == 3 and cu_seqlens is None and position_ids is None:
+        raise ValueError("x: a packed (T, H, D) input needs cu_seqlens or position_ids")
+    if cu_seqlens is not None:
+        if x.dim() != 3:
+            raise ValueError(f"cu_seqlens: expected with a packed (T, H, D) x, got x of shape {tuple(x.shape)}")
+        _tensor("cu_seqlens", cu_seqlens, dtypes=(torch.int32,), ndim=1, like=x)
+        lengths = cu_seqlens.diff()
+        if cu_seqlens.numel() < 1 or int(cu_seqlens[0]) != 0 or (lengths < 0).any() or int(cu_seqlens[-1]) != x.shape[0]:
+            raise ValueError(f"cu_seqlens: expected non-decreasing offsets from 0 to T={x.shape[0]}, got "
+                             f"{cu_seqlens.tolist() if cu_seqlens.numel() <= 16 else tuple(cu_seqlens.shape)}")
+        longest = int(lengths.max()) if lengths.numel() else 0
+        if max_seqlen is None:
+            max_seqlen = longest
+        elif not (isinstance(max_seqlen, int) and max_seqlen >= longest):
+            raise ValueError(f"max_seqlen: expected an int >= the longest sequence ({longest}), got {max_seqlen!r}")
+        if isinstance(seqlen_offsets, torch.Tensor) and seqlen_offsets.shape[0] != cu_seqlens.shape[0] - 1:
+            raise ValueError(f"seqlen_offsets: expected ({cu_seqlens.shape[0] - 1},), got {tuple(seqlen_offsets.shape)}")
+        _check_rope_range(max_seqlen, cos, seqlen_offsets, position_ids)
+    else:
+        if isinstance(seqlen_offsets, torch.Tensor) and x.dim() == 4 and seqlen_offsets.shape[0] != x.shape[0]:
+            raise ValueError(f"seqlen_offsets: expected ({x.shape[0]},), got {tuple(seqlen_offsets.shape)}")
+        _check_rope_range(x.shape[1] if x.dim() == 4 else x.shape[0], cos, seqlen_offsets, position_ids)
+    if not isinstance(interleaved, bool) or not isinstance(inplace, bool):
+        raise TypeError("interleaved, inplace: expected bools")
+    chosen = _lane(x, lane)
+    return getattr(_lanes, f"apply_rotary_{chosen}")(
+        x=x, cos=cos, sin=sin, interleaved=interleaved, rotary_dim=rotary_dim,
+        position_ids=position_ids, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen or 0,
+        seqlen_offsets=seqlen_offsets, inplace=inplace)
+
+
+def _qk_common(q, k, q_weight, k_weight, cos, sin, eps, offset, rotary_dim, position_ids,
+               seqlen_offsets, dtypes):
+    _tensor("q", q, dtypes=dtypes, ndim=4)
+    _tensor("k", k, dtypes=(q.dtype,), ndim=4, like=q)
+    if k.shape[0] != q.shape[0] or k.shape[1] != q.shape[1] or k.shape[3] != q.shape[3]:
+        raise ValueError(f"k: expected (B, S, Hkv, D) = ({q.shape[0]}, {q.shape[1]}, Hkv, {q.shape[3]}) "
+                         f"as q's, got {tuple(k.shape)}")
+    _feature_param("q_weight", q_weight, q)
+    _feature_param("k_weight", k_weight, q)
+    rotary_dim, position_ids = _rotary_common("q", q, cos, sin, rotary_dim, position_ids, seqlen_offsets)
+    if isinstance(seqlen_offsets, torch.Tensor) and seqlen_offsets.shape[0] != q.shape[0]:
+        raise ValueError(f"seqlen_offsets: expected ({q.shape[0]},), got {tuple(seqlen_offsets.shape)}")
+    _check_rope_range(q.shape[1], cos, seqlen_offsets, position_ids)
+    if not (_is_real(offset) and math.isfinite(offset)):
+        raise ValueError(f"offset: expected a finite number, got {offset!r}")
+    return _eps(eps), float(offset), rotary_dim, position_ids
+
+
+def rms_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor | None,
+                  k_weight: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                  eps: float = 1e-6, offset: float = 0.0, interleaved: bool = False,
+                  rotary_dim: int | None = None, position_ids: torch.Tensor | None = None,
+                  seqlen_offsets: int | torch.Tensor = 0, *, lane: str | None = None):
+    """QK-norm then RoPE, in one kernel per tensor: RMSNorm of every head vector, then rotary.
+
+    For q and k: ``n = x / sqrt(mean(x^2) + eps) * (offset + weight)`` over D per (token, head),
+    then :func:`apply_rotary` of n's first rotary_dim features (the models with QK-norm: Qwen3,
+    OLMo 2, Gemma 3 with offset=1).
+
+    Arguments:
+        q: (B, S, Hq, D); k: (B, S, Hkv, D), same dtype; fp16, bf16 or fp32 (fp64 reference lane).
+        q_weight, k_weight: (D,) or None.
+        cos, sin, interleaved, rotary_dim, position_ids ((B, S) or (1, S)), seqlen_offsets: as in
+            :func:`apply_rotary`.
+        eps, offset: as in :func:`rms_norm`.
+        lane: as in :func:`rms_norm`.
+
+    Returns:
+        (q', k') in q's dtype. Differentiable in q, k and the weights.
+
+    Raises:
+        TypeError / ValueError: as :func:`apply_rotary` and :func:`rms_norm`, naming the argument.
+
+    Source: Qwen3's ``q_norm``/``k_norm`` before ``apply_rotary_pos_emb``; Henry et al.,
+    "Query-Key Normalization for Transformers" (2020).
+    """
+    eps, offset, rotary_dim, position_ids = _qk_common(
+        q, k, q_weight, k_weight, cos, sin, eps, offset, rotary_dim, position_ids, seqlen_offsets,
+        _WITH_F64)
+    chosen = _lane(q, lane, "q")
+    return getattr(_lanes, f"rms_norm_rope_{chosen}")(
+        q=q, k=k, q_weight=q_weight, k_weight=k_weight, cos=cos, sin=sin, eps=eps, offset=offset,
+        interleaved=bool(interleaved), rotary_dim=rotary_dim, position_ids=position_ids,
+        seqlen_offsets=seqlen_offsets)
+
+
+def qk_norm_rope_quant(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor | None,
+                       k_weight: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                       eps: float = 1e-6, offset: float = 0.0, interleaved: bool = False,
+                       rotary_dim: int | None = None, position_ids: torch.Tensor | None = None,
+                       seqlen_offsets: int | torch.Tensor = 0,
+                       quant_dtype: torch.dtype = torch.float8_e4m3fn, *, lane: str | None = None):
+    """QK-norm, RoPE on the last ``rotary_dim`` features, then per-(token, head) quantization.
+
+    Per head vector x of q and k: n = RMSNorm(x) * (offset + weight); RoPE on n's *tail*
+    features [D - rotary_dim, D) (as MLA-style models place their rotary part last); then
+    scale = max|n| / qmax (qmax 448 for e4m3, 127 for int8; 1 for an all-zero vector) and codes =
+    n / scale rounded to nearest, ties to even, clamped (int8 to [-128, 127]). Dequantize with
+    codes * scale. Forward only.
+
+    The codes are bit-exact against ``lanekit.reference.layers.qk_norm_rope_quant``: the sum of
+    squares is taken in float64 (exact for 16-bit inputs), and every later step is one correctly
+    rounded fp32 operation in the order that oracle documents (no fused multiply-adds). eps and
+    offset are used as their nearest fp32 values.
+
+    Arguments:
+        q: (B, S, Hq, D); k: (B, S, Hkv, D); fp16 or bf16 (fp32 too, exact only while the squares'
+            sum is).
+        q_weight, k_weight: (D,) or None.
+        cos, sin: (S_ro, rotary_dim / 2); rotary_dim, interleaved, position_ids, seqlen_offsets:
+            as in :func:`apply_rotary`.
+        quant_dtype: torch.float8_e4m3fn or torch.int8.
+        lane: as in :func:`rms_norm`.
+
+    Returns:
+        (q_codes, q_scale, k_codes, k_scale): codes in quant_dtype with q's/k's shape, scales
+        (B, S, H) fp32.
+
+    Raises:
+        TypeError: a non-tensor; q not fp16/bf16/fp32; quant_dtype not int8 or float8_e4m3fn.
+        ValueError: as :func:`rms_norm_rope`.
+
+    Source: the fused QK-norm + RoPE + quantization of FP8 attention in vLLM and SGLang;
+    rounding as ``torch.round`` and PyTorch's float8 casts.
+    """
+    if quant_dtype not in _QUANT_DTYPES:
+        raise TypeError(f"quant_dtype: expected torch.int8 or torch.float8_e4m3fn, got {quant_dtype!r}")
+    eps, offset, rotary_dim, position_ids = _qk_common(
+        q, k, q_weight, k_weight, cos, sin, eps, offset, rotary_dim, position_ids, seqlen_offsets,
+        _DTYPES)
+    eps32 = float(torch.tensor(eps, dtype=torch.float32))
+    off32 = float(torch.tensor(offset, dtype=torch.float32))
+    chosen = select_lane(q.device, lane)
+    return getattr(_lanes, f"qk_norm_rope_quant_{chosen}")(
+        q=q, k=k, q_weight=q_weight, k_weight=k_weight, cos=cos, sin=sin, eps=eps32, offset=off32,
+        interleaved=bool(interleaved), rotary_dim=rotary_dim, position_ids=position_ids,
+        seqlen_offsets=seqlen_offsets, quant_dtype=quant_dtype)
+
+
+def _glu(name, gate, up, out, activation, lane):
+    _tensor("gate", gate, dtypes=_WITH_F64)
+    if gate.dim() == 0:
+        raise ValueError("gate: expected at least 1 dimension, got a 0-d tensor")
+    if up is None:
+        if gate.shape[-1] % 2:
+            raise ValueError(f"gate: a fused (..., 2N) input needs an even last dim, got {tuple(gate.shape)}")
+        out_shape = (*gate.shape[:-1], gate.shape[-1] // 2)
+    else:
+        _tensor("up", up, dtypes=(gate.dtype,), like=gate)
+        _shape("up", up, gate.shape, "gate's shape")
+        out_shape = tuple(gate.shape)
+    if out is not None:
+        _tensor("out", out, dtypes=(gate.dtype,), like=gate)
+        _shape("out", out, out_shape, "the result's shape")
+        try:
+            out.view(-1, out.shape[-1])
+        except RuntimeError:
+            raise ValueError(f"out: expected leading dims that merge into rows without a copy, got "
+                             f"strides {out.stride()}") from None
+        if torch.is_grad_enabled() and (gate.requires_grad or (up is not None and up.requires_grad)):
+            raise ValueError(f"out: {name} with out= does not support autograd (as PyTorch's out= "
+                             "functions); call it without out= to differentiate")
+    chosen = _lane(gate, lane, "gate")
+    return getattr(_lanes, f"glu_{chosen}")(gate=gate, up=up, activation=activation, out=out)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor | None = None, *, out: torch.Tensor | None = None,
+           lane: str | None = None) -> torch.Tensor:
+    """SwiGLU's gating: ``silu(gate) * up``, silu(g) = g * sigmoid(g); fp32 inside.
+
+    Arguments:
+        gate: (..., N), fp16, bf16 or fp32 (fp64 on the reference lane), any strides. With up
+            None, gate is the fused (..., 2N) output of one gate-and-up projection: its first N
+            features are the gate, the last N the up (vLLM's ``silu_and_mul`` layout).
+        up: (..., N) like gate, or None.
+        out: (..., N) to write into, in gate's dtype; may be a non-contiguous view such as
+            ``buf[:, :N]``. Not differentiable (as PyTorch's out= functions).
+        lane: as in :func:`rms_norm`.
+
+    Returns:
+        (..., N) in gate's dtype. Differentiable: d(up) = dy * silu(g),
+        d(gate) = dy * up * s * (1 + g * (1 - s)) with s = sigmoid(g); a fused input gets its
+        gradient in the same fused layout.
+
+    Raises:
+        TypeError: a non-tensor or an unsupported dtype. ValueError: shapes that do not match,
+        an odd fused width, out= with autograd.
+
+    Source: Shazeer, "GLU Variants Improve Transformer" (2020); Llama's MLP.
+    """
+    return _glu("swiglu", gate, up, out, "silu", lane)
+
+
+def geglu(gate: torch.Tensor, up: torch.Tensor | None = None, approximate: str = "none", *,
+          out: torch.Tensor | None = None, lane: str | None = None) -> torch.Tensor:
+    """GeGLU's gating: ``gelu(gate) * up``, gelu as ``torch.nn.functional.gelu(approximate=...)``:
+    "none" (erf) or "tanh" (Gemma's ``gelu_pytorch_tanh``). Arguments, returns and errors as
+    :func:`swiglu`; d(gate) = dy * up * gelu'(gate).
+
+    Source: Shazeer, "GLU Variants Improve Transformer" (2020).
+    """
+    if approximate not in ("none", "tanh"):
+        raise ValueError(f"approximate: expected 'none' or 'tanh', got {approximate!r}")
+    return _glu("geglu", gate, up, out, "gelu" if approximate == "none" else "gelu_tanh", lane)

@@ -1,0 +1,724 @@
+"""Triton kernels of the fused layers, and their launchers.
+
+Three kernel families:
+- ``_norm_fwd_kernel`` / ``_norm_bwd_kernel``: RMSNorm, LayerNorm and AdaLN, one row of N features
+  per program (forward), with the fused residual (and gated residual) add. Rows up to a table's
+  width are held in registers (one read of x); wider rows are walked in blocks, several passes.
+- ``_rotary_kernel``: RoPE, optionally after a per-head RMSNorm and before a per-head quantization;
+  ``_rms_norm_rope_bwd_kernel`` its backward through the norm.
+- ``_glu_fwd_kernel`` / ``_glu_bwd_kernel``: SwiGLU and GeGLU.
+
+Every kernel computes in fp32 and casts once on the store; all offsets are int64.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from lanekit.runtime import tuning
+from lanekit.runtime.alloc import empty
+from lanekit.runtime.lanes import triton_interpreted
+
+if triton_interpreted():
+    from lanekit.runtime.interpreter import fix_interpreter
+
+    fix_interpreter()
+
+
+# --------------------------------------------------------------------------------------------
+# Norms: y = norm(h) [* (offset + w) + b] [* (1 + scale) + shift], h = x, or residual + [gate *] x
+# --------------------------------------------------------------------------------------------
+
+@triton.jit
+def _norm_load_h(X, R, GATE, x_row, r_row, m_row, cols, mask, stride_xn, stride_rn, stride_gn,
+                 HAS_RESIDUAL: tl.constexpr, HAS_GATE: tl.constexpr):
+    """(h, x) in fp32 for the columns ``cols`` of one row: h = x, or residual + [gate *] x."""
+    x = tl.load(X + x_row + cols * stride_xn, mask=mask, other=0.0).to(tl.float32)
+    h = x
+    if HAS_GATE:
+        h = h * tl.load(GATE + m_row + cols * stride_gn, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        h = h + tl.load(R + r_row + cols * stride_rn, mask=mask, other=0.0).to(tl.float32)
+    return h, x
+
+
+@triton.jit
+def _norm_affine(xhat, W, B, SCALE, SHIFT, scale_row, shift_row, cols, mask, offset,
+                 stride_sn, stride_tn, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 HAS_MOD: tl.constexpr):
+    """xhat [* (offset + w)] [+ b] [* (1 + scale) + shift]."""
+    y = xhat
+    if HAS_WEIGHT:
+        y = y * (offset + tl.load(W + cols, mask=mask, other=0.0).to(tl.float32))
+    if HAS_BIAS:
+        y = y + tl.load(B + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_MOD:
+        scale = tl.load(SCALE + scale_row + cols * stride_sn, mask=mask, other=0.0).to(tl.float32)
+        shift = tl.load(SHIFT + shift_row + cols * stride_tn, mask=mask, other=0.0).to(tl.float32)
+        y = y * (1.0 + scale) + shift
+    return y
+
+
+@triton.jit
+def _norm_fwd_kernel(
+    X, R, GATE, SCALE, SHIFT, W, B, Y, H_OUT, MEAN, RSTD,
+    stride_xm, stride_xn, stride_rm, stride_rn, stride_gm, stride_gn, stride_sm, stride_sn,
+    stride_tm, stride_tn, stride_ym, stride_yn, stride_hm, stride_hn,
+    N, rows_per_mod, eps, offset,
+    IS_RMS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_GATE: tl.constexpr,
+    HAS_MOD: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK_N: tl.constexpr, ONE_BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    m = row // rows_per_mod                          # the row of scale, shift and gate
+    x_row, r_row = row * stride_xm, row * stride_rm
+    g_row, s_row, t_row = m * stride_gm, m * stride_sm, m * stride_tm
+    y_row, h_row = row * stride_ym, row * stride_hm
+    cols0 = tl.arange(0, BLOCK_N).to(tl.int64)
+    if ONE_BLOCK:  # the whole row in registers: x is read once
+        mask = cols0 < N
+        h, x = _norm_load_h(X, R, GATE, x_row, r_row, g_row, cols0, mask, stride_xn, stride_rn,
+                            stride_gn, HAS_RESIDUAL, HAS_GATE)
+        mean = 0.0
+        if not IS_RMS:
+            mean = tl.sum(h, axis=0) / N
+        hc = tl.where(mask, h - mean, 0.0)
+        rstd = 1.0 / tl.sqrt(tl.sum(hc * hc, axis=0) / N + eps)
+        y = _norm_affine(hc * rstd, W, B, SCALE, SHIFT, s_row, t_row, cols0, mask, offset,
+                         stride_sn, stride_tn, HAS_WEIGHT, HAS_BIAS, HAS_MOD)
+        tl.store(Y + y_row + cols0 * stride_yn, y.to(Y.dtype.element_ty), mask=mask)
+        if HAS_RESIDUAL:
+            tl.store(H_OUT + h_row + cols0 * stride_hn, h.to(H_OUT.dtype.element_ty), mask=mask)
+    else:  # blocks of the row, one pass for the mean, one for the variance, one to write
+        mean = 0.0
+        if not IS_RMS:
+            acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+            for start in range(0, N, BLOCK_N):
+                cols = start + cols0
+                h, x = _norm_load_h(X, R, GATE, x_row, r_row, g_row, cols, cols < N, stride_xn,
+                                    stride_rn, stride_gn, HAS_RESIDUAL, HAS_GATE)
+                acc += h
+            mean = tl.sum(acc, axis=0) / N
+        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for start in range(0, N, BLOCK_N):
+            cols = start + cols0
+            mask = cols < N
+            h, x = _norm_load_h(X, R, GATE, x_row, r_row, g_row, cols, mask, stride_xn,
+                                stride_rn, stride_gn, HAS_RESIDUAL, HAS_GATE)
+            hc = tl.where(mask, h - mean, 0.0)
+            acc += hc * hc
+        rstd = 1.0 / tl.sqrt(tl.sum(acc, axis=0) / N + eps)
+        for start in range(0, N, BLOCK_N):
+            cols = start + cols0
+            mask = cols < N
+            h, x = _norm_load_h(X, R, GATE, x_row, r_row, g_row, cols, mask, stride_xn,
+                                stride_rn, stride_gn, HAS_RESIDUAL, HAS_GATE)
+            y = _norm_affine((h - mean) * rstd, W, B, SCALE, SHIFT, s_row, t_row, cols, mask,
+                             offset, stride_sn, stride_tn, HAS_WEIGHT, HAS_BIAS, HAS_MOD)
+            tl.store(Y + y_row + cols * stride_yn, y.to(Y.dtype.element_ty), mask=mask)
+            if HAS_RESIDUAL:
+                tl.store(H_OUT + h_row + cols * stride_hn, h.to(H_OUT.dtype.element_ty), mask=mask)
+    tl.store(MEAN + row, mean)
+    tl.store(RSTD + row, rstd)
+
+
+@triton.jit
+def _norm_bwd_terms(DY, X, R, GATE, SCALE, W, MEAN_ROW, RSTD_ROW, dy_row, x_row, r_row, g_row,
+                    mod_row, cols, mask, offset, stride_dyn, stride_xn, stride_rn, stride_gn,
+                    stride_mn, HAS_RESIDUAL: tl.constexpr, HAS_GATE: tl.constexpr,
+                    HAS_MOD: tl.constexpr, HAS_WEIGHT: tl.constexpr):
+    """For columns ``cols`` of one row: (xhat, x, dy, g, dxhat). g is dy through the modulation
+    (the gradient of xhat * w + b); dxhat is g through the weight (the gradient of xhat)."""
+    h, x = _norm_load_h(X, R, GATE, x_row, r_row, g_row, cols, mask, stride_xn, stride_rn,
+                        stride_gn, HAS_RESIDUAL, HAS_GATE)
+    xhat = tl.where(mask, (h - MEAN_ROW) * RSTD_ROW, 0.0)
+    dy = tl.load(DY + dy_row + cols * stride_dyn, mask=mask, other=0.0).to(tl.float32)
+    g = dy
+    if HAS_MOD:
+        g = g * (1.0 + tl.load(SCALE + mod_row + cols * stride_mn, mask=mask, other=0.0).to(tl.float32))
+    dxhat = g
+    if HAS_WEIGHT:
+        dxhat = g * (offset + tl.load(W + cols, mask=mask, other=0.0).to(tl.float32))
+    return xhat, x, dy, g, dxhat
+
+
+@triton.jit
+def _norm_bwd_kernel(
+    DY, DH_OUT, X, R, GATE, SCALE, W, B, MEAN, RSTD,
+    DX, DR, DW_PART, DB_PART, DSCALE_PART, DSHIFT_PART, DGATE_PART,
+    stride_dym, stride_dyn, stride_dhm, stride_dhn, stride_xm, stride_xn, stride_rm, stride_rn,
+    stride_gm, stride_gn, stride_mm, stride_mn, stride_dxm, stride_dxn, stride_drm, stride_drn,
+    N, rows_per_mod, rows_per_program, offset,
+    IS_RMS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_DH_OUT: tl.constexpr,
+    HAS_GATE: tl.constexpr, HAS_MOD: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, ONE_BLOCK: tl.constexpr,
+):
+    # Program (m, c) takes rows [c * rows_per_program, ...) of modulation group m (rows_per_mod
+    # rows sharing one row of scale, shift and gate; all rows when there is no modulation). The
+    # sums over rows (dw, db, dscale, dshift, dgate) go to this program's row of the *_PART
+    # buffers (num_groups * num_chunks, N), summed on the host: no atomics, deterministic.
+    m = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1).to(tl.int64)
+    part = (m * tl.num_programs(1) + c) * N
+    row_start = m * rows_per_mod + c * rows_per_program
+    row_end = tl.minimum(row_start + rows_per_program, (m + 1) * rows_per_mod)
+    g_row, mod_row = m * stride_gm, m * stride_mm
+    cols0 = tl.arange(0, BLOCK_N).to(tl.int64)
+    if ONE_BLOCK:
+        mask = cols0 < N
+        dw = tl.zeros([BLOCK_N], dtype=tl.float32)
+        db = tl.zeros([BLOCK_N], dtype=tl.float32)
+        dscale = tl.zeros([BLOCK_N], dtype=tl.float32)
+        dshift = tl.zeros([BLOCK_N], dtype=tl.float32)
+        dgate = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for row in range(row_start, row_end):
+        mean = tl.load(MEAN + row)
+        rstd = tl.load(RSTD + row)
+        dy_row, x_row, r_row = row * stride_dym, row * stride_xm, row * stride_rm
+        if ONE_BLOCK:
+            xhat, x, dy, g, dxhat = _norm_bwd_terms(
+                DY, X, R, GATE, SCALE, W, mean, rstd, dy_row, x_row, r_row, g_row, mod_row,
+                cols0, mask, offset, stride_dyn, stride_xn, stride_rn, stride_gn, stride_mn,
+                HAS_RESIDUAL, HAS_GATE, HAS_MOD, HAS_WEIGHT)
+            c1 = tl.sum(dxhat * xhat, axis=0) / N
+            c2 = 0.0
+            if not IS_RMS:
+                c2 = tl.sum(dxhat, axis=0) / N
+        else:
+            acc1 = tl.zeros([BLOCK_N], dtype=tl.float32)
+            acc2 = tl.zeros([BLOCK_N], dtype=tl.float32)
+            for start in range(0, N, BLOCK_N):
+                cols = start + cols0
+                xhat, x, dy, g, dxhat = _norm_bwd_terms(
+                    DY, X, R, GATE, SCALE, W, mean, rstd, dy_row, x_row, r_row, g_row, mod_row,
+                    cols, cols < N, offset, stride_dyn, stride_xn, stride_rn, stride_gn,
+                    stride_mn, HAS_RESIDUAL, HAS_GATE, HAS_MOD, HAS_WEIGHT)
+                acc1 += dxhat * xhat
+                acc2 += dxhat
+            c1 = tl.sum(acc1, axis=0) / N
+            c2 = 0.0
+            if not IS_RMS:
+                c2 = tl.sum(acc2, axis=0) / N
+        for start in range(0, N, BLOCK_N):
+            cols = start + cols0
+            if not ONE_BLOCK:  # reload this block (ONE_BLOCK keeps the row from above)
+                mask = cols < N
+                xhat, x, dy, g, dxhat = _norm_bwd_terms(
+                    DY, X, R, GATE, SCALE, W, mean, rstd, dy_row, x_row, r_row, g_row, mod_row,
+                    cols, mask, offset, stride_dyn, stride_xn, stride_rn, stride_gn, stride_mn,
+                    HAS_RESIDUAL, HAS_GATE, HAS_MOD, HAS_WEIGHT)
+            dh = (dxhat - (xhat * c1 + c2)) * rstd
+            if HAS_DH_OUT:  # the returned sum h was used downstream too
+                dh += tl.load(DH_OUT + row * stride_dhm + cols * stride_dhn, mask=mask, other=0.0).to(tl.float32)
+            if HAS_RESIDUAL:
+                tl.store(DR + row * stride_drm + cols * stride_drn, dh.to(DR.dtype.element_ty), mask=mask)
+            dx = dh
+            if HAS_GATE:
+                dx = dh * tl.load(GATE + g_row + cols * stride_gn, mask=mask, other=0.0).to(tl.float32)
+            tl.store(DX + row * stride_dxm + cols * stride_dxn, dx.to(DX.dtype.element_ty), mask=mask)
+            # this row's terms of the sums over rows; y_pre = xhat * w + b, the modulation's input
+            y_pre = xhat
+            if HAS_WEIGHT:
+                y_pre = xhat * (offset + tl.load(W + cols, mask=mask, other=0.0).to(tl.float32))
+            if HAS_BIAS:
+                y_pre += tl.load(B + cols, mask=mask, other=0.0).to(tl.float32)
+            if ONE_BLOCK:
+                dw += g * xhat
+                db += g
+                dscale += dy * y_pre
+                dshift += dy
+                dgate += dh * x
+            else:  # accumulate in this program's partial row; its first row starts it
+                first = row > row_start
+                if HAS_WEIGHT:
+                    p = DW_PART + part + cols
+                    tl.store(p, tl.load(p, mask=mask & first, other=0.0) + g * xhat, mask=mask)
+                if HAS_BIAS:
+                    p = DB_PART + part + cols
+                    tl.store(p, tl.load(p, mask=mask & first, other=0.0) + g, mask=mask)
+                if HAS_MOD:
+                    p = DSCALE_PART + part + cols
+                    tl.store(p, tl.load(p, mask=mask & first, other=0.0) + dy * y_pre, mask=mask)
+                    p = DSHIFT_PART + part + cols
+                    tl.store(p, tl.load(p, mask=mask & first, other=0.0) + dy, mask=mask)
+                if HAS_GATE:
+                    p = DGATE_PART + part + cols
+                    tl.store(p, tl.load(p, mask=mask & first, other=0.0) + dh * x, mask=mask)
+    if ONE_BLOCK:
+        if HAS_WEIGHT:
+            tl.store(DW_PART + part + cols0, dw, mask=mask)
+        if HAS_BIAS:
+            tl.store(DB_PART + part + cols0, db, mask=mask)
+        if HAS_MOD:
+            tl.store(DSCALE_PART + part + cols0, dscale, mask=mask)
+            tl.store(DSHIFT_PART + part + cols0, dshift, mask=mask)
+        if HAS_GATE:
+            tl.store(DGATE_PART + part + cols0, dgate, mask=mask)
+
+
+def _rows(t: torch.Tensor | None, N: int) -> torch.Tensor | None:
+    """t as (rows, N): a view when the leading dims allow one, else a copy."""
+    return None if t is None else t.reshape(-1, N)
+
+
+def _strides(t: torch.Tensor | None) -> tuple[int, int]:
+    return (0, 0) if t is None else (t.stride(0), t.stride(1))
+
+
+def _norm_config(device: torch.device, N: int, rows: int = 0) -> tuple[int, bool, int]:
+    """(BLOCK_N, ONE_BLOCK, num_warps) for rows of N features."""
+    cfg = tuning.norm_config(device, N)
+    block = min(triton.next_power_of_2(max(N, 1)), cfg.max_block_n)
+    return block, N <= block, cfg.num_warps
+
+
+def norm_fwd(*, x, weight, bias, eps, offset=0.0, is_rms, residual=None, gate=None, scale=None,
+             shift=None, rows_per_mod=1):
+    """Launch the forward. x, residual: (..., N); gate, scale, shift: (rows // rows_per_mod, N).
+    Returns (y like x, h like x or None, mean (rows,) fp32, rstd (rows,) fp32)."""
+    N = x.shape[-1]
+    x2, r2 = _rows(x, N), _rows(residual, N)
+    rows = x2.shape[0]
+    y = empty(x.shape, dtype=x.dtype, device=x.device)
+    h = empty(x.shape, dtype=x.dtype, device=x.device) if residual is not None else None
+    mean = empty((rows,), dtype=torch.float32, device=x.device)
+    rstd = empty((rows,), dtype=torch.float32, device=x.device)
+    if rows == 0:
+        return y, h, mean, rstd
+    y2, h2 = y.view(-1, N), (h.view(-1, N) if h is not None else None)
+    BLOCK_N, one_block, num_warps = _norm_config(x.device, N)
+    _norm_fwd_kernel[(rows,)](
+        x2, r2, gate, scale, shift, weight, bias, y2, h2, mean, rstd,
+        *_strides(x2), *_strides(r2), *_strides(gate), *_strides(scale), *_strides(shift),
+        *_strides(y2), *_strides(h2),
+        N, rows_per_mod, eps, offset,
+        IS_RMS=is_rms, HAS_RESIDUAL=residual is not None, HAS_GATE=gate is not None,
+        HAS_MOD=scale is not None, HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
+        BLOCK_N=BLOCK_N, ONE_BLOCK=one_block, num_warps=num_warps,
+    )
+    return y, h, mean, rstd
+
+
+def norm_bwd(*, dy, dh_out, x, weight, bias, mean, rstd, offset=0.0, is_rms, residual=None,
+             gate=None, scale=None, shift=None, rows_per_mod=1):
+    """Launch the backward. Returns (dx, dresidual, dweight, dbias, dgate, dscale, dshift), None
+    where the input is absent; the per-group gradients are (rows // rows_per_mod, N)."""
+    N = x.shape[-1]
+    x2, r2, dy2, dh2 = _rows(x, N), _rows(residual, N), _rows(dy, N), _rows(dh_out, N)
+    rows = x2.shape[0]
+    dx = empty(x.shape, dtype=x.dtype, device=x.device)
+    dr = empty(residual.shape, dtype=residual.dtype, device=x.device) if residual is not None else None
+    has_mod = scale is not None
+    groups = rows // rows_per_mod if (has_mod or gate is not None) else 1
+    per_group = rows // groups if rows else 0
+    BLOCK_N, one_block, num_warps = _norm_config(x.device, N)
+    # enough programs to fill the GPU, each summing a run of rows of one group
+    chunks = max(1, min(per_group, triton.cdiv(tuning.norm_bwd_programs(x.device), groups)))
+    rows_per_program = max(1, triton.cdiv(per_group, chunks))
+    chunks = max(1, triton.cdiv(per_group, rows_per_program))
+
+    def partial(needed):
+        return empty((groups * chunks, N), dtype=torch.float32, device=x.device) if needed else None
+
+    parts = [partial(weight is not None), partial(bias is not None), partial(has_mod),
+             partial(has_mod), partial(gate is not None)]
+    if rows > 0:
+        dx2, dr2 = dx.view(-1, N), (dr.view(-1, N) if dr is not None else None)
+        _norm_bwd_kernel[(groups, chunks)](
+            dy2, dh2, x2, r2, gate, scale, weight, bias, mean, rstd, dx2, dr2, *parts,
+            *_strides(dy2), *_strides(dh2), *_strides(x2), *_strides(r2), *_strides(gate),
+            *_strides(scale), *_strides(dx2), *_strides(dr2),
+            N, per_group, rows_per_program, offset,
+            IS_RMS=is_rms, HAS_RESIDUAL=residual is not None, HAS_DH_OUT=dh_out is not None,
+            HAS_GATE=gate is not None, HAS_MOD=has_mod, HAS_WEIGHT=weight is not None,
+            HAS_BIAS=bias is not None, BLOCK_N=BLOCK_N, ONE_BLOCK=one_block, num_warps=num_warps,
+        )
+
+    def total(p, like, per_group_sum):
+        if p is None:
+            return None
+        if rows == 0:
+            return torch.zeros(like.shape, dtype=like.dtype, device=like.device)
+        p = p.view(groups, chunks, N).sum(1) if per_group_sum else p.sum(0)
+        return p.reshape(like.shape).to(like.dtype)
+
+    dw_p, db_p, ds_p, dsh_p, dg_p = parts
+    return (dx, dr, total(dw_p, weight, False), total(db_p, bias, False), total(dg_p, gate, True),
+            total(ds_p, scale, True), total(dsh_p, shift, True))
+
+
+# --------------------------------------------------------------------------------------------
+# RoPE, optionally after a per-head RMSNorm and before a per-(token, head) quantization
+# --------------------------------------------------------------------------------------------
+
+@triton.jit
+def _rotary_tokens(B_IDX, offs_s, CU_SEQLENS, POS, SEQ_OFFSETS, seq_offset, S, stride_pb, stride_ps,
+                   IS_VARLEN: tl.constexpr, HAS_POS_IDS: tl.constexpr,
+                   HAS_OFFSET_TENSOR: tl.constexpr):
+    """(token index along x's sequence dim, in-sequence mask, position) of the sequence indices
+    offs_s of batch entry B_IDX; packed (varlen) inputs index tokens from the sequence's start."""
+    if IS_VARLEN:
+        start = tl.load(CU_SEQLENS + B_IDX).to(tl.int64)
+        seqlen = tl.load(CU_SEQLENS + B_IDX + 1).to(tl.int64) - start
+    else:
+        start = 0
+        seqlen = S
+    in_seq = offs_s < seqlen
+    tok = start + offs_s
+    if HAS_POS_IDS:
+        pos = tl.load(POS + B_IDX * stride_pb + tok * stride_ps, mask=in_seq, other=0).to(tl.int64)
+    else:
+        pos = offs_s
+        if HAS_OFFSET_TENSOR:
+            pos += tl.load(SEQ_OFFSETS + B_IDX).to(tl.int64)
+        else:
+            pos += seq_offset
+    return tok, in_seq, pos
+
+
+@triton.jit
+def _rotary_pairs(offs_i, ROT_START, HALF, INTERLEAVED: tl.constexpr):
+    """Feature indices (a, b) of rotary pair i: (i, i + HALF) NeoX, (2i, 2i + 1) interleaved."""
+    if INTERLEAVED:
+        return ROT_START + 2 * offs_i, ROT_START + 2 * offs_i + 1
+    return ROT_START + offs_i, ROT_START + HALF + offs_i
+
+
+@triton.jit
+def _rotary_kernel(
+    X, OUT, COS, SIN, POS, CU_SEQLENS, SEQ_OFFSETS, W, SCALE_OUT,
+    stride_xb, stride_xs, stride_xh, stride_xd, stride_ob, stride_os, stride_oh, stride_od,
+    stride_cs, stride_cd, stride_pb, stride_ps, stride_qb, stride_qs, stride_qh,
+    S, H, D, ROT_START, HALF, seq_offset, eps, offset, qmax,
+    BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr,
+    HAS_REST: tl.constexpr, INTERLEAVED: tl.constexpr, CONJUGATE: tl.constexpr,
+    WRITE_REST: tl.constexpr, HAS_NORM: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+    QUANT: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_POS_IDS: tl.constexpr,
+    HAS_OFFSET_TENSOR: tl.constexpr,
+):
+    # One program: BLOCK_S tokens x BLOCK_H heads of one batch entry, as BLOCK_S * BLOCK_H rows of
+    # D features (a token's heads are adjacent in memory, so the rows are too). Each row is
+    # handled in three pieces: the rotary pairs' first members a, their second members b, and the
+    # features outside the rotary range (HAS_REST). QUANT: 0 none, 1 int8, 2 fp8 e4m3; then every
+    # step is an exactly rounded operation (see reference.layers.qk_norm_rope_quant; the launcher
+    # turns off fused multiply-adds).
+    b = tl.program_id(1).to(tl.int64)
+    offs_r = tl.arange(0, BLOCK_S * BLOCK_H)
+    offs_s = tl.program_id(0).to(tl.int64) * BLOCK_S + offs_r // BLOCK_H
+    h = tl.program_id(2).to(tl.int64) * BLOCK_H + offs_r % BLOCK_H
+    tok, in_seq, pos = _rotary_tokens(b, offs_s, CU_SEQLENS, POS, SEQ_OFFSETS, seq_offset, S,
+                                      stride_pb, stride_ps, IS_VARLEN, HAS_POS_IDS, HAS_OFFSET_TENSOR)
+    row_mask = in_seq & (h < H)
+    x_rows = (X + b * stride_xb + tok * stride_xs + h * stride_xh)[:, None]   # [ROWS, 1]
+    o_rows = (OUT + b * stride_ob + tok * stride_os + h * stride_oh)[:, None]
+    offs_i = tl.arange(0, BLOCK_HALF).to(tl.int64)
+    da, db = _rotary_pairs(offs_i, ROT_START, HALF, INTERLEAVED)
+    pair_mask = row_mask[:, None] & (offs_i < HALF)[None, :]                  # [ROWS, BLOCK_HALF]
+    a = tl.load(x_rows + da[None, :] * stride_xd, mask=pair_mask, other=0.0).to(tl.float32)
+    bb = tl.load(x_rows + db[None, :] * stride_xd, mask=pair_mask, other=0.0).to(tl.float32)
+    if HAS_REST:
+        offs_d = tl.arange(0, BLOCK_D).to(tl.int64)
+        is_rest = (offs_d < D) & ((offs_d < ROT_START) | (offs_d >= ROT_START + 2 * HALF))
+        rest_mask = row_mask[:, None] & is_rest[None, :]                      # [ROWS, BLOCK_D]
+        rest = tl.load(x_rows + offs_d[None, :] * stride_xd, mask=rest_mask, other=0.0).to(tl.float32)
+    if HAS_NORM:
+        if QUANT:  # an exact sum of squares (16-bit inputs), for codes that match bit for bit
+            a64, b64 = a.to(tl.float64), bb.to(tl.float64)
+            ss = tl.sum(a64 * a64, axis=1) + tl.sum(b64 * b64, axis=1)
+            if HAS_REST:
+                r64 = rest.to(tl.float64)
+                ss += tl.sum(r64 * r64, axis=1)
+            rstd = (1.0 / tl.sqrt(ss / D + eps)).to(tl.float32)  # ss is fp64: so is this
+        else:
+            ss = tl.sum(a * a, axis=1) + tl.sum(bb * bb, axis=1)
+            if HAS_REST:
+                ss += tl.sum(rest * rest, axis=1)
+            rstd = 1.0 / tl.sqrt(ss / D + eps)
+        a = a * rstd[:, None]
+        bb = bb * rstd[:, None]
+        if HAS_WEIGHT:
+            a = a * (tl.load(W + da, mask=offs_i < HALF, other=0.0).to(tl.float32) + offset)[None, :]
+            bb = bb * (tl.load(W + db, mask=offs_i < HALF, other=0.0).to(tl.float32) + offset)[None, :]
+        if HAS_REST:
+            rest = rest * rstd[:, None]
+            if HAS_WEIGHT:
+                rest = rest * (tl.load(W + offs_d, mask=is_rest, other=0.0).to(tl.float32) + offset)[None, :]
+    c_ptrs = pos[:, None] * stride_cs + offs_i[None, :] * stride_cd
+    cos = tl.load(COS + c_ptrs, mask=pair_mask, other=0.0).to(tl.float32)
+    sin = tl.load(SIN + c_ptrs, mask=pair_mask, other=0.0).to(tl.float32)
+    if CONJUGATE:
+        sin = -sin
+    ra = a * cos - bb * sin
+    rb = bb * cos + a * sin
+    if QUANT:
+        amax = tl.maximum(tl.max(tl.abs(ra), axis=1), tl.max(tl.abs(rb), axis=1))
+        if HAS_REST:
+            amax = tl.maximum(amax, tl.max(tl.abs(rest), axis=1))
+        scale = tl.where(amax > 0, tl.math.div_rn(amax, qmax), 1.0)
+        tl.store(SCALE_OUT + b * stride_qb + tok * stride_qs + h * stride_qh, scale, mask=row_mask)
+        ra = _quantize(tl.math.div_rn(ra, scale[:, None]), qmax, QUANT)
+        rb = _quantize(tl.math.div_rn(rb, scale[:, None]), qmax, QUANT)
+        if HAS_REST:
+            rest = _quantize(tl.math.div_rn(rest, scale[:, None]), qmax, QUANT)
+    tl.store(o_rows + da[None, :] * stride_od, ra.to(OUT.dtype.element_ty), mask=pair_mask)
+    tl.store(o_rows + db[None, :] * stride_od, rb.to(OUT.dtype.element_ty), mask=pair_mask)
+    if HAS_REST and WRITE_REST:
+        tl.store(o_rows + offs_d[None, :] * stride_od, rest.to(OUT.dtype.element_ty), mask=rest_mask)
+
+
+@triton.jit
+def _quantize(x, qmax, QUANT: tl.constexpr):
+    """x / scale to the code format: int8 rounds to nearest even and clamps to [-128, 127]; fp8
+    clamps to +-qmax, and the cast rounds to nearest even."""
+    if QUANT == 1:
+        # round to nearest even: adding and subtracting 1.5 * 2^23 leaves an fp32 |x| < 2^22
+        # rounded to an integer by the hardware's own rounding (the launcher forbids contraction)
+        r = (x + 12582912.0) - 12582912.0
+        return tl.minimum(tl.maximum(r, -128.0), 127.0)
+    return tl.minimum(tl.maximum(x, -qmax), qmax)
+
+
+@triton.jit
+def _rms_norm_rope_bwd_kernel(
+    DY, X, DX, COS, SIN, POS, SEQ_OFFSETS, W, DW_PART,
+    stride_yb, stride_ys, stride_yh, stride_yd, stride_xb, stride_xs, stride_xh, stride_xd,
+    stride_dxb, stride_dxs, stride_dxh, stride_dxd, stride_cs, stride_cd, stride_pb, stride_ps,
+    S, H, D, HALF, seq_offset, eps, offset,
+    BLOCK_S: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr,
+    INTERLEAVED: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_POS_IDS: tl.constexpr,
+    HAS_OFFSET_TENSOR: tl.constexpr,
+):
+    # One program: BLOCK_S tokens of one batch entry, every head (the heads share the weight, whose
+    # gradient this program sums into its row of DW_PART (programs, D), summed on the host).
+    s_block = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    part = (b * tl.num_programs(0) + s_block) * D
+    offs_s = s_block * BLOCK_S + tl.arange(0, BLOCK_S).to(tl.int64)
+    tok, row_mask, pos = _rotary_tokens(b, offs_s, SEQ_OFFSETS, POS, SEQ_OFFSETS, seq_offset, S,
+                                        stride_pb, stride_ps, False, HAS_POS_IDS, HAS_OFFSET_TENSOR)
+    offs_i = tl.arange(0, BLOCK_HALF).to(tl.int64)
+    da, db = _rotary_pairs(offs_i, 0, HALF, INTERLEAVED)
+    pair_mask = row_mask[:, None] & (offs_i < HALF)[None, :]
+    offs_d = tl.arange(0, BLOCK_D).to(tl.int64)
+    is_rest = (offs_d >= 2 * HALF) & (offs_d < D)
+    rest_mask = row_mask[:, None] & is_rest[None, :]
+    c_ptrs = pos[:, None] * stride_cs + offs_i[None, :] * stride_cd
+    cos = tl.load(COS + c_ptrs, mask=pair_mask, other=0.0).to(tl.float32)
+    sin = tl.load(SIN + c_ptrs, mask=pair_mask, other=0.0).to(tl.float32)
+    wa = tl.full([BLOCK_HALF], 1.0, tl.float32)
+    wb = tl.full([BLOCK_HALF], 1.0, tl.float32)
+    wr = tl.full([BLOCK_D], 1.0, tl.float32)
+    if HAS_WEIGHT:
+        wa = tl.load(W + da, mask=offs_i < HALF, other=0.0).to(tl.float32) + offset
+        wb = tl.load(W + db, mask=offs_i < HALF, other=0.0).to(tl.float32) + offset
+        wr = tl.load(W + offs_d, mask=is_rest, other=0.0).to(tl.float32) + offset
+    dwa = tl.zeros([BLOCK_HALF], dtype=tl.float32)
+    dwb = tl.zeros([BLOCK_HALF], dtype=tl.float32)
+    dwr = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for h in range(H):
+        y_rows = DY + b * stride_yb + tok[:, None] * stride_ys + h * stride_yh
+        x_rows = X + b * stride_xb + tok[:, None] * stride_xs + h * stride_xh
+        dx_rows = DX + b * stride_dxb + tok[:, None] * stride_dxs + h * stride_dxh
+        dya = tl.load(y_rows + da[None, :] * stride_yd, mask=pair_mask, other=0.0).to(tl.float32)
+        dyb = tl.load(y_rows + db[None, :] * stride_yd, mask=pair_mask, other=0.0).to(tl.float32)
+        dn_r = tl.load(y_rows + offs_d[None, :] * stride_yd, mask=rest_mask, other=0.0).to(tl.float32)
+        dn_a = dya * cos + dyb * sin                    # the rotation by -theta
+        dn_b = dyb * cos - dya * sin
+        xa = tl.load(x_rows + da[None, :] * stride_xd, mask=pair_mask, other=0.0).to(tl.float32)
+        xb = tl.load(x_rows + db[None, :] * stride_xd, mask=pair_mask, other=0.0).to(tl.float32)
+        xr = tl.load(x_rows + offs_d[None, :] * stride_xd, mask=rest_mask, other=0.0).to(tl.float32)
+        ss = tl.sum(xa * xa, axis=1) + tl.sum(xb * xb, axis=1) + tl.sum(xr * xr, axis=1)
+        rstd = (1.0 / tl.sqrt(ss / D + eps))[:, None]
+        xa, xb, xr = xa * rstd, xb * rstd, xr * rstd    # xhat
+        ga, gb, gr = dn_a * wa[None, :], dn_b * wb[None, :], dn_r * wr[None, :]
+        c1 = (tl.sum(ga * xa, axis=1) + tl.sum(gb * xb, axis=1) + tl.sum(gr * xr, axis=1)) / D
+        c1 = c1[:, None]
+        tl.store(dx_rows + da[None, :] * stride_dxd, ((ga - xa * c1) * rstd).to(DX.dtype.element_ty), mask=pair_mask)
+        tl.store(dx_rows + db[None, :] * stride_dxd, ((gb - xb * c1) * rstd).to(DX.dtype.element_ty), mask=pair_mask)
+        tl.store(dx_rows + offs_d[None, :] * stride_dxd, ((gr - xr * c1) * rstd).to(DX.dtype.element_ty), mask=rest_mask)
+        dwa += tl.sum(dn_a * xa, axis=0)
+        dwb += tl.sum(dn_b * xb, axis=0)
+        dwr += tl.sum(dn_r * xr, axis=0)
+    if HAS_WEIGHT:
+        tl.store(DW_PART + part + da, dwa, mask=offs_i < HALF)
+        tl.store(DW_PART + part + db, dwb, mask=offs_i < HALF)
+        tl.store(DW_PART + part + offs_d, dwr, mask=is_rest)
+
+
+# --------------------------------------------------------------------------------------------
+# Gated linear units: y = act(gate) * up
+# --------------------------------------------------------------------------------------------
+
+_SQRT_2_OVER_PI = tl.constexpr(math.sqrt(2.0 / math.pi))
+_INV_SQRT_2 = tl.constexpr(1.0 / math.sqrt(2.0))
+_INV_SQRT_2PI = tl.constexpr(1.0 / math.sqrt(2.0 * math.pi))
+ACTIVATIONS = {"silu": 0, "gelu": 1, "gelu_tanh": 2}
+
+
+@triton.jit
+def _glu_act(g, ACT: tl.constexpr):
+    """(act(g), act'(g)) in fp32: 0 silu, 1 gelu (erf), 2 gelu (tanh approximation)."""
+    if ACT == 0:
+        s = tl.sigmoid(g)
+        return g * s, s * (1.0 + g * (1.0 - s))
+    elif ACT == 1:
+        cdf = 0.5 * (1.0 + tl.erf(g * _INV_SQRT_2))
+        return g * cdf, cdf + g * _INV_SQRT_2PI * tl.exp(-0.5 * g * g)
+    else:
+        inner = _SQRT_2_OVER_PI * (g + 0.044715 * g * g * g)
+        t = 2.0 * tl.sigmoid(2.0 * inner) - 1.0   # tanh, to within fp32 rounding of 1
+        d_inner = _SQRT_2_OVER_PI * (1.0 + 3.0 * 0.044715 * g * g)
+        return 0.5 * g * (1.0 + t), 0.5 * (1.0 + t) + 0.5 * g * (1.0 - t * t) * d_inner
+
+
+@triton.jit
+def _glu_fwd_kernel(G, U, Y, stride_gm, stride_gn, stride_um, stride_un, stride_ym, stride_yn,
+                    N, ACT: tl.constexpr, BLOCK_N: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
+    mask = cols < N
+    g = tl.load(G + row * stride_gm + cols * stride_gn, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(U + row * stride_um + cols * stride_un, mask=mask, other=0.0).to(tl.float32)
+    act, _ = _glu_act(g, ACT)
+    tl.store(Y + row * stride_ym + cols * stride_yn, (act * u).to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _glu_bwd_kernel(DY, G, U, DG, DU, stride_dym, stride_dyn, stride_gm, stride_gn, stride_um,
+                    stride_un, stride_dgm, stride_dgn, stride_dum, stride_dun,
+                    N, ACT: tl.constexpr, BLOCK_N: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
+    mask = cols < N
+    dy = tl.load(DY + row * stride_dym + cols * stride_dyn, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(G + row * stride_gm + cols * stride_gn, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(U + row * stride_um + cols * stride_un, mask=mask, other=0.0).to(tl.float32)
+    act, dact = _glu_act(g, ACT)
+    tl.store(DU + row * stride_dum + cols * stride_dun, (dy * act).to(DU.dtype.element_ty), mask=mask)
+    tl.store(DG + row * stride_dgm + cols * stride_dgn, (dy * u * dact).to(DG.dtype.element_ty), mask=mask)
+
+
+def _glu_grid(rows, N, device):
+    cfg = tuning.glu_config(device)
+    block = min(cfg.block_n, triton.next_power_of_2(max(N, 1)))
+    return (rows, triton.cdiv(N, block)), block, cfg.num_warps
+
+
+def glu_fwd(*, gate, up, activation, out):
+    """gate, up, out: (rows, N) views with any strides; writes act(gate) * up into out."""
+    rows, N = gate.shape
+    if rows == 0 or N == 0:
+        return out
+    grid, block, num_warps = _glu_grid(rows, N, gate.device)
+    _glu_fwd_kernel[grid](gate, up, out, *gate.stride(), *up.stride(), *out.stride(), N,
+                          ACT=ACTIVATIONS[activation], BLOCK_N=block, num_warps=num_warps)
+    return out
+
+
+def glu_bwd(*, dy, gate, up, activation, dgate, dup):
+    """Writes d(gate) and d(up), (rows, N) views with any strides (halves of one fused gradient
+    when the input was fused)."""
+    rows, N = gate.shape
+    if rows == 0 or N == 0:
+        return
+    grid, block, num_warps = _glu_grid(rows, N, gate.device)
+    _glu_bwd_kernel[grid](dy, gate, up, dgate, dup, *dy.stride(), *gate.stride(), *up.stride(),
+                          *dgate.stride(), *dup.stride(), N, ACT=ACTIVATIONS[activation],
+                          BLOCK_N=block, num_warps=num_warps)
+
+
+_QUANT_CODES = {None: 0, torch.int8: 1, torch.float8_e4m3fn: 2}
+
+
+def _batched(t):
+    """(B, S, H, D) view of a (B, S, H, D) or packed (T, H, D) tensor (packed: B = 1)."""
+    return t if t is None or t.dim() == 4 else t.unsqueeze(0)
+
+
+def rotary_fwd(*, x, cos, sin, out, rot_start, rotary_dim, interleaved=False, conjugate=False,
+               position_ids=None, cu_seqlens=None, max_seqlen=None, seqlen_offsets=0,
+               weight=None, norm=False, eps=0.0, offset=0.0, quant_dtype=None, scale_out=None):
+    """Rotate x's features [rot_start, rot_start + rotary_dim) into out (which may be x itself).
+
+    x, out: (B, S, H, D), or packed (T, H, D) with cu_seqlens (B + 1,) or position_ids (T,).
+    norm: a per-head RMSNorm first (weight (D,) or None). quant_dtype: int8 or float8_e4m3fn codes
+    into out, and per-(token, head) fp32 scales into scale_out (B, S, H).
+    """
+    varlen = cu_seqlens is not None
+    if varlen:
+        B, S = cu_seqlens.shape[0] - 1, max_seqlen
+        x4, o4 = x.unsqueeze(0), out.unsqueeze(0)
+        x_strides = (0, x.stride(0), x.stride(1), x.stride(2))
+        o_strides = (0, out.stride(0), out.stride(1), out.stride(2))
+    else:
+        x4, o4 = _batched(x), _batched(out)
+        B, S = x4.shape[0], x4.shape[1]
+        x_strides, o_strides = x4.stride(), o4.stride()
+    H, D = x4.shape[2], x4.shape[3]
+    if B == 0 or S == 0 or H == 0:
+        return out
+    pos = position_ids
+    if pos is not None and pos.dim() == 1:  # packed tokens: one position per token
+        pos = pos.unsqueeze(0)
+    pos_strides = (0, 0) if pos is None else ((0 if varlen else pos.stride(0)), pos.stride(1))
+    offsets_tensor = isinstance(seqlen_offsets, torch.Tensor)
+    cfg = tuning.rotary_config(x.device)
+    half = rotary_dim // 2
+    rows = cfg.norm_block_rows if norm and quant_dtype is None else cfg.block_rows
+    block_h = min(triton.next_power_of_2(H), rows)   # a token's heads first, then tokens
+    block_s = max(1, rows // block_h)
+    grid = (triton.cdiv(S, block_s), B, triton.cdiv(H, block_h))
+    _rotary_kernel[grid](
+        x4, o4, cos, sin, pos, cu_seqlens, seqlen_offsets if offsets_tensor else None, weight,
+        scale_out, *x_strides, *o_strides, cos.stride(0), cos.stride(1), *pos_strides,
+        *(scale_out.stride() if scale_out is not None else (0, 0, 0)),
+        S, H, D, rot_start, half, 0 if offsets_tensor else int(seqlen_offsets), eps, offset,
+        float(reference_qmax(quant_dtype)),
+        BLOCK_S=block_s, BLOCK_H=block_h, BLOCK_HALF=triton.next_power_of_2(max(half, 1)),
+        BLOCK_D=triton.next_power_of_2(D), HAS_REST=rotary_dim < D, INTERLEAVED=interleaved,
+        CONJUGATE=conjugate,
+        WRITE_REST=(out.data_ptr() != x.data_ptr()) or norm or quant_dtype is not None,
+        HAS_NORM=norm, HAS_WEIGHT=weight is not None, QUANT=_QUANT_CODES[quant_dtype],
+        IS_VARLEN=varlen, HAS_POS_IDS=pos is not None, HAS_OFFSET_TENSOR=offsets_tensor,
+        num_warps=cfg.num_warps,
+        # the quantized path is specified as exactly rounded steps: no fused multiply-adds
+        **({"enable_fp_fusion": False} if quant_dtype is not None else {}),
+    )
+    return out
+
+
+def reference_qmax(dtype) -> float:
+    return {None: 0.0, torch.int8: 127.0, torch.float8_e4m3fn: 448.0}[dtype]
+
+
+def rms_norm_rope_bwd(*, dy, x, weight, cos, sin, eps, offset, rotary_dim, interleaved,
+                      position_ids, seqlen_offsets):
+    """Gradients (dx like x, dweight like weight or None) of RMSNorm-then-RoPE of x (B, S, H, D)."""
+    B, S, H, D = x.shape
+    dx = empty(x.shape, dtype=x.dtype, device=x.device)
+    cfg = tuning.rotary_config(x.device)
+    block_s = cfg.bwd_block_s
+    s_blocks = triton.cdiv(S, block_s)
+    dw_part = empty((B * s_blocks, D), dtype=torch.float32, device=x.device) if weight is not None else None
+    if B * S * H > 0:
+        half = rotary_dim // 2
+        offsets_tensor = isinstance(seqlen_offsets, torch.Tensor)
+        pos_strides = (0, 0) if position_ids is None else position_ids.stride()
+        _rms_norm_rope_bwd_kernel[(s_blocks, B)](
+            dy, x, dx, cos, sin, position_ids, seqlen_offsets if offsets_tensor else None, weight,
+            dw_part, *dy.stride(), *x.stride(), *dx.stride(), cos.stride(0), cos.stride(1),
+            *pos_strides, S, H, D, half, 0 if offsets_tensor else int(seqlen_offsets), eps, offset,
+            BLOCK_S=block_s, BLOCK_HALF=triton.next_power_of_2(max(half, 1)),
+            BLOCK_D=triton.next_power_of_2(D), INTERLEAVED=interleaved,
+            HAS_WEIGHT=weight is not None, HAS_POS_IDS=position_ids is not None,
+            HAS_OFFSET_TENSOR=offsets_tensor, num_warps=cfg.num_warps,
+        )
+    if weight is None:
+        return dx, None
+    if B * S * H == 0:
+        return dx, torch.zeros_like(weight)
+    return dx, dw_part.sum(0).to(weight.dtype)

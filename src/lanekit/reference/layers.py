@@ -1,0 +1,262 @@
+"""Oracles of the fused layers: plain PyTorch that reads like the math. No Triton here.
+
+They compute in the dtype of their floating inputs (the checks pass float64 copies) and return
+results in that dtype; the lanes round to the input's dtype. ``qk_norm_rope_quant`` is the exception:
+its codes are defined by an exact fp32 sequence of operations (see its docstring), so its oracle
+computes that sequence whatever dtype it is given.
+
+Sources (docs/semantics.md): RMSNorm (Zhang & Sennrich 2019) as in Llama, with Gemma's ``1 + w``
+form; LayerNorm as ``torch.nn.functional.layer_norm`` over the last dim; AdaLN as DiT's adaLN-Zero
+(Peebles & Xie 2023); RoPE (Su et al. 2021) with GPT-NeoX's half-split pairing or GPT-J's
+interleaved pairing, FlashAttention's ``apply_rotary_emb`` conventions; SwiGLU/GeGLU (Shazeer 2020),
+with vLLM's ``silu_and_mul`` layout for a fused (..., 2N) input.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def _norm(h: torch.Tensor, eps: float, rms: bool) -> torch.Tensor:
+    """(h - mean) / sqrt(var + eps) over the last dim; RMSNorm: mean taken as 0."""
+    if not rms:
+        h = h - h.mean(-1, keepdim=True)
+    return h / torch.sqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def rms_norm(x, weight, eps=1e-6, residual=None, offset=0.0):
+    """y = h / sqrt(mean(h^2) + eps) * (offset + weight), h = x (+ residual).
+    Returns y, or (y, h) with a residual."""
+    h = x if residual is None else x + residual
+    y = _norm(h, eps, rms=True)
+    if weight is not None:
+        y = y * (offset + weight)
+    return y if residual is None else (y, h)
+
+
+def layer_norm(x, weight, bias, eps=1e-5, residual=None):
+    """y = (h - mean) / sqrt(var + eps) * weight + bias over the last dim, h = x (+ residual).
+    Returns y, or (y, h) with a residual."""
+    h = x if residual is None else x + residual
+    y = _norm(h, eps, rms=False)
+    if weight is not None:
+        y = y * weight
+    if bias is not None:
+        y = y + bias
+    return y if residual is None else (y, h)
+
+
+def adaln(x, scale, shift, gate=None, eps=1e-6, residual=None):
+    """DiT's modulated LayerNorm (no affine weights): y = LN(h) * (1 + scale) + shift.
+
+    x: (B, S, N) or (rows, N); scale, shift and gate: (B, N), broadcast over the S tokens of their
+    batch entry, or one row per row of x. h = x, or with a residual h = residual + gate * x (gate 1
+    when absent): the gated residual add of the block before, fused with the next block's norm.
+    Returns y, or (y, h) with a residual.
+    """
+    def per_row(t):
+        return t.unsqueeze(-2) if t.dim() < x.dim() else t
+
+    h = x
+    if residual is not None:
+        h = residual + (x if gate is None else per_row(gate) * x)
+    y = _norm(h, eps, rms=False) * (1 + per_row(scale)) + per_row(shift)
+    return y if residual is None else (y, h)
+
+
+def rotary_positions(x_shape, *, position_ids=None, cu_seqlens=None, seqlen_offsets=0):
+    """The position of every token of x, as int64 of shape x.shape[:-2] ((B, S) or (T,))."""
+    if position_ids is not None:
+        return position_ids.long().expand(x_shape[:-2])
+    if cu_seqlens is not None:
+        lengths = cu_seqlens.long().diff()
+        starts = torch.repeat_interleave(cu_seqlens[:-1].long(), lengths)
+        pos = torch.arange(int(cu_seqlens[-1]), device=cu_seqlens.device) - starts
+        offsets = seqlen_offsets if isinstance(seqlen_offsets, int) else \
+            torch.repeat_interleave(seqlen_offsets.long(), lengths)
+        return pos + offsets
+    B, S = x_shape[0], x_shape[1]
+    pos = torch.arange(S).expand(B, S)
+    if isinstance(seqlen_offsets, int):
+        return pos + seqlen_offsets
+    return pos.to(seqlen_offsets.device) + seqlen_offsets.long()[:, None]
+
+
+def apply_rotary(x, cos, sin, interleaved=False, rotary_dim=None, position_ids=None,
+                 cu_seqlens=None, seqlen_offsets=0, conjugate=False, max_seqlen=None):
+    """Rotate pairs of x's first ``rotary_dim`` features by angle theta(position, i).
+
+    x: (B, S, H, D) or packed (T, H, D); cos, sin: (S_ro, rotary_dim / 2), row p holding
+    cos(theta(p, i)), sin(theta(p, i)). Pair i is (i, i + rotary_dim / 2) (NeoX) or (2i, 2i + 1)
+    (interleaved, GPT-J): (a, b) -> (a cos - b sin, b cos + a sin). Features from rotary_dim on
+    pass through. ``conjugate`` rotates by -theta (the backward). ``max_seqlen`` is accepted for
+    the kernels' sake (it sizes their grid) and not needed here.
+    """
+    rd = rotary_dim if rotary_dim is not None else 2 * cos.shape[-1]
+    pos = rotary_positions(x.shape, position_ids=position_ids, cu_seqlens=cu_seqlens,
+                           seqlen_offsets=seqlen_offsets)
+    c = cos[pos.to(cos.device)].unsqueeze(-2)   # (..., 1, rd / 2)
+    s = sin[pos.to(sin.device)].unsqueeze(-2)
+    if conjugate:
+        s = -s
+    rot, rest = x[..., :rd], x[..., rd:]
+    if interleaved:
+        a, b = rot[..., 0::2], rot[..., 1::2]
+        out = torch.stack((a * c - b * s, b * c + a * s), dim=-1).flatten(-2)
+    else:
+        a, b = rot[..., : rd // 2], rot[..., rd // 2:]
+        out = torch.cat((a * c - b * s, b * c + a * s), dim=-1)
+    return torch.cat((out, rest), dim=-1)
+
+
+def rms_norm_rope(q, k, q_weight, k_weight, cos, sin, eps=1e-6, offset=0.0, interleaved=False,
+                  rotary_dim=None, position_ids=None, seqlen_offsets=0):
+    """QK-norm then RoPE: RMSNorm of every head vector (over D, weights (D,)), then rotary.
+    q: (B, S, Hq, D), k: (B, S, Hkv, D). Returns (q', k')."""
+    rope = dict(interleaved=interleaved, rotary_dim=rotary_dim, position_ids=position_ids,
+                seqlen_offsets=seqlen_offsets)
+    return (apply_rotary(rms_norm(q, q_weight, eps, offset=offset), cos, sin, **rope),
+            apply_rotary(rms_norm(k, k_weight, eps, offset=offset), cos, sin, **rope))
+
+
+QUANT_MAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
+
+
+def quantize_per_head(v: torch.Tensor, dtype: torch.dtype):
+    """Per-(token, head) symmetric quantization of float32 v (..., D): scale = amax / qmax (1 when
+    the row is all zero), codes = v / scale rounded to nearest, ties to even, clamped to the
+    format's range (int8: [-128, 127]; e4m3: +-448). Every step is one correctly rounded fp32
+    operation. Returns (codes in ``dtype``, scale fp32 (...))."""
+    amax = v.abs().amax(-1)
+    # divided by a tensor: PyTorch's CUDA kernels multiply by the reciprocal of a Python scalar
+    # divisor, which is not the correctly rounded quotient
+    qmax = torch.full_like(amax, QUANT_MAX[dtype])
+    scale = torch.where(amax > 0, amax / qmax, torch.ones_like(amax))
+    x = v / scale.unsqueeze(-1)
+    if dtype == torch.int8:
+        codes = torch.round(x).clamp(-128, 127).to(torch.int8)   # torch.round: ties to even
+    else:
+        codes = x.clamp(-QUANT_MAX[dtype], QUANT_MAX[dtype]).to(dtype)  # the cast rounds ties to even
+    return codes, scale
+
+
+def qk_norm_rope_quant(q, k, q_weight, k_weight, cos, sin, eps=1e-6, offset=0.0,
+                       interleaved=False, rotary_dim=None, position_ids=None, seqlen_offsets=0,
+                       quant_dtype=torch.float8_e4m3fn):
+    """RMSNorm per head, RoPE on the last ``rotary_dim`` features, then per-(token, head) quant.
+
+    Exact by construction, so that codes can be compared bit for bit: the sum of squares is taken
+    in float64 (exact for 16-bit inputs whose squares span fewer than 30 binades, which holds for
+    any realistic row), rstd = 1 / sqrt(sum / D + eps) in float64 rounded once to fp32, and every
+    later step is one correctly rounded fp32 operation in this order: n = (x * rstd) * (offset + w);
+    rotary (a * cos - b * sin, b * cos + a * sin, each product rounded); then
+    :func:`quantize_per_head`. Returns (q_codes, q_scale, k_codes, k_scale), scales (B, S, H) fp32.
+    """
+    f32 = torch.float32
+    D = q.shape[-1]
+    rd = rotary_dim if rotary_dim is not None else 2 * cos.shape[-1]
+    pos = rotary_positions(q.shape, position_ids=position_ids, seqlen_offsets=seqlen_offsets)
+
+    def one(x, w):
+        x64 = x.to(torch.float64)
+        rstd = (1.0 / torch.sqrt((x64 * x64).sum(-1, keepdim=True) / D + eps)).to(f32)
+        wf = w.to(f32) + f32_scalar(offset) if w is not None else None
+        n = x.to(f32) * rstd
+        if wf is not None:
+            n = n * wf
+        head, tail = n[..., : D - rd], n[..., D - rd:]
+        c = cos.to(f32)[pos.to(cos.device)].unsqueeze(-2)
+        s = sin.to(f32)[pos.to(sin.device)].unsqueeze(-2)
+        if interleaved:
+            a, b = tail[..., 0::2], tail[..., 1::2]
+            tail = torch.stack((a * c - b * s, b * c + a * s), dim=-1).flatten(-2)
+        else:
+            a, b = tail[..., : rd // 2], tail[..., rd // 2:]
+            tail = torch.cat((a * c - b * s, b * c + a * s), dim=-1)
+        return quantize_per_head(torch.cat((head, tail), dim=-1), quant_dtype)
+
+    return (*one(q, q_weight), *one(k, k_weight))
+
+
+def f32_scalar(x: float) -> torch.Tensor:
+    return torch.tensor(x, dtype=torch.float32)
+
+
+def _gelu(g, approximate):
+    if approximate == "tanh":
+        return 0.5 * g * (1 + torch.tanh(math.sqrt(2 / math.pi) * (g + 0.044715 * g ** 3)))
+    return 0.5 * g * (1 + torch.erf(g / math.sqrt(2)))
+
+
+def _split(gate, up):
+    if up is None:
+        n = gate.shape[-1] // 2
+        return gate[..., :n], gate[..., n:]
+    return gate, up
+
+
+def swiglu(gate, up=None):
+    """silu(gate) * up. With up None, gate is the fused (..., 2N) tensor: gate first, then up."""
+    gate, up = _split(gate, up)
+    return gate * torch.sigmoid(gate) * up
+
+
+def geglu(gate, up=None, approximate="none"):
+    """gelu(gate) * up, gelu as torch.nn.functional.gelu(approximate=...)."""
+    gate, up = _split(gate, up)
+    return _gelu(gate, approximate) * up
+
+
+def glu(gate, up=None, activation="silu"):
+    """The gated unit by activation name: "silu" (SwiGLU), "gelu" or "gelu_tanh" (GeGLU)."""
+    if activation == "silu":
+        return swiglu(gate, up)
+    return geglu(gate, up, "tanh" if activation == "gelu_tanh" else "none")
+
+
+def gradients(forward, douts, wrt, **kwargs):
+    """Gradients of ``forward(**kwargs)`` by autograd, one per name in ``wrt``, for the output
+    gradients ``douts`` (one per output; None for an output not used downstream). A name whose
+    input is None gets an empty tensor, so that every call returns the same number of tensors."""
+    leaves = {n: kwargs[n].detach().requires_grad_() for n in wrt if kwargs.get(n) is not None}
+    with torch.enable_grad():
+        outs = forward(**{**kwargs, **leaves})
+        outs = outs if isinstance(outs, tuple) else (outs,)
+        pairs = [(o, d) for o, d in zip(outs, douts) if d is not None]
+        grads = torch.autograd.grad([o for o, _ in pairs], list(leaves.values()),
+                                    [d for _, d in pairs], allow_unused=True)
+    by_name = dict(zip(leaves, grads))
+    empty = torch.zeros(0, dtype=douts[0].dtype, device=douts[0].device)
+    return tuple(by_name[n] if by_name.get(n) is not None else
+                 (torch.zeros_like(leaves[n]) if n in leaves else empty) for n in wrt)
+
+
+# The inputs each differentiable layer has gradients for, in the order the backward returns them.
+GRAD_INPUTS = {
+    "rms_norm": ("x", "weight", "residual"),
+    "layer_norm": ("x", "weight", "bias", "residual"),
+    "adaln": ("x", "scale", "shift", "gate", "residual"),
+    "apply_rotary": ("x",),
+    "rms_norm_rope": ("q", "k", "q_weight", "k_weight"),
+    "glu": ("gate", "up"),
+}
+
+
+def _backward(name):
+    def backward(dout, dh=None, dk=None, **kwargs):
+        douts = (dout, dk) if name == "rms_norm_rope" else (dout, dh)
+        return gradients(globals()[name], douts, GRAD_INPUTS[name], **kwargs)
+    backward.__name__ = f"{name}_backward"
+    backward.__doc__ = (f"Gradients of :func:`{name}` ({', '.join(GRAD_INPUTS[name])}) by autograd, "
+                        "for dout (and dh, the gradient of a returned residual sum; dk for k').")
+    return backward
+
+
+rms_norm_backward = _backward("rms_norm")
+layer_norm_backward = _backward("layer_norm")
+adaln_backward = _backward("adaln")
+apply_rotary_backward = _backward("apply_rotary")
+rms_norm_rope_backward = _backward("rms_norm_rope")
+glu_backward = _backward("glu")

@@ -1,0 +1,258 @@
+"""Fused layers (lanekit.layers) beyond the registry's samples, which tests/test_check.py runs on every
+lane: PyTorch's and transformers' own modules as clients, the widest rows, in-place and out= writes,
+gradients through the fused residual, torch.compile, bad input, more than 2^31 elements (GPU)."""
+
+import pytest
+import torch
+
+import lanekit.layers as L
+from lanekit.reference import layers as ref
+from lanekit.testing import assert_close, poisoned_outputs, randn
+
+LANES = ["triton", "reference"]
+
+
+def f64(t):
+    return t.double() if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+
+
+def gen(seed=0):
+    return torch.Generator().manual_seed(seed)
+
+
+@pytest.mark.parametrize("lane", LANES)
+def test_rms_norm_and_layer_norm_match_pytorchs_modules(device, lane):
+    g = gen()
+    x = randn(17, 300, dtype=torch.float32, device=device, generator=g)
+    rms = torch.nn.RMSNorm(300, eps=1e-6).to(device)
+    ln = torch.nn.LayerNorm(300, eps=1e-5).to(device)
+    with torch.no_grad():
+        rms.weight.copy_(randn(300, dtype=torch.float32, device=device, generator=g))
+        ln.weight.copy_(randn(300, dtype=torch.float32, device=device, generator=g))
+        ln.bias.copy_(randn(300, dtype=torch.float32, device=device, generator=g))
+    with poisoned_outputs():
+        ours_rms = L.rms_norm(x, rms.weight, 1e-6, lane=lane)
+        ours_ln = L.layer_norm(x, ln.weight, ln.bias, 1e-5, lane=lane)
+    assert_close(ours_rms, rms(x), "norm")
+    assert_close(ours_ln, ln(x), "norm")
+
+
+def test_gemma_rms_norm_is_the_offset_form(device):
+    """transformers' Gemma RMSNorm stores w - 1 and scales by (1 + w): offset=1.0."""
+    pytest.importorskip("transformers")
+    from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
+
+    g = gen(1)
+    x = randn(5, 96, dtype=torch.float32, device=device, generator=g)
+    norm = GemmaRMSNorm(96, eps=1e-6).to(device)
+    with torch.no_grad():
+        norm.weight.copy_(randn(96, dtype=torch.float32, device=device, generator=g, scale=0.1))
+    with poisoned_outputs():
+        ours = L.rms_norm(x, norm.weight, 1e-6, offset=1.0, lane="triton")
+    assert_close(ours, norm(x), "norm")
+
+
+@pytest.mark.parametrize("N", [16384, 65536])
+def test_rms_norm_of_the_widest_rows_launches_and_matches(device, N):
+    """Rows wider than a register tile are walked in blocks: no shared-memory launch failure."""
+    g = gen(N)
+    x = randn(2, N, dtype=torch.bfloat16, device=device, generator=g)
+    w = randn(N, dtype=torch.bfloat16, device=device, generator=g)
+    r = randn(2, N, dtype=torch.bfloat16, device=device, generator=g)
+    with poisoned_outputs():
+        y, h = L.rms_norm(x, w, 1e-6, residual=r, lane="triton")
+    y_ref, h_ref = ref.rms_norm(f64(x), f64(w), 1e-6, residual=f64(r))
+    assert_close(y, y_ref, "norm")
+    assert_close(h, h_ref)
+
+
+def test_the_residual_sums_gradient_flows_into_x_and_residual(device):
+    """y and h = x + residual both used downstream: d(x) = d(residual) = dy through the norm + dh."""
+    g = gen(2)
+    x, r = (randn(9, 70, dtype=torch.float32, device=device, generator=g) for _ in range(2))
+    w = randn(70, dtype=torch.float32, device=device, generator=g)
+    leaves = [t.clone().requires_grad_() for t in (x, r, w)]
+    y, h = L.rms_norm(leaves[0], leaves[2], 1e-6, residual=leaves[1], lane="triton")
+    (y.square().sum() + (h * 3).sum()).backward()
+    ref_leaves = [f64(t).requires_grad_() for t in (x, r, w)]
+    y_r, h_r = ref.rms_norm(ref_leaves[0], ref_leaves[2], 1e-6, residual=ref_leaves[1])
+    (y_r.square().sum() + (h_r * 3).sum()).backward()
+    for ours, theirs in zip(leaves, ref_leaves):
+        assert_close(ours.grad, theirs.grad, "layers_bwd")
+    assert torch.equal(leaves[0].grad, leaves[1].grad)
+
+
+@pytest.mark.parametrize("lane", LANES)
+def test_adaln_per_batch_rows_broadcast_over_their_tokens(device, lane):
+    g = gen(3)
+    x = randn(3, 7, 160, dtype=torch.bfloat16, device=device, generator=g)
+    scale, shift = (randn(3, 160, dtype=torch.bfloat16, device=device, generator=g) for _ in range(2))
+    y = L.adaln(x, scale, shift, lane=lane)
+    for b in range(3):  # each batch entry as its own (rows, N) call with its row repeated
+        rows = L.adaln(x[b], scale[b].expand(7, 160), shift[b].expand(7, 160), lane=lane)
+        assert torch.equal(y[b], rows)
+    assert_close(y, ref.adaln(f64(x), f64(scale), f64(shift)), "norm")
+
+
+@pytest.mark.parametrize("interleaved", [False, True], ids=["neox", "interleaved"])
+def test_rotary_matches_transformers_rotate_half_and_inplace_matches_out_of_place(device, interleaved):
+    g = gen(4)
+    x = randn(2, 9, 3, 96, dtype=torch.float32, device=device, generator=g)
+    theta = torch.rand(16, 48, generator=g).to(device) * 6.3
+    cos, sin = theta.cos(), theta.sin()
+    out = L.apply_rotary(x, cos, sin, interleaved=interleaved, lane="triton")
+    if not interleaved:  # Llama's apply_rotary_pos_emb with its duplicated (S, D) cos/sin
+        def rotate_half(t):
+            return torch.cat((-t[..., 48:], t[..., :48]), dim=-1)
+        c, s = torch.cat((cos, cos), -1)[:9, None], torch.cat((sin, sin), -1)[:9, None]
+        assert_close(out, x * c + rotate_half(x) * s, "eltwise")
+    inplace = x.clone()
+    returned = L.apply_rotary(inplace, cos, sin, interleaved=interleaved, inplace=True, lane="triton")
+    assert returned.data_ptr() == inplace.data_ptr()
+    assert torch.equal(inplace, out)
+
+
+def test_inplace_rotary_is_differentiable(device):
+    g = gen(5)
+    x = randn(1, 5, 2, 64, dtype=torch.float32, device=device, generator=g).requires_grad_()
+    theta = torch.rand(8, 32, generator=g).to(device)
+    dy = randn(1, 5, 2, 64, dtype=torch.float32, device=device, generator=g)
+    y = L.apply_rotary(x * 1.0, theta.cos(), theta.sin(), inplace=True, lane="triton")
+    (dx,) = torch.autograd.grad(y, x, dy)
+    x64 = f64(x.detach()).requires_grad_()
+    (dx_ref,) = torch.autograd.grad(ref.apply_rotary(x64, f64(theta.cos()), f64(theta.sin())), x64, f64(dy))
+    assert_close(dx, dx_ref, "eltwise")
+
+
+def test_swiglu_writes_a_noncontiguous_out_slice_and_nothing_else(device):
+    g = gen(6)
+    gate, up = (randn(7, 24, dtype=torch.bfloat16, device=device, generator=g) for _ in range(2))
+    buf = torch.full((7, 48), 5.0, dtype=torch.bfloat16, device=device)
+    returned = L.swiglu(gate, up, out=buf[:, :24], lane="triton")
+    assert returned.data_ptr() == buf.data_ptr()
+    assert_close(buf[:, :24], ref.swiglu(f64(gate), f64(up)), "eltwise")
+    assert torch.equal(buf[:, 24:], torch.full((7, 24), 5.0, dtype=torch.bfloat16, device=device))
+
+
+def test_fused_swiglu_gradient_comes_back_fused_and_matches_silu(device):
+    g = gen(7)
+    fused = randn(5, 2, 80, dtype=torch.float32, device=device, generator=g).requires_grad_()
+    dy = randn(5, 2, 40, dtype=torch.float32, device=device, generator=g)
+    (d,) = torch.autograd.grad(L.swiglu(fused, lane="triton"), fused, dy)
+    gate, up = fused.detach()[..., :40], fused.detach()[..., 40:]
+    s = torch.sigmoid(gate)
+    assert_close(d[..., 40:], dy * gate * s, "eltwise")                         # d(up) = dy * silu(g)
+    assert_close(d[..., :40], dy * up * s * (1 + gate * (1 - s)), "eltwise")    # the issue's formula
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.float8_e4m3fn], ids=["int8", "e4m3"])
+def test_quantized_qk_dequantizes_to_the_normalized_rotated_values(device, dtype):
+    """codes * scale is the norm-then-RoPE result to within half a code (int8) or a step of e4m3."""
+    g = gen(8)
+    q = randn(2, 5, 4, 64, dtype=torch.bfloat16, device=device, generator=g)
+    k = randn(2, 5, 2, 64, dtype=torch.bfloat16, device=device, generator=g)
+    w = randn(64, dtype=torch.bfloat16, device=device, generator=g)
+    theta = torch.rand(8, 32, generator=g).to(device) * 6.3
+    with poisoned_outputs():
+        qc, qs, kc, ks = L.qk_norm_rope_quant(q, k, w, w, theta.cos(), theta.sin(), quant_dtype=dtype,
+                                              lane="triton")
+    n_q, _ = ref.rms_norm_rope(f64(q), f64(k), f64(w), f64(w), f64(theta.cos()), f64(theta.sin()))
+    deq = qc.double() * qs.double()[..., None]
+    bound = 0.5 * qs.double()[..., None] if dtype == torch.int8 else deq.abs() * 2 ** -3 + 1e-30
+    assert ((deq - n_q).abs() <= bound * 1.0001).all()
+    assert kc.dtype == dtype and ks.shape == (2, 5, 2)
+
+
+@pytest.mark.parametrize("call, arg, error", [
+    (lambda x, w: L.rms_norm(x, w[:-1]), "weight", ValueError),
+    (lambda x, w: L.rms_norm(x, w, eps=-1.0), "eps", ValueError),
+    (lambda x, w: L.rms_norm(x.int(), w), "x", TypeError),
+    (lambda x, w: L.rms_norm(x, w, residual=x.half()), "residual", TypeError),
+    (lambda x, w: L.layer_norm(x, w, w[:3]), "bias", ValueError),
+    (lambda x, w: L.adaln(x, x[:1], x[:1]), "scale", ValueError),
+    (lambda x, w: L.adaln(x, x, x, gate=x), "gate", ValueError),
+    (lambda x, w: L.swiglu(x[:, :5]), "gate", ValueError),
+    (lambda x, w: L.swiglu(x, x[:2]), "up", ValueError),
+    (lambda x, w: L.geglu(x, x, approximate="erf"), "approximate", ValueError),
+    (lambda x, w: L.swiglu(x, x, out=x.t()[:4]), "out", ValueError),
+], ids=["weight shape", "eps", "x dtype", "residual dtype", "bias shape", "adaln scale shape",
+        "gate without residual", "odd fused width", "up shape", "gelu approximation", "out shape"])
+def test_bad_input_names_the_argument(device, call, arg, error):
+    x = torch.randn(4, 8, device=device)
+    w = torch.randn(8, device=device)
+    before = x.clone()
+    with pytest.raises(error, match=rf"^{arg}: "):
+        call(x, w)
+    assert torch.equal(x, before)
+
+
+@pytest.mark.parametrize("kwargs, arg", [
+    (dict(rotary_dim=5), "rotary_dim"),
+    (dict(rotary_dim=128), "rotary_dim"),
+    (dict(seqlen_offsets=60), "cos"),
+    (dict(position_ids=torch.tensor([[0, 1, 2, 99]])), "position_ids"),
+    (dict(seqlen_offsets=-1), "seqlen_offsets"),
+    (dict(cu_seqlens=torch.tensor([0, 2], dtype=torch.int32)), "cu_seqlens"),
+], ids=["odd rotary_dim", "rotary_dim over D", "positions past cos", "position id past cos",
+        "negative offset", "cu_seqlens with 4-d x"])
+def test_bad_rotary_input_names_the_argument_and_leaves_x_alone(device, kwargs, arg):
+    x = torch.randn(1, 4, 2, 64, device=device)
+    before = x.clone()
+    theta = torch.rand(62, 32)
+    kwargs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+    with pytest.raises((ValueError, TypeError), match=rf"^{arg}: "):
+        L.apply_rotary(x, theta.cos().to(device), theta.sin().to(device), inplace=True, **kwargs)
+    assert torch.equal(x, before)
+
+
+def test_bad_packed_rotary_input(device):
+    x = torch.randn(7, 2, 32, device=device)
+    cs = torch.rand(16, 16, device=device)
+    with pytest.raises(ValueError, match="^x: a packed"):
+        L.apply_rotary(x, cs, cs)
+    with pytest.raises(ValueError, match="^cu_seqlens: "):
+        L.apply_rotary(x, cs, cs, cu_seqlens=torch.tensor([0, 3, 6], dtype=torch.int32, device=device))
+    with pytest.raises(TypeError, match="^quant_dtype: "):
+        L.qk_norm_rope_quant(x[None], x[None], None, None, cs, cs, quant_dtype=torch.float16)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="torch.compile of the Triton lane needs a GPU")
+def test_layers_under_torch_compile_fullgraph(device):
+    g = gen(9)
+    x = randn(17, 256, dtype=torch.bfloat16, device=device, generator=g).requires_grad_()
+    w = randn(256, dtype=torch.bfloat16, device=device, generator=g).requires_grad_()
+    theta = torch.rand(32, 32, generator=g).to(device)
+
+    def block(x, w):
+        y, h = L.rms_norm(x, w, residual=x * 2)
+        q = L.apply_rotary(y.view(1, 17, 4, 64), theta.cos(), theta.sin())
+        return L.swiglu(q.reshape(17, 256)).float().sum() + h.float().sum()
+
+    eager = block(x, w)
+    eager_grads = torch.autograd.grad(eager, (x, w))
+    compiled = torch.compile(block, fullgraph=True)(x, w)
+    compiled_grads = torch.autograd.grad(compiled, (x, w))
+    assert torch.allclose(compiled, eager)
+    for a, b in zip(compiled_grads, eager_grads):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="more than 2^31 elements needs GPU memory")
+def test_more_than_2_to_the_31_elements(device):
+    """int64 offsets: the last rows of a 2^31 + 4096-element tensor are right."""
+    N = 4096
+    rows = 2 ** 31 // N + 1
+    x = torch.empty(rows, N, dtype=torch.bfloat16, device=device).normal_()
+    w = torch.randn(N, dtype=torch.bfloat16, device=device)
+    tail = slice(rows - 3, rows)
+    y = L.rms_norm(x, w)
+    assert_close(y[tail], ref.rms_norm(f64(x[tail]), f64(w)), "norm")
+    del y
+    out = L.swiglu(x)
+    assert_close(out[tail], ref.swiglu(f64(x[tail])), "eltwise")
+    del out
+    theta = torch.rand(rows, 32, device=device)
+    xr = x.view(1, rows, 64, 64)
+    r = L.apply_rotary(xr, theta.cos(), theta.sin())
+    assert_close(r[:, -2:], ref.apply_rotary(f64(xr[:, -2:]), f64(theta.cos()), f64(theta.sin()),
+                                             seqlen_offsets=rows - 2), "eltwise")
