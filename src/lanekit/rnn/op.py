@@ -245,30 +245,36 @@ def rnn_cell_reference(**kw):
     return ref.rnn_cell(**_f64(kw)).to(kw["input"].dtype)
 
 
-# The backward as the registry checks it: autograd through a lane, the way training reaches it.
-# Returns the gradients of every differentiable input (reference.rnn.*_INPUTS order), in their
-# dtypes, an empty tensor for an input that is None.
+# The backward as the registry checks it. The Triton lane: autograd through the custom ops, the
+# way training reaches them. The reference lane: autograd through the float64 oracle itself (not
+# through the forward lane functions above, so that replacing a forward lane leaves it alone).
+# Both return the gradients of every differentiable input (reference.rnn.*_INPUTS order) in their
+# inputs' dtypes, an empty tensor for an input that is None.
+
+
+def _in_dtypes(grads, kw, names):
+    return tuple(g.to(kw[n].dtype if kw[n] is not None else kw["input"].dtype) for g, n in zip(grads, names))
 
 
 def lstm_cell_backward_triton(*, dh_next, dc_next, **kw):
     return ref.gradients(lstm_cell_triton, (dh_next, dc_next), ref.LSTM_INPUTS, **kw)
 
 
-def lstm_cell_backward_reference(*, dh_next, dc_next, **kw):
-    return ref.gradients(lstm_cell_reference, (dh_next, dc_next), ref.LSTM_INPUTS, **kw)
+def lstm_cell_backward_reference(**kw):
+    return _in_dtypes(ref.lstm_cell_backward(**_f64(kw)), kw, ref.LSTM_INPUTS)
 
 
 def gru_cell_backward_triton(*, dh_next, **kw):
     return ref.gradients(gru_cell_triton, (dh_next,), ref.GRU_INPUTS, **kw)
 
 
-def gru_cell_backward_reference(*, dh_next, **kw):
-    return ref.gradients(gru_cell_reference, (dh_next,), ref.GRU_INPUTS, **kw)
+def gru_cell_backward_reference(**kw):
+    return _in_dtypes(ref.gru_cell_backward(**_f64(kw)), kw, ref.GRU_INPUTS)
 
 
 def rnn_cell_backward_triton(*, dh_next, **kw):
     return ref.gradients(rnn_cell_triton, (dh_next,), ref.RNN_INPUTS, **kw)
 
 
-def rnn_cell_backward_reference(*, dh_next, **kw):
-    return ref.gradients(rnn_cell_reference, (dh_next,), ref.RNN_INPUTS, **kw)
+def rnn_cell_backward_reference(**kw):
+    return _in_dtypes(ref.rnn_cell_backward(**_f64(kw)), kw, ref.RNN_INPUTS)
