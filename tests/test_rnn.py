@@ -347,21 +347,26 @@ def _bad_call(case, device):
 
 
 BAD_INPUTS = {
-    "input rank 3": (ValueError, r"input: expected 2 dimensions \(B, In\), or 1 \(In,\) unbatched, got shape \(1, 17, 13\)"),
+    "input rank 3": (ValueError,
+                     r"input: expected 2 dimensions \(B, In\), or 1 \(In,\) unbatched, got shape \(1, 17, 13\)"),
     "input not a tensor": (TypeError, "input: expected a torch.Tensor, got list"),
     "input int": (TypeError, "input: expected dtype in .*, got torch.int32"),
-    "w_ih In differs": (ValueError, r"w_ih: expected shape \(108, 13\): \(4\*H, In\) with H=27 from w_hh and In=13 from input, got \(108, 12\)"),
+    "w_ih In differs": (ValueError, (r"w_ih: expected shape \(108, 13\): \(4\*H, In\) with H=27 from w_hh and "
+                                     r"In=13 from input, got \(108, 12\)")),
     "w_ih 1-D": (ValueError, r"w_ih: expected 2 dimensions"),
-    "w_hh 3H rows for LSTM": (ValueError, r"w_hh: expected shape \(4\*H, H\) \(4\*H, ...\), the gates i, f, g, o stacked along the rows, got \(81, 27\)"),
+    "w_hh 3H rows for LSTM": (ValueError, (r"w_hh: expected shape \(4\*H, H\) \(4\*H, ...\), the gates i, f, g, o "
+                                           r"stacked along the rows, got \(81, 27\)")),
     "w_hh dtype": (TypeError, r"w_hh: expected the dtype of input \(torch.bfloat16\), got torch.float32"),
     "b_ih shape": (ValueError, r"b_ih: expected shape \(108,\)"),
     "b_hh device": (ValueError, "b_hh: expected the device of input"),
-    "hx[0] batch": (ValueError, r"hx\[0\]: expected shape \(17, 27\): \(B, H\) with B=17 from input and H=27 from w_hh, got \(16, 27\)"),
+    "hx[0] batch": (ValueError, (r"hx\[0\]: expected shape \(17, 27\): \(B, H\) with B=17 from input and H=27 "
+                                 r"from w_hh, got \(16, 27\)")),
     "hx[1] dtype": (TypeError, r"hx\[1\]: expected the dtype of input"),
     "hx a tensor for LSTM": (TypeError, r"hx: expected None or a pair \(h, c\) of tensors, got Tensor"),
     "hx triple for LSTM": (TypeError, r"hx: expected None or a pair \(h, c\) of tensors, got tuple of length 3"),
     "hx 1-D for batched input": (ValueError, r"hx: expected shape \(17, 27\)"),
-    "hx 2-D for unbatched input": (ValueError, r"hx: expected shape \(27,\): \(H,\) with H=27 from w_hh, as input is unbatched"),
+    "hx 2-D for unbatched input": (ValueError,
+                                   r"hx: expected shape \(27,\): \(H,\) with H=27 from w_hh, as input is unbatched"),
     "hx device": (ValueError, "hx: expected the device of input"),
     "nonlinearity gelu": (ValueError, r"nonlinearity: expected one of \('tanh', 'relu'\), got 'gelu'"),
     "unknown lane": (ValueError, "lane: expected one of"),

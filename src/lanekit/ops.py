@@ -152,7 +152,7 @@ def rnn_case(name, device, cell, *, B=17, In=13, H=27, dtype=torch.bfloat16, bia
 def _rnn_samples(cell, grads=False):
     """Odd sizes (In=13, H=27; In=40, H=70), batches 17, 1 and 0, every dtype, no bias, no state,
     strided views; the Elman cell with tanh and relu."""
-    f16, bf16, f32 = torch.float16, torch.bfloat16, torch.float32
+    f16, f32 = torch.float16, torch.float32
 
     def samples(device):
         def case(name, **kw):

@@ -61,11 +61,9 @@ def _load_tile(P, offs_b, b_in, offs_k, k_in, stride_b, stride_k):
 
 
 @triton.jit
-def _dot_gate(acc, a, W, row0, offs_h, h_in, offs_k, k_in, stride_wn, stride_wk,
-              INPUT_PRECISION: tl.constexpr):
-    # acc += a @ W[row0 + offs_h, offs_k]^T: the weight tile is read transposed, [BLOCK_K, BLOCK_H]
-    w = tl.load(W + (row0 + offs_h)[None, :] * stride_wn + offs_k[:, None] * stride_wk,
-                mask=h_in[None, :] & k_in[:, None], other=0.0)
+def _dot_gate(acc, a, w_ptrs, w_mask, INPUT_PRECISION: tl.constexpr):
+    # acc += a @ W_gate^T: w_ptrs address one gate's weight tile transposed, [BLOCK_K, BLOCK_H]
+    w = tl.load(w_ptrs, mask=w_mask, other=0.0)
     return tl.dot(a, w, acc, input_precision=INPUT_PRECISION)
 
 
@@ -116,19 +114,25 @@ def _lstm_cell_fwd_kernel(
         offs_k = (k0 + tl.arange(0, BLOCK_K)).to(tl.int64)
         k_in = offs_k < In
         x = _load_tile(X, offs_b, b_in, offs_k, k_in, stride_xb, stride_xk)          # [BLOCK_B, BLOCK_K]
-        acc_i = _dot_gate(acc_i, x, Wih, 0 * H64, offs_h, h_in, offs_k, k_in, stride_wih_n, stride_wih_k, INPUT_PRECISION)
-        acc_f = _dot_gate(acc_f, x, Wih, 1 * H64, offs_h, h_in, offs_k, k_in, stride_wih_n, stride_wih_k, INPUT_PRECISION)
-        acc_g = _dot_gate(acc_g, x, Wih, 2 * H64, offs_h, h_in, offs_k, k_in, stride_wih_n, stride_wih_k, INPUT_PRECISION)
-        acc_o = _dot_gate(acc_o, x, Wih, 3 * H64, offs_h, h_in, offs_k, k_in, stride_wih_n, stride_wih_k, INPUT_PRECISION)
+        w = Wih + offs_h[None, :] * stride_wih_n + offs_k[:, None] * stride_wih_k    # gate 0's tile
+        w_mask = h_in[None, :] & k_in[:, None]
+        gate = H64 * stride_wih_n                                                    # one gate's rows
+        acc_i = _dot_gate(acc_i, x, w, w_mask, INPUT_PRECISION)
+        acc_f = _dot_gate(acc_f, x, w + 1 * gate, w_mask, INPUT_PRECISION)
+        acc_g = _dot_gate(acc_g, x, w + 2 * gate, w_mask, INPUT_PRECISION)
+        acc_o = _dot_gate(acc_o, x, w + 3 * gate, w_mask, INPUT_PRECISION)
     if HAS_HX:  # without a state, h = 0: no second GEMM
         for k0 in range(0, H, BLOCK_K):
             offs_k = (k0 + tl.arange(0, BLOCK_K)).to(tl.int64)
             k_in = offs_k < H
             hk = _load_tile(Hx, offs_b, b_in, offs_k, k_in, stride_hb, stride_hk)     # [BLOCK_B, BLOCK_K]
-            acc_i = _dot_gate(acc_i, hk, Whh, 0 * H64, offs_h, h_in, offs_k, k_in, stride_whh_n, stride_whh_k, INPUT_PRECISION)
-            acc_f = _dot_gate(acc_f, hk, Whh, 1 * H64, offs_h, h_in, offs_k, k_in, stride_whh_n, stride_whh_k, INPUT_PRECISION)
-            acc_g = _dot_gate(acc_g, hk, Whh, 2 * H64, offs_h, h_in, offs_k, k_in, stride_whh_n, stride_whh_k, INPUT_PRECISION)
-            acc_o = _dot_gate(acc_o, hk, Whh, 3 * H64, offs_h, h_in, offs_k, k_in, stride_whh_n, stride_whh_k, INPUT_PRECISION)
+            w = Whh + offs_h[None, :] * stride_whh_n + offs_k[:, None] * stride_whh_k
+            w_mask = h_in[None, :] & k_in[:, None]
+            gate = H64 * stride_whh_n
+            acc_i = _dot_gate(acc_i, hk, w, w_mask, INPUT_PRECISION)
+            acc_f = _dot_gate(acc_f, hk, w + 1 * gate, w_mask, INPUT_PRECISION)
+            acc_g = _dot_gate(acc_g, hk, w + 2 * gate, w_mask, INPUT_PRECISION)
+            acc_o = _dot_gate(acc_o, hk, w + 3 * gate, w_mask, INPUT_PRECISION)
     if HAS_BIH:
         acc_i += _bias(Bih, 0 * H64, offs_h, h_in, stride_bih)
         acc_f += _bias(Bih, 1 * H64, offs_h, h_in, stride_bih)
@@ -183,17 +187,23 @@ def _gru_cell_fwd_kernel(
         offs_k = (k0 + tl.arange(0, BLOCK_K)).to(tl.int64)
         k_in = offs_k < In
         x = _load_tile(X, offs_b, b_in, offs_k, k_in, stride_xb, stride_xk)          # [BLOCK_B, BLOCK_K]
-        acc_r = _dot_gate(acc_r, x, Wih, 0 * H64, offs_h, h_in, offs_k, k_in, stride_wih_n, stride_wih_k, INPUT_PRECISION)
-        acc_z = _dot_gate(acc_z, x, Wih, 1 * H64, offs_h, h_in, offs_k, k_in, stride_wih_n, stride_wih_k, INPUT_PRECISION)
-        acc_in = _dot_gate(acc_in, x, Wih, 2 * H64, offs_h, h_in, offs_k, k_in, stride_wih_n, stride_wih_k, INPUT_PRECISION)
+        w = Wih + offs_h[None, :] * stride_wih_n + offs_k[:, None] * stride_wih_k    # gate 0's tile
+        w_mask = h_in[None, :] & k_in[:, None]
+        gate = H64 * stride_wih_n                                                    # one gate's rows
+        acc_r = _dot_gate(acc_r, x, w, w_mask, INPUT_PRECISION)
+        acc_z = _dot_gate(acc_z, x, w + 1 * gate, w_mask, INPUT_PRECISION)
+        acc_in = _dot_gate(acc_in, x, w + 2 * gate, w_mask, INPUT_PRECISION)
     if HAS_HX:
         for k0 in range(0, H, BLOCK_K):
             offs_k = (k0 + tl.arange(0, BLOCK_K)).to(tl.int64)
             k_in = offs_k < H
             hk = _load_tile(Hx, offs_b, b_in, offs_k, k_in, stride_hb, stride_hk)     # [BLOCK_B, BLOCK_K]
-            acc_r = _dot_gate(acc_r, hk, Whh, 0 * H64, offs_h, h_in, offs_k, k_in, stride_whh_n, stride_whh_k, INPUT_PRECISION)
-            acc_z = _dot_gate(acc_z, hk, Whh, 1 * H64, offs_h, h_in, offs_k, k_in, stride_whh_n, stride_whh_k, INPUT_PRECISION)
-            acc_hn = _dot_gate(acc_hn, hk, Whh, 2 * H64, offs_h, h_in, offs_k, k_in, stride_whh_n, stride_whh_k, INPUT_PRECISION)
+            w = Whh + offs_h[None, :] * stride_whh_n + offs_k[:, None] * stride_whh_k
+            w_mask = h_in[None, :] & k_in[:, None]
+            gate = H64 * stride_whh_n
+            acc_r = _dot_gate(acc_r, hk, w, w_mask, INPUT_PRECISION)
+            acc_z = _dot_gate(acc_z, hk, w + 1 * gate, w_mask, INPUT_PRECISION)
+            acc_hn = _dot_gate(acc_hn, hk, w + 2 * gate, w_mask, INPUT_PRECISION)
     if HAS_BIH:
         acc_r += _bias(Bih, 0 * H64, offs_h, h_in, stride_bih)
         acc_z += _bias(Bih, 1 * H64, offs_h, h_in, stride_bih)
@@ -239,14 +249,18 @@ def _rnn_cell_fwd_kernel(
     for k0 in range(0, In, BLOCK_K):
         offs_k = (k0 + tl.arange(0, BLOCK_K)).to(tl.int64)
         k_in = offs_k < In
-        x = _load_tile(X, offs_b, b_in, offs_k, k_in, stride_xb, stride_xk)
-        acc = _dot_gate(acc, x, Wih, 0 * H64, offs_h, h_in, offs_k, k_in, stride_wih_n, stride_wih_k, INPUT_PRECISION)
+        x = _load_tile(X, offs_b, b_in, offs_k, k_in, stride_xb, stride_xk)          # [BLOCK_B, BLOCK_K]
+        w = Wih + offs_h[None, :] * stride_wih_n + offs_k[:, None] * stride_wih_k
+        w_mask = h_in[None, :] & k_in[:, None]
+        acc = _dot_gate(acc, x, w, w_mask, INPUT_PRECISION)
     if HAS_HX:
         for k0 in range(0, H, BLOCK_K):
             offs_k = (k0 + tl.arange(0, BLOCK_K)).to(tl.int64)
             k_in = offs_k < H
-            hk = _load_tile(Hx, offs_b, b_in, offs_k, k_in, stride_hb, stride_hk)
-            acc = _dot_gate(acc, hk, Whh, 0 * H64, offs_h, h_in, offs_k, k_in, stride_whh_n, stride_whh_k, INPUT_PRECISION)
+            hk = _load_tile(Hx, offs_b, b_in, offs_k, k_in, stride_hb, stride_hk)     # [BLOCK_B, BLOCK_K]
+            w = Whh + offs_h[None, :] * stride_whh_n + offs_k[:, None] * stride_whh_k
+            w_mask = h_in[None, :] & k_in[:, None]
+            acc = _dot_gate(acc, hk, w, w_mask, INPUT_PRECISION)
     if HAS_BIH:
         acc += _bias(Bih, 0 * H64, offs_h, h_in, stride_bih)
     if HAS_BHH:
@@ -493,7 +507,8 @@ def rnn_cell_fwd(*, input, h, w_ih, w_hh, b_ih, b_hh, relu: bool, save: bool):
 def lstm_cell_bwd(*, dh_next, dc_next, c, saved, dtype: torch.dtype):
     """The gate gradients of the LSTM: dh_next, dc_next (B, H) or None (any strides), c (B, H) or
     None, saved (B, 4H) fp32 from :func:`lstm_cell_fwd`. Returns d(gate pre-activations) (B, 4H)
-    in ``dtype`` and dc (B, H) in c's dtype (empty when c is None)."""
+    in ``dtype`` and dc (B, H) in ``dtype`` (empty when c is None)."""
+    saved = saved.contiguous()  # read as (B, row) rows; the forward's output already is
     B, H = saved.shape[0], saved.shape[1] // 4
     dgates = alloc.empty((B, 4 * H), dtype=dtype, device=saved.device)
     dc = alloc.empty((B, H) if c is not None else (0,), dtype=dtype, device=saved.device)
@@ -516,6 +531,7 @@ def gru_cell_bwd(*, dh_next, h, saved, dtype: torch.dtype):
     """The gate gradients of the GRU: dh_next (B, H) (any strides), h (B, H) or None, saved (B, 4H)
     fp32 from :func:`gru_cell_fwd`. Returns the gradients that multiply W_ih's rows and W_hh's rows,
     each (B, 3H) in ``dtype``, and dh' z, h's direct gradient (B, H) (empty when h is None)."""
+    saved = saved.contiguous()  # read as (B, row) rows; the forward's output already is
     B, H = saved.shape[0], saved.shape[1] // 4
     dgi = alloc.empty((B, 3 * H), dtype=dtype, device=saved.device)
     dgh = alloc.empty((B, 3 * H), dtype=dtype, device=saved.device)
@@ -536,6 +552,7 @@ def gru_cell_bwd(*, dh_next, h, saved, dtype: torch.dtype):
 def rnn_cell_bwd(*, dh_next, saved, relu: bool, dtype: torch.dtype):
     """The pre-activation gradient of the Elman cell: dh_next (B, H) (any strides), saved (B, H)
     fp32 from :func:`rnn_cell_fwd`. Returns (B, H) in ``dtype``."""
+    saved = saved.contiguous()  # read as (B, row) rows; the forward's output already is
     B, H = saved.shape
     dpre = alloc.empty((B, H), dtype=dtype, device=saved.device)
     if B * H == 0:
