@@ -1,8 +1,8 @@
 """lanekit: fused Triton kernels for transformer inference and training, each checked against a
 readable PyTorch oracle (``lanekit.reference``)."""
 
-from lanekit import layers
+from lanekit import layers, rnn
 from lanekit.attention.api import flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func
 
 __version__ = "0.1.0"
-__all__ = ["layers", "flash_attn_func", "flash_attn_kvpacked_func", "flash_attn_qkvpacked_func"]
+__all__ = ["layers", "rnn", "flash_attn_func", "flash_attn_kvpacked_func", "flash_attn_qkvpacked_func"]

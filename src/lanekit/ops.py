@@ -380,3 +380,103 @@ for _name, _act in (("swiglu", "silu"), ("geglu", "gelu")):
         outputs=(("dgate", "eltwise"), ("dup", "eltwise")),
         doc=f"Gradients of {_name}: d(gate), d(up) (one fused gradient for a fused input)",
     ))
+
+
+# ------------------------------------------------------------------------------------------- rnn
+
+RNN_GATES = {"lstm_cell": 4, "gru_cell": 3, "rnn_cell": 1}
+
+
+def rnn_case(name, device, cell, *, B=17, In=13, H=27, dtype=torch.bfloat16, bias=True, hx=True,
+             strided=False, nonlinearity="tanh", grads=False) -> Sample:
+    """A sample of ``cell`` ("lstm_cell", "gru_cell" or "rnn_cell") in the lanes' normalized form.
+
+    Weights are drawn as PyTorch's modules initialize them, U(-1/sqrt(H), 1/sqrt(H)); input and
+    state are N(0, 1). ``strided``: input and w_ih are transposed views, h (and c) column slices
+    of wider tensors. ``grads``: also the gradients of the outputs (dh_next, and dc_next for
+    the LSTM), for the backward ops.
+    """
+    g = torch.Generator().manual_seed(zlib.crc32(name.encode()))  # the same inputs in every process
+    G = RNN_GATES[cell]
+
+    def uniform(*shape):
+        return ((torch.rand(*shape, generator=g) * 2 - 1) * H ** -0.5).to(dtype=dtype, device=device)
+
+    def state():
+        if strided:  # every other column of a (B, 2H) tensor
+            return randn(B, 2 * H, dtype=dtype, device=device, generator=g)[:, ::2]
+        return randn(B, H, dtype=dtype, device=device, generator=g)
+
+    if strided:
+        x = randn(In, B, dtype=dtype, device=device, generator=g).t()
+        w_ih = uniform(In, G * H).t()
+    else:
+        x = randn(B, In, dtype=dtype, device=device, generator=g)
+        w_ih = uniform(G * H, In)
+    kwargs = dict(input=x, h=state() if hx else None)
+    if cell == "lstm_cell":
+        kwargs["c"] = state() if hx else None
+    kwargs.update(w_ih=w_ih, w_hh=uniform(G * H, H),
+                  b_ih=uniform(G * H) if bias else None, b_hh=uniform(G * H) if bias else None)
+    if cell == "rnn_cell":
+        kwargs["nonlinearity"] = nonlinearity
+    if grads:
+        kwargs["dh_next"] = randn(B, H, dtype=dtype, device=device, generator=g)
+        if cell == "lstm_cell":
+            kwargs["dc_next"] = randn(B, H, dtype=dtype, device=device, generator=g)
+    return Sample(name, kwargs)
+
+
+def _rnn_samples(cell, grads=False):
+    """Odd sizes (In=13, H=27; In=40, H=70), batches 17, 1 and 0, every dtype, no bias, no state,
+    strided views; the Elman cell with tanh and relu."""
+    f16, f32 = torch.float16, torch.float32
+
+    def samples(device):
+        def case(name, **kw):
+            return rnn_case(name, device, cell, grads=grads, **kw)
+
+        yield case("B17 In13 H27 bf16")
+        yield case("B1 In13 H27 fp16 no bias", B=1, dtype=f16, bias=False)
+        yield case("B17 In13 H27 fp32", dtype=f32)
+        yield case("B17 In40 H70 bf16 no state", In=40, H=70, hx=False)
+        yield case("B17 strided views fp16", dtype=f16, strided=True)
+        if cell == "rnn_cell":
+            yield case("B17 In13 H27 relu bf16", nonlinearity="relu")
+            yield case("B1 In13 H27 relu fp32 no bias", B=1, dtype=f32, bias=False, nonlinearity="relu")
+        yield case("B0", B=0)
+
+    return samples
+
+
+_RNN_DOCS = {
+    "lstm_cell": "torch.nn.LSTMCell's step (gates i, f, g, o): h', c' from one fused launch",
+    "gru_cell": "torch.nn.GRUCell's step (gates r, z, n; reset applied to W_hn h + b_hn): h' from one fused launch",
+    "rnn_cell": "torch.nn.RNNCell's step, tanh or relu: h' from one fused launch",
+}
+_RNN_GRADS = {
+    "lstm_cell": ("dinput", "dh", "dc", "dw_ih", "dw_hh", "db_ih", "db_hh"),
+    "gru_cell": ("dinput", "dh", "dw_ih", "dw_hh", "db_ih", "db_hh"),
+    "rnn_cell": ("dinput", "dh", "dw_ih", "dw_hh", "db_ih", "db_hh"),
+}
+
+for _cell in ("lstm_cell", "gru_cell", "rnn_cell"):
+    register(Op(
+        name=_cell,
+        family="rnn",
+        oracle=f"lanekit.reference.rnn:{_cell}",
+        lanes={"triton": f"lanekit.rnn.op:{_cell}_triton", "reference": f"lanekit.rnn.op:{_cell}_reference"},
+        samples=_rnn_samples(_cell),
+        outputs=(("h", "rnn_fwd"), ("c", "rnn_fwd")) if _cell == "lstm_cell" else (("h", "rnn_fwd"),),
+        doc=_RNN_DOCS[_cell],
+    ))
+    register(Op(
+        name=f"{_cell}.backward",
+        family="rnn",
+        oracle=f"lanekit.reference.rnn:{_cell}_backward",
+        lanes={"triton": f"lanekit.rnn.op:{_cell}_backward_triton",
+               "reference": f"lanekit.rnn.op:{_cell}_backward_reference"},
+        samples=_rnn_samples(_cell, grads=True),
+        outputs=tuple((name, "rnn_bwd") for name in _RNN_GRADS[_cell]),
+        doc=f"Gradients of {_cell} by autograd: input, state, weights and biases (empty where absent)",
+    ))

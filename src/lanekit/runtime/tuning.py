@@ -221,3 +221,58 @@ def rotary_config(device: torch.device) -> RotaryConfig:
 
 def glu_config(device: torch.device) -> EltwiseConfig:
     return _arch_row(GLU, device)
+
+
+# RNN cells (lanekit.rnn). The forward is one GEMM per gate over K = In (then K = H) fused with
+# the gate math: block_b batch rows by block_h hidden units of every gate, walking K by block_k.
+# Keyed by the batch bucket: B rounded up to a power of two, clamped to 16..128 (tl.dot needs 16
+# rows). Not yet measured on any GPU: the generic rows are sized to fit every target (the four
+# fp32 accumulators of an LSTM or GRU program are 4 * block_b * block_h values); the sm90 rows are
+# a stated guess (more stages, 8 warps for the larger tiles) until a benchmark measures them. Every
+# row compiles for sm90 (Triton's compiler run for that target on a CPU: at most 106 KB of shared
+# memory, for the LSTM at 64x64x64 with 3 stages). Small batches take narrow tiles so that a
+# (B <= 16, H = 1024) step still spreads over 32 programs.
+@dataclass(frozen=True)
+class RnnTileConfig:
+    block_b: int
+    block_h: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+RNN_CELL_FWD: dict[str, dict[int, RnnTileConfig]] = {
+    "generic": {
+        16: RnnTileConfig(16, 32, 64, 4, 2),
+        32: RnnTileConfig(32, 32, 64, 4, 2),
+        64: RnnTileConfig(64, 32, 32, 4, 2),
+        128: RnnTileConfig(64, 64, 32, 8, 2),
+    },
+    "sm90": {
+        16: RnnTileConfig(16, 32, 128, 4, 3),
+        32: RnnTileConfig(32, 32, 128, 4, 3),
+        64: RnnTileConfig(64, 64, 64, 8, 3),
+        128: RnnTileConfig(64, 64, 64, 8, 3),
+    },
+}
+# fp32: twice the bytes per tile; fp32 is chosen for accuracy, so small tiles everywhere.
+RNN_CELL_FWD_FP32: dict[str, dict[int, RnnTileConfig]] = {
+    "generic": {
+        16: RnnTileConfig(16, 32, 32, 4, 2),
+        32: RnnTileConfig(32, 32, 32, 4, 2),
+        64: RnnTileConfig(32, 32, 32, 4, 2),
+        128: RnnTileConfig(32, 32, 32, 4, 2),
+    },
+}
+# The backward's pointwise kernel (gate gradients): block_m batch rows by block_n hidden units.
+RNN_CELL_BWD: dict[str, dict[int, TileConfig]] = {
+    "generic": {
+        16: TileConfig(4, 256, 4, 1),
+        32: TileConfig(8, 128, 4, 1),
+        64: TileConfig(16, 128, 4, 1),
+        128: TileConfig(16, 128, 4, 1),
+    },
+}
+# Interpreted: 16 in every dimension splits the tests' odd sizes (In=13, H=27, B=17) into several
+# blocks along B, H and the H-long K loop, so every mask is exercised on the CPU.
+RNN_CELL_INTERPRETER = RnnTileConfig(16, 16, 16, 1, 1)
