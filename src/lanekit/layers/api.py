@@ -368,8 +368,8 @@ def qk_norm_rope_quant(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor 
     Per head vector x of q and k: n = RMSNorm(x) * (offset + weight); RoPE on n's *tail*
     features [D - rotary_dim, D) (as MLA-style models place their rotary part last); then
     scale = max|n| / qmax (qmax 448 for e4m3, 127 for int8; 1 for an all-zero vector) and codes =
-    n / scale rounded to nearest, ties to even, clamped (int8 to [-128, 127]). Dequantize with
-    codes * scale. Forward only.
+    n * (1 / scale) rounded to nearest, ties to even, clamped (int8 to [-128, 127]). Dequantize
+    with codes * scale. Forward only.
 
     The codes are bit-exact against ``lanekit.reference.layers.qk_norm_rope_quant``: the sum of
     squares is taken in float64 (exact for 16-bit inputs), and every later step is one correctly

@@ -124,17 +124,21 @@ def rms_norm_rope(q, k, q_weight, k_weight, cos, sin, eps=1e-6, offset=0.0, inte
 QUANT_MAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
 
 
-def quantize_per_head(v: torch.Tensor, dtype: torch.dtype):
+def quantize_per_head(v: torch.Tensor, dtype: torch.dtype, reciprocal: bool = False):
     """Per-(token, head) symmetric quantization of float32 v (..., D): scale = amax / qmax (1 when
-    the row is all zero), codes = v / scale rounded to nearest, ties to even, clamped to the
-    format's range (int8: [-128, 127]; e4m3: +-448). Every step is one correctly rounded fp32
-    operation. Returns (codes in ``dtype``, scale fp32 (...))."""
+    the row is all zero), codes = v / scale, or with ``reciprocal`` v * (1 / scale) (one division
+    per row instead of one per element), rounded to nearest, ties to even, clamped to the format's
+    range (int8: [-128, 127]; e4m3: +-448). Every step is one correctly rounded fp32 operation.
+    Returns (codes in ``dtype``, scale fp32 (...))."""
     amax = v.abs().amax(-1)
-    # divided by a tensor: PyTorch's CUDA kernels multiply by the reciprocal of a Python scalar
+    # divided by tensors: PyTorch's CUDA kernels multiply by the reciprocal of a Python scalar
     # divisor, which is not the correctly rounded quotient
     qmax = torch.full_like(amax, QUANT_MAX[dtype])
     scale = torch.where(amax > 0, amax / qmax, torch.ones_like(amax))
-    x = v / scale.unsqueeze(-1)
+    if reciprocal:
+        x = v * (torch.ones_like(scale) / scale).unsqueeze(-1)
+    else:
+        x = v / scale.unsqueeze(-1)
     if dtype == torch.int8:
         codes = torch.round(x).clamp(-128, 127).to(torch.int8)   # torch.round: ties to even
     else:
@@ -152,7 +156,9 @@ def qk_norm_rope_quant(q, k, q_weight, k_weight, cos, sin, eps=1e-6, offset=0.0,
     any realistic row), rstd = 1 / sqrt(sum / D + eps) in float64 rounded once to fp32, and every
     later step is one correctly rounded fp32 operation in this order: n = (x * rstd) * (offset + w);
     rotary (a * cos - b * sin, b * cos + a * sin, each product rounded); then
-    :func:`quantize_per_head`. Returns (q_codes, q_scale, k_codes, k_scale), scales (B, S, H) fp32.
+    :func:`quantize_per_head` by the reciprocal of the scale (codes = round(n * (1 / scale)): one
+    division per head vector and a product per element, as vLLM's fp8 quantizers compute). Returns
+    (q_codes, q_scale, k_codes, k_scale), scales (B, S, H) fp32.
     """
     f32 = torch.float32
     D = q.shape[-1]
@@ -175,7 +181,7 @@ def qk_norm_rope_quant(q, k, q_weight, k_weight, cos, sin, eps=1e-6, offset=0.0,
         else:
             a, b = tail[..., : rd // 2], tail[..., rd // 2:]
             tail = torch.cat((a * c - b * s, b * c + a * s), dim=-1)
-        return quantize_per_head(torch.cat((head, tail), dim=-1), quant_dtype)
+        return quantize_per_head(torch.cat((head, tail), dim=-1), quant_dtype, reciprocal=True)
 
     return (*one(q, q_weight), *one(k, k_weight))
 
