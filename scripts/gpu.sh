@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # The GPU run, on the machine with the GPU (the device tool), from the repo root:
-#   bash scripts/gpu.sh [STEP ...]      steps: info tests sanitizer check demo tune tune-bwd tune-layers profile bench bench-layers (default: all but the tuning
-#   and profiling steps, in this order: info tests check demo bench bench-layers sanitizer)
+#   bash scripts/gpu.sh [STEP ...]
+#   steps: info tests sanitizer check check-sanitized demo tune tune-bwd tune-layers profile bench
+#   bench-layers (default, in this order: info tests check demo bench bench-layers sanitizer).
+#   check-sanitized is lanekit check under compute-sanitizer's memcheck: every kernel on every
+#   registered sample, checked for out-of-bounds accesses as well as against its oracle.
 # Uses the machine's own python3 (torch, triton, transformers preinstalled); lanekit from src/.
 # Each step's log goes to $OUT/<step>.log; a line per step with its exit code and last line.
 set -u
@@ -29,6 +32,8 @@ for s in "${steps[@]}"; do
                  python3 -m pytest ${SANITIZE_TESTS:-tests/test_attention.py tests/test_attention_backward.py} -q -p no:cacheprovider \
                  -k "${SANITIZE_K:-not random and not every_head_dim and not fifty and not over_2_to_the_31 and not compile}" ;;
     check) run_step check python3 -m lanekit check --json "$OUT/sm90.json" ;;
+    check-sanitized) run_step check-sanitized compute-sanitizer --tool memcheck --error-exitcode 9 \
+                 python3 -m lanekit check --json "$OUT/sm90.json" ;;
     demo) run_step demo python3 -m lanekit demo --model-dir .gpu/minilm ;;
     tune) run_step tune python3 -m benchmarks.tune_attention ;;
     profile) run_step profile python3 -m benchmarks.profile_attention --dims ${DIMS:-64 128} ;;

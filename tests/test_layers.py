@@ -112,12 +112,13 @@ def test_rotary_matches_transformers_rotate_half_and_inplace_matches_out_of_plac
     assert torch.equal(inplace, out)
 
 
-def test_inplace_rotary_is_differentiable(device):
+@pytest.mark.parametrize("lane", LANES)
+def test_inplace_rotary_is_differentiable(device, lane):
     g = gen(5)
     x = randn(1, 5, 2, 64, dtype=torch.float32, device=device, generator=g).requires_grad_()
     theta = torch.rand(8, 32, generator=g).to(device)
     dy = randn(1, 5, 2, 64, dtype=torch.float32, device=device, generator=g)
-    y = L.apply_rotary(x * 1.0, theta.cos(), theta.sin(), inplace=True, lane="triton")
+    y = L.apply_rotary(x * 1.0, theta.cos(), theta.sin(), inplace=True, lane=lane)
     (dx,) = torch.autograd.grad(y, x, dy)
     x64 = f64(x.detach()).requires_grad_()
     (dx_ref,) = torch.autograd.grad(ref.apply_rotary(x64, f64(theta.cos()), f64(theta.sin())), x64, f64(dy))
@@ -156,11 +157,15 @@ def test_quantized_qk_dequantizes_to_the_normalized_rotated_values(device, dtype
     with poisoned_outputs():
         qc, qs, kc, ks = L.qk_norm_rope_quant(q, k, w, w, theta.cos(), theta.sin(), quant_dtype=dtype,
                                               lane="triton")
-    n_q, _ = ref.rms_norm_rope(f64(q), f64(k), f64(w), f64(w), f64(theta.cos()), f64(theta.sin()))
-    deq = qc.double() * qs.double()[..., None]
-    bound = 0.5 * qs.double()[..., None] if dtype == torch.int8 else deq.abs() * 2 ** -3 + 1e-30
-    assert ((deq - n_q).abs() <= bound * 1.0001).all()
-    assert kc.dtype == dtype and ks.shape == (2, 5, 2)
+    expected = ref.rms_norm_rope(f64(q), f64(k), f64(w), f64(w), f64(theta.cos()), f64(theta.sin()))
+    for codes, scale, n in ((qc, qs, expected[0]), (kc, ks, expected[1])):
+        assert codes.dtype == dtype and scale.shape == n.shape[:-1]
+        deq = codes.double() * scale.double()[..., None]
+        if dtype == torch.int8:  # half a code
+            bound = 0.5 * scale.double()[..., None]
+        else:  # half an e4m3 step: 2^-4 of the value, or 2^-10 (in codes) below the normal range
+            bound = torch.maximum(deq.abs() * 2 ** -4, 2 ** -10 * scale.double()[..., None])
+        assert ((deq - n).abs() <= bound * 1.0001).all()
 
 
 @pytest.mark.parametrize("call, arg, error", [
@@ -205,6 +210,24 @@ def test_bad_rotary_input_names_the_argument_and_leaves_x_alone(device, kwargs, 
     assert torch.equal(x, before)
 
 
+def test_writes_that_would_overlap_are_refused(device):
+    """An expanded output, or one that partly overlaps an input, would be written in an order
+    that decides the result: refused with a ValueError; exactly an input (in place) is fine."""
+    x = torch.randn(6, 48, device=device)
+    with pytest.raises(ValueError, match="^out: .*expanded"):
+        L.swiglu(x, out=torch.empty(1, 24, device=device).expand(6, 24))
+    with pytest.raises(ValueError, match="^out: .*overlaps"):
+        L.swiglu(x, out=x[:, 12:36])
+    gate, up = x[:, :24].clone(), x[:, 24:].clone()
+    expected = L.swiglu(gate, up)
+    L.swiglu(gate, up, out=gate)
+    assert torch.equal(gate, expected)
+    theta = torch.rand(8, 16, device=device)
+    with pytest.raises(ValueError, match="^x: .*expanded"):
+        L.apply_rotary(torch.randn(1, 1, 2, 32, device=device).expand(1, 4, 2, 32), theta.cos(),
+                       theta.sin(), inplace=True)
+
+
 def test_bad_packed_rotary_input(device):
     x = torch.randn(7, 2, 32, device=device)
     cs = torch.rand(16, 16, device=device)
@@ -214,6 +237,13 @@ def test_bad_packed_rotary_input(device):
         L.apply_rotary(x, cs, cs, cu_seqlens=torch.tensor([0, 3, 6], dtype=torch.int32, device=device))
     with pytest.raises(TypeError, match="^quant_dtype: "):
         L.qk_norm_rope_quant(x[None], x[None], None, None, cs, cs, quant_dtype=torch.float16)
+    with pytest.raises(TypeError, match="^interleaved: "):
+        L.rms_norm_rope(x[None], x[None], None, None, cs, cs, interleaved="no")
+    with pytest.raises(ValueError, match="^max_seqlen: "):
+        L.apply_rotary(x[None], cs, cs, max_seqlen=7)
+    with pytest.raises(ValueError, match="^seqlen_offsets: "):
+        L.apply_rotary(x, cs, cs, position_ids=torch.zeros(7, dtype=torch.long, device=device),
+                       seqlen_offsets=2)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="torch.compile of the Triton lane needs a GPU")

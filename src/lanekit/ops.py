@@ -117,20 +117,32 @@ def _noncontiguous(t: torch.Tensor) -> torch.Tensor:
     return buf[..., : t.shape[-1]]
 
 
+def _param(N, g, device, layout="contiguous", dtype=torch.float32):
+    """A (N,) parameter: contiguous, "strided" (every other element of a buffer) or "expanded"
+    (one value broadcast, stride 0)."""
+    if layout == "expanded":
+        return randn(1, dtype=dtype, device=device, generator=g).expand(N)
+    if layout == "strided":
+        return randn(2 * N, dtype=dtype, device=device, generator=g)[::2]
+    return randn(N, dtype=dtype, device=device, generator=g)
+
+
 def norm_case(name, device, *, shape, dtype=torch.bfloat16, weight=True, bias=False,
-              residual=False, offset=0.0, noncontiguous=False, eps=1e-6, kind="rms") -> Sample:
-    """An ``rms_norm`` / ``layer_norm`` sample (``kind``), from readable parameters."""
+              residual=False, offset=0.0, noncontiguous=False, eps=1e-6, kind="rms",
+              params="contiguous", mean=0.0) -> Sample:
+    """An ``rms_norm`` / ``layer_norm`` sample (``kind``), from readable parameters. ``params``:
+    the weight's and bias's layout (see _param); ``mean``: added to every x."""
     g = _gen(name)
     N = shape[-1]
-    x = randn(*shape, dtype=dtype, device=device, generator=g)
+    x = (randn(*shape, dtype=torch.float32, device=device, generator=g) + mean).to(dtype)
     if noncontiguous:
         x = _noncontiguous(x)
-    kw = dict(x=x, weight=randn(N, dtype=torch.float32, device=device, generator=g) if weight else None,
+    kw = dict(x=x, weight=_param(N, g, device, params) if weight else None,
               eps=eps, residual=randn(*shape, dtype=dtype, device=device, generator=g) if residual else None)
     if kind == "rms":
         kw["offset"] = offset
     else:
-        kw["bias"] = randn(N, dtype=torch.float32, device=device, generator=g) if bias else None
+        kw["bias"] = _param(N, g, device, params) if bias else None
     return Sample(name, kw)
 
 
@@ -143,6 +155,8 @@ def _rms_norm_samples(device):
     yield norm_case("N4096 fp32 non-contiguous", device, shape=(5, 4096), dtype=f32, noncontiguous=True)
     yield norm_case("N37 no weight", device, shape=(9, 37), weight=False)
     yield norm_case("rows 0", device, shape=(0, 64))
+    yield norm_case("N0 features", device, shape=(3, 0))
+    yield norm_case("N300 weight expanded from one value", device, shape=(5, 300), params="expanded")
 
 
 def _layer_norm_samples(device):
@@ -150,6 +164,10 @@ def _layer_norm_samples(device):
     yield norm_case("N300 rows 17 residual", device, shape=(17, 300), kind="ln", bias=True, residual=True)
     yield norm_case("N700 fp16 no bias", device, shape=(4, 700), kind="ln", dtype=torch.float16)
     yield norm_case("N20000 (looped) rows 2", device, shape=(2, 20000), kind="ln", bias=True)
+    yield norm_case("N4096 fp32 rows of mean 100, strided weight and bias", device, shape=(3, 4096),
+                    kind="ln", bias=True, dtype=torch.float32, mean=100.0, params="strided")
+    yield norm_case("N20000 (looped) fp32 rows of mean 100", device, shape=(2, 20000), kind="ln",
+                    bias=True, dtype=torch.float32, mean=100.0)
     yield norm_case("N96 non-contiguous no affine", device, shape=(6, 96), kind="ln", weight=False,
                     noncontiguous=True)
 
@@ -200,7 +218,8 @@ def _with_douts(samples):
 
 
 def rotary_case(name, device, *, shape, rotary_dim=None, interleaved=False, dtype=torch.bfloat16,
-                S_ro=None, position_ids=False, seqlen_offsets=0, cu_seqlens=None, noncontiguous=False):
+                S_ro=None, position_ids=False, seqlen_offsets=0, cu_seqlens=None, noncontiguous=False,
+                sin_strided=False):
     g = _gen(name)
     D = shape[-1]
     rd = rotary_dim or D
@@ -209,7 +228,10 @@ def rotary_case(name, device, *, shape, rotary_dim=None, interleaved=False, dtyp
         x = _noncontiguous(x)
     S_ro = S_ro or 64
     angles = torch.rand(S_ro, rd // 2, generator=g) * 6.3
-    kw = dict(x=x, cos=angles.cos().to(device), sin=angles.sin().to(device), interleaved=interleaved,
+    sin = angles.sin().to(device)
+    if sin_strided:  # a column slice of a wider buffer: strides unlike cos's
+        sin = _noncontiguous(sin)
+    kw = dict(x=x, cos=angles.cos().to(device), sin=sin, interleaved=interleaved,
               rotary_dim=rd, position_ids=None, cu_seqlens=None, max_seqlen=0, seqlen_offsets=seqlen_offsets)
     if position_ids:
         kw["position_ids"] = torch.randint(0, S_ro, shape[:-2], generator=g).to(device)
@@ -234,19 +256,20 @@ def _rotary_samples(device):
     yield rotary_case("packed position_ids D64 fp32", device, shape=(11, 2, 64), position_ids=True,
                       dtype=torch.float32)
     yield rotary_case("non-contiguous D128 S1", device, shape=(3, 1, 2, 128), noncontiguous=True)
+    yield rotary_case("sin with strides unlike cos's D64", device, shape=(1, 6, 2, 64), sin_strided=True)
 
 
 def qk_case(name, device, *, B=2, S=9, Hq=4, Hkv=2, D=80, rotary_dim=None, dtype=torch.bfloat16,
             weights=True, interleaved=False, position_ids=False, seqlen_offsets=0, offset=0.0,
-            quant_dtype=None):
+            quant_dtype=None, params="contiguous"):
     g = _gen(name)
     rd = rotary_dim or D
     q = randn(B, S, Hq, D, dtype=dtype, device=device, generator=g, scale=2.0)
     k = randn(B, S, Hkv, D, dtype=dtype, device=device, generator=g, scale=2.0)
     angles = torch.rand(64, rd // 2, generator=g) * 6.3
     kw = dict(q=q, k=k,
-              q_weight=randn(D, dtype=dtype, device=device, generator=g) if weights else None,
-              k_weight=randn(D, dtype=dtype, device=device, generator=g) if weights else None,
+              q_weight=_param(D, g, device, params, dtype) if weights else None,
+              k_weight=_param(D, g, device, params, dtype) if weights else None,
               cos=angles.cos().to(device), sin=angles.sin().to(device),
               eps=float(torch.tensor(1e-6, dtype=torch.float32)), offset=offset,
               interleaved=interleaved, rotary_dim=rd, position_ids=None, seqlen_offsets=seqlen_offsets)
@@ -264,6 +287,7 @@ def _rms_norm_rope_samples(device):
     yield qk_case("D128 fp16 no weights, position_ids", device, D=128, dtype=torch.float16,
                   weights=False, position_ids=True, S=3)
     yield qk_case("D64 S1 offset 30", device, D=64, S=1, seqlen_offsets=30)
+    yield qk_case("strided weights D80 S5", device, S=5, params="strided")
 
 
 def _qk_quant_samples(device):
@@ -272,14 +296,16 @@ def _qk_quant_samples(device):
         yield qk_case(f"{tag} D80 interleaved, fp16, position_ids", device, D=80, interleaved=True,
                       dtype=torch.float16, position_ids=True, quant_dtype=qd)
         yield qk_case(f"{tag} D96 rope on all, S17 B1", device, D=96, S=17, B=1, quant_dtype=qd)
+        yield qk_case(f"{tag} strided weights D64 S3", device, D=64, S=3, quant_dtype=qd, params="strided")
 
 
-def glu_case(name, device, *, shape, fused=False, dtype=torch.bfloat16, noncontiguous=False, act="silu"):
+def glu_case(name, device, *, shape, fused=False, dtype=torch.bfloat16, noncontiguous=False, act="silu",
+             gate_scale=2.0):
     g = _gen(name)
     if fused:
         return Sample(name, dict(gate=randn(*shape[:-1], 2 * shape[-1], dtype=dtype, device=device,
-                                            generator=g, scale=2.0), up=None, activation=act))
-    gate = randn(*shape, dtype=dtype, device=device, generator=g, scale=2.0)
+                                            generator=g, scale=gate_scale), up=None, activation=act))
+    gate = randn(*shape, dtype=dtype, device=device, generator=g, scale=gate_scale)
     up = randn(*shape, dtype=dtype, device=device, generator=g)
     if noncontiguous:
         gate, up = _noncontiguous(gate), _noncontiguous(up)
@@ -293,8 +319,13 @@ def _glu_samples(act):
         yield glu_case("rows 1, N 4097, fp16", device, shape=(1, 4097), dtype=torch.float16, act=act)
         yield glu_case("non-contiguous (5, 96) fp32", device, shape=(5, 96), dtype=torch.float32,
                        noncontiguous=True, act=act)
+        yield glu_case("fp32 gate ~ N(0, 16): saturated activations", device, shape=(5, 64),
+                       dtype=torch.float32, act=act, gate_scale=4.0)
+        yield glu_case("N0", device, shape=(3, 0), act=act)
         if act == "gelu":
             yield glu_case("tanh approximation (9, 72)", device, shape=(9, 72), act="gelu_tanh")
+            yield glu_case("tanh approximation fp32, gate ~ N(0, 16)", device, shape=(5, 64),
+                           dtype=torch.float32, act="gelu_tanh", gate_scale=4.0)
     return samples
 
 

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import math
+import numbers
 
+import numpy as np
 import torch
 
 from lanekit.layers import op as _lanes
@@ -15,8 +17,38 @@ _QUANT_DTYPES = (torch.int8, torch.float8_e4m3fn)
 
 
 def _is_real(x) -> bool:
-    """An int or float, and not a bool (True would silently mean 1.0)."""
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
+    """A real number (Python's or NumPy's), and not a bool (True would silently mean 1.0)."""
+    return isinstance(x, numbers.Real) and not isinstance(x, (bool, np.bool_))
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, (bool, np.bool_))
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """[first, last] byte of t's elements in memory."""
+    last = sum((n - 1) * st for n, st in zip(t.shape, t.stride()) if n > 0)
+    first = t.data_ptr() + min(0, last) * t.element_size()
+    return first, t.data_ptr() + max(0, last) * t.element_size() + t.element_size() - 1
+
+
+def _check_writable(name: str, out: torch.Tensor, *inputs: torch.Tensor | None):
+    """out can be written element by element: no two of its elements share memory, and it either
+    is exactly one of the inputs (the same elements) or shares no memory with any of them."""
+    if out.numel() == 0:
+        return
+    if any(st == 0 and n > 1 for n, st in zip(out.shape, out.stride())):
+        raise ValueError(f"{name}: expected a tensor whose elements do not share memory, got strides "
+                         f"{out.stride()} for shape {tuple(out.shape)} (an expanded view)")
+    lo, hi = _span(out)
+    for t in inputs:
+        if t is None or t.numel() == 0 or t.untyped_storage().data_ptr() != out.untyped_storage().data_ptr():
+            continue
+        same = t.data_ptr() == out.data_ptr() and t.shape == out.shape and t.stride() == out.stride()
+        t_lo, t_hi = _span(t)
+        if not same and t_lo <= hi and lo <= t_hi:
+            raise ValueError(f"{name}: expected memory that the inputs do not overlap (or exactly an "
+                             f"input), got a view that partly overlaps one of them")
 
 
 def _tensor(name: str, t, *, dtypes=None, ndim=None, like: torch.Tensor | None = None):
@@ -59,10 +91,10 @@ def _x_and_residual(x, residual):
         _shape("residual", residual, x.shape, "x's shape")
 
 
-def _feature_param(name, t, x):
+def _feature_param(name, t, x, what="(N,), x's last dim"):
     if t is not None:
         _tensor(name, t, dtypes=_WITH_F64, like=x)
-        _shape(name, t, (x.shape[-1],), "(N,), x's last dim")
+        _shape(name, t, (x.shape[-1],), what)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float = 1e-6,
@@ -212,9 +244,13 @@ def _rotary_common(name, x, cos, sin, rotary_dim, position_ids, seqlen_offsets, 
         position_ids = position_ids.expand(tokens)
     if isinstance(seqlen_offsets, torch.Tensor):
         _tensor("seqlen_offsets", seqlen_offsets, dtypes=(torch.int32, torch.int64), ndim=1, like=x)
-    elif not (isinstance(seqlen_offsets, int) and not isinstance(seqlen_offsets, bool) and seqlen_offsets >= 0):
+    elif not (_is_int(seqlen_offsets) and seqlen_offsets >= 0):
         raise ValueError(f"seqlen_offsets: expected an int >= 0 or a (B,) int tensor, got {seqlen_offsets!r}")
-    return rotary_dim, position_ids
+    else:
+        seqlen_offsets = int(seqlen_offsets)
+    if position_ids is not None and (isinstance(seqlen_offsets, torch.Tensor) or seqlen_offsets != 0):
+        raise ValueError("seqlen_offsets: position_ids give every position already; pass one or the other")
+    return rotary_dim, position_ids, seqlen_offsets
 
 
 def _check_rope_range(S, cos, seqlen_offsets, position_ids):
@@ -269,7 +305,8 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interlea
     Source: Su et al., "RoFormer" (2021); conventions of FlashAttention's ``apply_rotary_emb``.
     """
     _tensor("x", x, dtypes=_WITH_F64, ndim=(3, 4))
-    rotary_dim, position_ids = _rotary_common("x", x, cos, sin, rotary_dim, position_ids, seqlen_offsets)
+    rotary_dim, position_ids, seqlen_offsets = _rotary_common("x", x, cos, sin, rotary_dim, position_ids,
+                                                              seqlen_offsets)
     if x.dim() == 3 and cu_seqlens is None and position_ids is None:
         raise ValueError("x: a packed (T, H, D) input needs cu_seqlens or position_ids")
     if cu_seqlens is not None:
@@ -283,17 +320,23 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interlea
         longest = int(lengths.max()) if lengths.numel() else 0
         if max_seqlen is None:
             max_seqlen = longest
-        elif not (isinstance(max_seqlen, int) and max_seqlen >= longest):
+        elif not (_is_int(max_seqlen) and max_seqlen >= longest):
             raise ValueError(f"max_seqlen: expected an int >= the longest sequence ({longest}), got {max_seqlen!r}")
         if isinstance(seqlen_offsets, torch.Tensor) and seqlen_offsets.shape[0] != cu_seqlens.shape[0] - 1:
             raise ValueError(f"seqlen_offsets: expected ({cu_seqlens.shape[0] - 1},), got {tuple(seqlen_offsets.shape)}")
         _check_rope_range(max_seqlen, cos, seqlen_offsets, position_ids)
     else:
+        if max_seqlen is not None:
+            raise ValueError("max_seqlen: expected only with cu_seqlens (packed sequences), got "
+                             f"{max_seqlen!r} without")
         if isinstance(seqlen_offsets, torch.Tensor) and x.dim() == 4 and seqlen_offsets.shape[0] != x.shape[0]:
             raise ValueError(f"seqlen_offsets: expected ({x.shape[0]},), got {tuple(seqlen_offsets.shape)}")
         _check_rope_range(x.shape[1] if x.dim() == 4 else x.shape[0], cos, seqlen_offsets, position_ids)
-    if not isinstance(interleaved, bool) or not isinstance(inplace, bool):
-        raise TypeError("interleaved, inplace: expected bools")
+    for name, flag in (("interleaved", interleaved), ("inplace", inplace)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name}: expected a bool, got {type(flag).__name__}")
+    if inplace:
+        _check_writable("x", x)
     chosen = _lane(x, lane)
     return getattr(_lanes, f"apply_rotary_{chosen}")(
         x=x, cos=cos, sin=sin, interleaved=interleaved, rotary_dim=rotary_dim,
@@ -301,22 +344,25 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interlea
         seqlen_offsets=seqlen_offsets, inplace=inplace)
 
 
-def _qk_common(q, k, q_weight, k_weight, cos, sin, eps, offset, rotary_dim, position_ids,
-               seqlen_offsets, dtypes):
+def _qk_common(q, k, q_weight, k_weight, cos, sin, eps, offset, interleaved, rotary_dim,
+               position_ids, seqlen_offsets, dtypes):
     _tensor("q", q, dtypes=dtypes, ndim=4)
     _tensor("k", k, dtypes=(q.dtype,), ndim=4, like=q)
     if k.shape[0] != q.shape[0] or k.shape[1] != q.shape[1] or k.shape[3] != q.shape[3]:
         raise ValueError(f"k: expected (B, S, Hkv, D) = ({q.shape[0]}, {q.shape[1]}, Hkv, {q.shape[3]}) "
                          f"as q's, got {tuple(k.shape)}")
-    _feature_param("q_weight", q_weight, q)
-    _feature_param("k_weight", k_weight, q)
-    rotary_dim, position_ids = _rotary_common("q", q, cos, sin, rotary_dim, position_ids, seqlen_offsets)
+    _feature_param("q_weight", q_weight, q, "(D,), the head dim")
+    _feature_param("k_weight", k_weight, q, "(D,), the head dim")
+    if not isinstance(interleaved, bool):
+        raise TypeError(f"interleaved: expected a bool, got {type(interleaved).__name__}")
+    rotary_dim, position_ids, seqlen_offsets = _rotary_common("q", q, cos, sin, rotary_dim, position_ids,
+                                                              seqlen_offsets)
     if isinstance(seqlen_offsets, torch.Tensor) and seqlen_offsets.shape[0] != q.shape[0]:
         raise ValueError(f"seqlen_offsets: expected ({q.shape[0]},), got {tuple(seqlen_offsets.shape)}")
     _check_rope_range(q.shape[1], cos, seqlen_offsets, position_ids)
     if not (_is_real(offset) and math.isfinite(offset)):
         raise ValueError(f"offset: expected a finite number, got {offset!r}")
-    return _eps(eps), float(offset), rotary_dim, position_ids
+    return _eps(eps), float(offset), rotary_dim, position_ids, seqlen_offsets
 
 
 def rms_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor | None,
@@ -347,8 +393,9 @@ def rms_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor | Non
     Source: Qwen3's ``q_norm``/``k_norm`` before ``apply_rotary_pos_emb``; Henry et al.,
     "Query-Key Normalization for Transformers" (2020).
     """
-    eps, offset, rotary_dim, position_ids = _qk_common(
-        q, k, q_weight, k_weight, cos, sin, eps, offset, rotary_dim, position_ids, seqlen_offsets,
+    eps, offset, rotary_dim, position_ids, seqlen_offsets = _qk_common(
+        q, k, q_weight, k_weight, cos, sin, eps, offset, interleaved, rotary_dim, position_ids,
+        seqlen_offsets,
         _WITH_F64)
     chosen = _lane(q, lane, "q")
     return getattr(_lanes, f"rms_norm_rope_{chosen}")(
@@ -398,8 +445,9 @@ def qk_norm_rope_quant(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor 
     """
     if quant_dtype not in _QUANT_DTYPES:
         raise TypeError(f"quant_dtype: expected torch.int8 or torch.float8_e4m3fn, got {quant_dtype!r}")
-    eps, offset, rotary_dim, position_ids = _qk_common(
-        q, k, q_weight, k_weight, cos, sin, eps, offset, rotary_dim, position_ids, seqlen_offsets,
+    eps, offset, rotary_dim, position_ids, seqlen_offsets = _qk_common(
+        q, k, q_weight, k_weight, cos, sin, eps, offset, interleaved, rotary_dim, position_ids,
+        seqlen_offsets,
         _DTYPES)
     eps32 = float(torch.tensor(eps, dtype=torch.float32))
     off32 = float(torch.tensor(offset, dtype=torch.float32))
@@ -426,10 +474,11 @@ def _glu(name, gate, up, out, activation, lane):
         _tensor("out", out, dtypes=(gate.dtype,), like=gate)
         _shape("out", out, out_shape, "the result's shape")
         try:
-            out.view(-1, out.shape[-1])
+            out.view(math.prod(out.shape[:-1]), out.shape[-1])
         except RuntimeError:
             raise ValueError(f"out: expected leading dims that merge into rows without a copy, got "
                              f"strides {out.stride()}") from None
+        _check_writable("out", out, gate, up)
         if torch.is_grad_enabled() and (gate.requires_grad or (up is not None and up.requires_grad)):
             raise ValueError(f"out: {name} with out= does not support autograd (as PyTorch's out= "
                              "functions); call it without out= to differentiate")

@@ -48,14 +48,14 @@ def _norm_load_h(X, R, GATE, x_row, r_row, m_row, cols, mask, stride_xn, stride_
 
 @triton.jit
 def _norm_affine(xhat, W, B, SCALE, SHIFT, scale_row, shift_row, cols, mask, offset,
-                 stride_sn, stride_tn, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
-                 HAS_MOD: tl.constexpr):
+                 stride_w, stride_b, stride_sn, stride_tn, HAS_WEIGHT: tl.constexpr,
+                 HAS_BIAS: tl.constexpr, HAS_MOD: tl.constexpr):
     """xhat [* (offset + w)] [+ b] [* (1 + scale) + shift]."""
     y = xhat
     if HAS_WEIGHT:
-        y = y * (offset + tl.load(W + cols, mask=mask, other=0.0).to(tl.float32))
+        y = y * (offset + tl.load(W + cols * stride_w, mask=mask, other=0.0).to(tl.float32))
     if HAS_BIAS:
-        y = y + tl.load(B + cols, mask=mask, other=0.0).to(tl.float32)
+        y = y + tl.load(B + cols * stride_b, mask=mask, other=0.0).to(tl.float32)
     if HAS_MOD:
         scale = tl.load(SCALE + scale_row + cols * stride_sn, mask=mask, other=0.0).to(tl.float32)
         shift = tl.load(SHIFT + shift_row + cols * stride_tn, mask=mask, other=0.0).to(tl.float32)
@@ -67,7 +67,7 @@ def _norm_affine(xhat, W, B, SCALE, SHIFT, scale_row, shift_row, cols, mask, off
 def _norm_fwd_kernel(
     X, R, GATE, SCALE, SHIFT, W, B, Y, H_OUT, MEAN, RSTD,
     stride_xm, stride_xn, stride_rm, stride_rn, stride_gm, stride_gn, stride_sm, stride_sn,
-    stride_tm, stride_tn, stride_ym, stride_yn, stride_hm, stride_hn,
+    stride_tm, stride_tn, stride_ym, stride_yn, stride_hm, stride_hn, stride_w, stride_b,
     N, rows_per_mod, eps, offset,
     IS_RMS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_GATE: tl.constexpr,
     HAS_MOD: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -84,12 +84,14 @@ def _norm_fwd_kernel(
         h, x = _norm_load_h(X, R, GATE, x_row, r_row, g_row, cols0, mask, stride_xn, stride_rn,
                             stride_gn, HAS_RESIDUAL, HAS_GATE)
         mean = 0.0
+        mean_lo = 0.0
         if not IS_RMS:
             mean = tl.sum(h, axis=0) / N
-        hc = tl.where(mask, h - mean, 0.0)
+            mean_lo = tl.sum(tl.where(mask, h - mean, 0.0), axis=0) / N
+        hc = tl.where(mask, (h - mean) - mean_lo, 0.0)
         rstd = 1.0 / tl.sqrt(tl.sum(hc * hc, axis=0) / N + eps)
         y = _norm_affine(hc * rstd, W, B, SCALE, SHIFT, s_row, t_row, cols0, mask, offset,
-                         stride_sn, stride_tn, HAS_WEIGHT, HAS_BIAS, HAS_MOD)
+                         stride_w, stride_b, stride_sn, stride_tn, HAS_WEIGHT, HAS_BIAS, HAS_MOD)
         tl.store(Y + y_row + cols0 * stride_yn, y.to(Y.dtype.element_ty), mask=mask)
         if HAS_RESIDUAL:
             tl.store(H_OUT + h_row + cols0 * stride_hn, h.to(H_OUT.dtype.element_ty), mask=mask)
@@ -104,6 +106,7 @@ def _norm_fwd_kernel(
                 acc += h
             mean = tl.sum(acc, axis=0) / N
         acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        acc1 = tl.zeros([BLOCK_N], dtype=tl.float32)
         for start in range(0, N, BLOCK_N):
             cols = start + cols0
             mask = cols < N
@@ -111,38 +114,47 @@ def _norm_fwd_kernel(
                                 stride_rn, stride_gn, HAS_RESIDUAL, HAS_GATE)
             hc = tl.where(mask, h - mean, 0.0)
             acc += hc * hc
-        rstd = 1.0 / tl.sqrt(tl.sum(acc, axis=0) / N + eps)
+            acc1 += hc
+        mean_lo = 0.0
+        if not IS_RMS:  # the corrected two-pass variance (Chan, Golub, LeVeque)
+            mean_lo = tl.sum(acc1, axis=0) / N
+        rstd = 1.0 / tl.sqrt(tl.sum(acc, axis=0) / N - mean_lo * mean_lo + eps)
         for start in range(0, N, BLOCK_N):
             cols = start + cols0
             mask = cols < N
             h, x = _norm_load_h(X, R, GATE, x_row, r_row, g_row, cols, mask, stride_xn,
                                 stride_rn, stride_gn, HAS_RESIDUAL, HAS_GATE)
-            y = _norm_affine((h - mean) * rstd, W, B, SCALE, SHIFT, s_row, t_row, cols, mask,
-                             offset, stride_sn, stride_tn, HAS_WEIGHT, HAS_BIAS, HAS_MOD)
+            y = _norm_affine(((h - mean) - mean_lo) * rstd, W, B, SCALE, SHIFT, s_row, t_row, cols, mask,
+                             offset, stride_w, stride_b, stride_sn, stride_tn, HAS_WEIGHT,
+                             HAS_BIAS, HAS_MOD)
             tl.store(Y + y_row + cols * stride_yn, y.to(Y.dtype.element_ty), mask=mask)
             if HAS_RESIDUAL:
                 tl.store(H_OUT + h_row + cols * stride_hn, h.to(H_OUT.dtype.element_ty), mask=mask)
-    tl.store(MEAN + row, mean)
+    # the mean as an unevaluated sum mean + mean_lo: h - mean is exact where h is near the mean, so
+    # ((h - mean) - mean_lo) keeps the fp32 accuracy that (h - (mean + mean_lo)) would lose on
+    # rows whose mean is large beside their spread
+    tl.store(MEAN + 2 * row, mean)
+    tl.store(MEAN + 2 * row + 1, mean_lo)
     tl.store(RSTD + row, rstd)
 
 
 @triton.jit
-def _norm_bwd_terms(DY, X, R, GATE, SCALE, W, MEAN_ROW, RSTD_ROW, dy_row, x_row, r_row, g_row,
+def _norm_bwd_terms(DY, X, R, GATE, SCALE, W, MEAN_ROW, MEAN_LO_ROW, RSTD_ROW, dy_row, x_row, r_row, g_row,
                     mod_row, cols, mask, offset, stride_dyn, stride_xn, stride_rn, stride_gn,
-                    stride_mn, HAS_RESIDUAL: tl.constexpr, HAS_GATE: tl.constexpr,
+                    stride_mn, stride_w, HAS_RESIDUAL: tl.constexpr, HAS_GATE: tl.constexpr,
                     HAS_MOD: tl.constexpr, HAS_WEIGHT: tl.constexpr):
     """For columns ``cols`` of one row: (xhat, x, dy, g, dxhat). g is dy through the modulation
     (the gradient of xhat * w + b); dxhat is g through the weight (the gradient of xhat)."""
     h, x = _norm_load_h(X, R, GATE, x_row, r_row, g_row, cols, mask, stride_xn, stride_rn,
                         stride_gn, HAS_RESIDUAL, HAS_GATE)
-    xhat = tl.where(mask, (h - MEAN_ROW) * RSTD_ROW, 0.0)
+    xhat = tl.where(mask, ((h - MEAN_ROW) - MEAN_LO_ROW) * RSTD_ROW, 0.0)
     dy = tl.load(DY + dy_row + cols * stride_dyn, mask=mask, other=0.0).to(tl.float32)
     g = dy
     if HAS_MOD:
         g = g * (1.0 + tl.load(SCALE + mod_row + cols * stride_mn, mask=mask, other=0.0).to(tl.float32))
     dxhat = g
     if HAS_WEIGHT:
-        dxhat = g * (offset + tl.load(W + cols, mask=mask, other=0.0).to(tl.float32))
+        dxhat = g * (offset + tl.load(W + cols * stride_w, mask=mask, other=0.0).to(tl.float32))
     return xhat, x, dy, g, dxhat
 
 
@@ -152,7 +164,7 @@ def _norm_bwd_kernel(
     DX, DR, DW_PART, DB_PART, DSCALE_PART, DSHIFT_PART, DGATE_PART,
     stride_dym, stride_dyn, stride_dhm, stride_dhn, stride_xm, stride_xn, stride_rm, stride_rn,
     stride_gm, stride_gn, stride_mm, stride_mn, stride_dxm, stride_dxn, stride_drm, stride_drn,
-    N, rows_per_mod, rows_per_program, offset,
+    stride_w, stride_b, N, rows_per_mod, rows_per_program, offset,
     IS_RMS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_DH_OUT: tl.constexpr,
     HAS_GATE: tl.constexpr, HAS_MOD: tl.constexpr, HAS_WEIGHT: tl.constexpr,
     HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, ONE_BLOCK: tl.constexpr,
@@ -176,13 +188,14 @@ def _norm_bwd_kernel(
         dshift = tl.zeros([BLOCK_N], dtype=tl.float32)
         dgate = tl.zeros([BLOCK_N], dtype=tl.float32)
     for row in range(row_start, row_end):
-        mean = tl.load(MEAN + row)
+        mean = tl.load(MEAN + 2 * row)
+        mean_lo = tl.load(MEAN + 2 * row + 1)
         rstd = tl.load(RSTD + row)
         dy_row, x_row, r_row = row * stride_dym, row * stride_xm, row * stride_rm
         if ONE_BLOCK:
             xhat, x, dy, g, dxhat = _norm_bwd_terms(
-                DY, X, R, GATE, SCALE, W, mean, rstd, dy_row, x_row, r_row, g_row, mod_row,
-                cols0, mask, offset, stride_dyn, stride_xn, stride_rn, stride_gn, stride_mn,
+                DY, X, R, GATE, SCALE, W, mean, mean_lo, rstd, dy_row, x_row, r_row, g_row, mod_row,
+                cols0, mask, offset, stride_dyn, stride_xn, stride_rn, stride_gn, stride_mn, stride_w,
                 HAS_RESIDUAL, HAS_GATE, HAS_MOD, HAS_WEIGHT)
             c1 = tl.sum(dxhat * xhat, axis=0) / N
             c2 = 0.0
@@ -194,9 +207,9 @@ def _norm_bwd_kernel(
             for start in range(0, N, BLOCK_N):
                 cols = start + cols0
                 xhat, x, dy, g, dxhat = _norm_bwd_terms(
-                    DY, X, R, GATE, SCALE, W, mean, rstd, dy_row, x_row, r_row, g_row, mod_row,
+                    DY, X, R, GATE, SCALE, W, mean, mean_lo, rstd, dy_row, x_row, r_row, g_row, mod_row,
                     cols, cols < N, offset, stride_dyn, stride_xn, stride_rn, stride_gn,
-                    stride_mn, HAS_RESIDUAL, HAS_GATE, HAS_MOD, HAS_WEIGHT)
+                    stride_mn, stride_w, HAS_RESIDUAL, HAS_GATE, HAS_MOD, HAS_WEIGHT)
                 acc1 += dxhat * xhat
                 acc2 += dxhat
             c1 = tl.sum(acc1, axis=0) / N
@@ -208,8 +221,8 @@ def _norm_bwd_kernel(
             if not ONE_BLOCK:  # reload this block (ONE_BLOCK keeps the row from above)
                 mask = cols < N
                 xhat, x, dy, g, dxhat = _norm_bwd_terms(
-                    DY, X, R, GATE, SCALE, W, mean, rstd, dy_row, x_row, r_row, g_row, mod_row,
-                    cols, mask, offset, stride_dyn, stride_xn, stride_rn, stride_gn, stride_mn,
+                    DY, X, R, GATE, SCALE, W, mean, mean_lo, rstd, dy_row, x_row, r_row, g_row, mod_row,
+                    cols, mask, offset, stride_dyn, stride_xn, stride_rn, stride_gn, stride_mn, stride_w,
                     HAS_RESIDUAL, HAS_GATE, HAS_MOD, HAS_WEIGHT)
             dh = (dxhat - (xhat * c1 + c2)) * rstd
             if HAS_DH_OUT:  # the returned sum h was used downstream too
@@ -223,9 +236,9 @@ def _norm_bwd_kernel(
             # this row's terms of the sums over rows; y_pre = xhat * w + b, the modulation's input
             y_pre = xhat
             if HAS_WEIGHT:
-                y_pre = xhat * (offset + tl.load(W + cols, mask=mask, other=0.0).to(tl.float32))
+                y_pre = xhat * (offset + tl.load(W + cols * stride_w, mask=mask, other=0.0).to(tl.float32))
             if HAS_BIAS:
-                y_pre += tl.load(B + cols, mask=mask, other=0.0).to(tl.float32)
+                y_pre += tl.load(B + cols * stride_b, mask=mask, other=0.0).to(tl.float32)
             if ONE_BLOCK:
                 dw += g * xhat
                 db += g
@@ -262,11 +275,16 @@ def _norm_bwd_kernel(
 
 def _rows(t: torch.Tensor | None, N: int) -> torch.Tensor | None:
     """t as (rows, N): a view when the leading dims allow one, else a copy."""
-    return None if t is None else t.reshape(-1, N)
+    return None if t is None else t.reshape(math.prod(t.shape[:-1]), N)
 
 
 def _strides(t: torch.Tensor | None) -> tuple[int, int]:
     return (0, 0) if t is None else (t.stride(0), t.stride(1))
+
+
+def _stride(t: torch.Tensor | None) -> int:
+    """The stride of a (N,) parameter (0 when absent, or when expanded from one value)."""
+    return 0 if t is None else t.stride(0)
 
 
 def _norm_config(device: torch.device, N: int, rows: int = 0) -> tuple[int, bool, int]:
@@ -285,16 +303,16 @@ def norm_fwd(*, x, weight, bias, eps, offset=0.0, is_rms, residual=None, gate=No
     rows = x2.shape[0]
     y = empty(x.shape, dtype=x.dtype, device=x.device)
     h = empty(x.shape, dtype=x.dtype, device=x.device) if residual is not None else None
-    mean = empty((rows,), dtype=torch.float32, device=x.device)
+    mean = empty((rows, 2), dtype=torch.float32, device=x.device)   # mean, and its remainder
     rstd = empty((rows,), dtype=torch.float32, device=x.device)
-    if rows == 0:
+    if rows == 0 or N == 0:
         return y, h, mean, rstd
     y2, h2 = y.view(-1, N), (h.view(-1, N) if h is not None else None)
     BLOCK_N, one_block, num_warps = _norm_config(x.device, N)
     _norm_fwd_kernel[(rows,)](
         x2, r2, gate, scale, shift, weight, bias, y2, h2, mean, rstd,
         *_strides(x2), *_strides(r2), *_strides(gate), *_strides(scale), *_strides(shift),
-        *_strides(y2), *_strides(h2),
+        *_strides(y2), *_strides(h2), _stride(weight), _stride(bias),
         N, rows_per_mod, eps, offset,
         IS_RMS=is_rms, HAS_RESIDUAL=residual is not None, HAS_GATE=gate is not None,
         HAS_MOD=scale is not None, HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
@@ -312,9 +330,13 @@ def norm_bwd(*, dy, dh_out, x, weight, bias, mean, rstd, offset=0.0, is_rms, res
     rows = x2.shape[0]
     dx = empty(x.shape, dtype=x.dtype, device=x.device)
     dr = empty(residual.shape, dtype=residual.dtype, device=x.device) if residual is not None else None
+    if rows == 0 or N == 0:  # nothing to differentiate: the parameters' gradients are zero
+        def zeros(t):
+            return torch.zeros_like(t) if t is not None else None
+        return dx, dr, zeros(weight), zeros(bias), zeros(gate), zeros(scale), zeros(shift)
     has_mod = scale is not None
     groups = rows // rows_per_mod if (has_mod or gate is not None) else 1
-    per_group = rows // groups if rows else 0
+    per_group = rows // groups
     BLOCK_N, one_block, num_warps = _norm_config(x.device, N)
     # enough programs to fill the GPU, each summing a run of rows of one group
     chunks = max(1, min(per_group, triton.cdiv(tuning.norm_bwd_programs(x.device), groups)))
@@ -326,23 +348,20 @@ def norm_bwd(*, dy, dh_out, x, weight, bias, mean, rstd, offset=0.0, is_rms, res
 
     parts = [partial(weight is not None), partial(bias is not None), partial(has_mod),
              partial(has_mod), partial(gate is not None)]
-    if rows > 0:
-        dx2, dr2 = dx.view(-1, N), (dr.view(-1, N) if dr is not None else None)
-        _norm_bwd_kernel[(groups, chunks)](
-            dy2, dh2, x2, r2, gate, scale, weight, bias, mean, rstd, dx2, dr2, *parts,
-            *_strides(dy2), *_strides(dh2), *_strides(x2), *_strides(r2), *_strides(gate),
-            *_strides(scale), *_strides(dx2), *_strides(dr2),
-            N, per_group, rows_per_program, offset,
-            IS_RMS=is_rms, HAS_RESIDUAL=residual is not None, HAS_DH_OUT=dh_out is not None,
-            HAS_GATE=gate is not None, HAS_MOD=has_mod, HAS_WEIGHT=weight is not None,
-            HAS_BIAS=bias is not None, BLOCK_N=BLOCK_N, ONE_BLOCK=one_block, num_warps=num_warps,
-        )
+    dx2, dr2 = dx.view(-1, N), (dr.view(-1, N) if dr is not None else None)
+    _norm_bwd_kernel[(groups, chunks)](
+        dy2, dh2, x2, r2, gate, scale, weight, bias, mean, rstd, dx2, dr2, *parts,
+        *_strides(dy2), *_strides(dh2), *_strides(x2), *_strides(r2), *_strides(gate),
+        *_strides(scale), *_strides(dx2), *_strides(dr2), _stride(weight), _stride(bias),
+        N, per_group, rows_per_program, offset,
+        IS_RMS=is_rms, HAS_RESIDUAL=residual is not None, HAS_DH_OUT=dh_out is not None,
+        HAS_GATE=gate is not None, HAS_MOD=has_mod, HAS_WEIGHT=weight is not None,
+        HAS_BIAS=bias is not None, BLOCK_N=BLOCK_N, ONE_BLOCK=one_block, num_warps=num_warps,
+    )
 
     def total(p, like, per_group_sum):
         if p is None:
             return None
-        if rows == 0:
-            return torch.zeros(like.shape, dtype=like.dtype, device=like.device)
         p = p.view(groups, chunks, N).sum(1) if per_group_sum else p.sum(0)
         return p.reshape(like.shape).to(like.dtype)
 
@@ -392,8 +411,8 @@ def _rotary_pairs(offs_i, ROT_START, HALF, INTERLEAVED: tl.constexpr):
 def _rotary_kernel(
     X, OUT, COS, SIN, POS, CU_SEQLENS, SEQ_OFFSETS, W, SCALE_OUT,
     stride_xb, stride_xs, stride_xh, stride_xd, stride_ob, stride_os, stride_oh, stride_od,
-    stride_cs, stride_cd, stride_pb, stride_ps, stride_qb, stride_qs, stride_qh,
-    S, H, D, ROT_START, HALF, seq_offset, eps, offset, qmax,
+    stride_cs, stride_cd, stride_ss, stride_sd, stride_pb, stride_ps, stride_qb, stride_qs,
+    stride_qh, stride_w, S, H, D, ROT_START, HALF, seq_offset, eps, offset, qmax,
     BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr,
     HAS_REST: tl.constexpr, INTERLEAVED: tl.constexpr, CONJUGATE: tl.constexpr,
     WRITE_REST: tl.constexpr, HAS_NORM: tl.constexpr, HAS_WEIGHT: tl.constexpr,
@@ -441,15 +460,16 @@ def _rotary_kernel(
         a = a * rstd[:, None]
         bb = bb * rstd[:, None]
         if HAS_WEIGHT:
-            a = a * (tl.load(W + da, mask=offs_i < HALF, other=0.0).to(tl.float32) + offset)[None, :]
-            bb = bb * (tl.load(W + db, mask=offs_i < HALF, other=0.0).to(tl.float32) + offset)[None, :]
+            a = a * (tl.load(W + da * stride_w, mask=offs_i < HALF, other=0.0).to(tl.float32) + offset)[None, :]
+            bb = bb * (tl.load(W + db * stride_w, mask=offs_i < HALF, other=0.0).to(tl.float32) + offset)[None, :]
         if HAS_REST:
             rest = rest * rstd[:, None]
             if HAS_WEIGHT:
-                rest = rest * (tl.load(W + offs_d, mask=is_rest, other=0.0).to(tl.float32) + offset)[None, :]
-    c_ptrs = pos[:, None] * stride_cs + offs_i[None, :] * stride_cd
-    cos = tl.load(COS + c_ptrs, mask=pair_mask, other=0.0).to(tl.float32)
-    sin = tl.load(SIN + c_ptrs, mask=pair_mask, other=0.0).to(tl.float32)
+                rest = rest * (tl.load(W + offs_d * stride_w, mask=is_rest, other=0.0).to(tl.float32) + offset)[None, :]
+    cos = tl.load(COS + pos[:, None] * stride_cs + offs_i[None, :] * stride_cd, mask=pair_mask,
+                  other=0.0).to(tl.float32)
+    sin = tl.load(SIN + pos[:, None] * stride_ss + offs_i[None, :] * stride_sd, mask=pair_mask,
+                  other=0.0).to(tl.float32)
     if CONJUGATE:
         sin = -sin
     ra = a * cos - bb * sin
@@ -489,8 +509,8 @@ def _quantize(x, qmax, QUANT: tl.constexpr):
 def _rms_norm_rope_bwd_kernel(
     DY, X, DX, COS, SIN, POS, SEQ_OFFSETS, W, DW_PART,
     stride_yb, stride_ys, stride_yh, stride_yd, stride_xb, stride_xs, stride_xh, stride_xd,
-    stride_dxb, stride_dxs, stride_dxh, stride_dxd, stride_cs, stride_cd, stride_pb, stride_ps,
-    S, H, D, HALF, seq_offset, eps, offset,
+    stride_dxb, stride_dxs, stride_dxh, stride_dxd, stride_cs, stride_cd, stride_ss, stride_sd,
+    stride_pb, stride_ps, stride_w, S, H, D, HALF, seq_offset, eps, offset,
     BLOCK_S: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr,
     INTERLEAVED: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_POS_IDS: tl.constexpr,
     HAS_OFFSET_TENSOR: tl.constexpr,
@@ -509,16 +529,17 @@ def _rms_norm_rope_bwd_kernel(
     offs_d = tl.arange(0, BLOCK_D).to(tl.int64)
     is_rest = (offs_d >= 2 * HALF) & (offs_d < D)
     rest_mask = row_mask[:, None] & is_rest[None, :]
-    c_ptrs = pos[:, None] * stride_cs + offs_i[None, :] * stride_cd
-    cos = tl.load(COS + c_ptrs, mask=pair_mask, other=0.0).to(tl.float32)
-    sin = tl.load(SIN + c_ptrs, mask=pair_mask, other=0.0).to(tl.float32)
+    cos = tl.load(COS + pos[:, None] * stride_cs + offs_i[None, :] * stride_cd, mask=pair_mask,
+                  other=0.0).to(tl.float32)
+    sin = tl.load(SIN + pos[:, None] * stride_ss + offs_i[None, :] * stride_sd, mask=pair_mask,
+                  other=0.0).to(tl.float32)
     wa = tl.full([BLOCK_HALF], 1.0, tl.float32)
     wb = tl.full([BLOCK_HALF], 1.0, tl.float32)
     wr = tl.full([BLOCK_D], 1.0, tl.float32)
     if HAS_WEIGHT:
-        wa = tl.load(W + da, mask=offs_i < HALF, other=0.0).to(tl.float32) + offset
-        wb = tl.load(W + db, mask=offs_i < HALF, other=0.0).to(tl.float32) + offset
-        wr = tl.load(W + offs_d, mask=is_rest, other=0.0).to(tl.float32) + offset
+        wa = tl.load(W + da * stride_w, mask=offs_i < HALF, other=0.0).to(tl.float32) + offset
+        wb = tl.load(W + db * stride_w, mask=offs_i < HALF, other=0.0).to(tl.float32) + offset
+        wr = tl.load(W + offs_d * stride_w, mask=is_rest, other=0.0).to(tl.float32) + offset
     dwa = tl.zeros([BLOCK_HALF], dtype=tl.float32)
     dwb = tl.zeros([BLOCK_HALF], dtype=tl.float32)
     dwr = tl.zeros([BLOCK_D], dtype=tl.float32)
@@ -565,17 +586,19 @@ ACTIVATIONS = {"silu": 0, "gelu": 1, "gelu_tanh": 2}
 @triton.jit
 def _glu_act(g, ACT: tl.constexpr):
     """(act(g), act'(g)) in fp32: 0 silu, 1 gelu (erf), 2 gelu (tanh approximation)."""
+    # 1 - sigmoid(z) is taken as sigmoid(-z): subtracting from 1 loses it where sigmoid(z) ~ 1
     if ACT == 0:
         s = tl.sigmoid(g)
-        return g * s, s * (1.0 + g * (1.0 - s))
+        return g * s, s * (1.0 + g * tl.sigmoid(-g))
     elif ACT == 1:
         cdf = 0.5 * (1.0 + tl.erf(g * _INV_SQRT_2))
         return g * cdf, cdf + g * _INV_SQRT_2PI * tl.exp(-0.5 * g * g)
     else:
+        # 0.5 * (1 + tanh(u)) = sigmoid(2u), and 1 - tanh(u)^2 = 4 s (1 - s): no cancellation
         inner = _SQRT_2_OVER_PI * (g + 0.044715 * g * g * g)
-        t = 2.0 * tl.sigmoid(2.0 * inner) - 1.0   # tanh, to within fp32 rounding of 1
+        s = tl.sigmoid(2.0 * inner)
         d_inner = _SQRT_2_OVER_PI * (1.0 + 3.0 * 0.044715 * g * g)
-        return 0.5 * g * (1.0 + t), 0.5 * (1.0 + t) + 0.5 * g * (1.0 - t * t) * d_inner
+        return g * s, s + 2.0 * g * s * tl.sigmoid(-2.0 * inner) * d_inner
 
 
 @triton.jit
@@ -695,8 +718,8 @@ def rotary_fwd(*, x, cos, sin, out, rot_start, rotary_dim, interleaved=False, co
     grid = (triton.cdiv(S, block_s), B, triton.cdiv(H, block_h))
     _rotary_kernel[grid](
         x4, o4, cos, sin, pos, cu_seqlens, seqlen_offsets if offsets_tensor else None, weight,
-        scale_out, *x_strides, *o_strides, cos.stride(0), cos.stride(1), *pos_strides,
-        *(scale_out.stride() if scale_out is not None else (0, 0, 0)),
+        scale_out, *x_strides, *o_strides, *cos.stride(), *sin.stride(), *pos_strides,
+        *(scale_out.stride() if scale_out is not None else (0, 0, 0)), _stride(weight),
         S, H, D, rot_start, half, 0 if offsets_tensor else int(seqlen_offsets), eps, offset,
         float(reference_qmax(quant_dtype)),
         BLOCK_S=block_s, BLOCK_H=block_h, BLOCK_HALF=triton.next_power_of_2(max(half, 1)),
@@ -731,8 +754,8 @@ def rms_norm_rope_bwd(*, dy, x, weight, cos, sin, eps, offset, rotary_dim, inter
         pos_strides = (0, 0) if position_ids is None else position_ids.stride()
         _rms_norm_rope_bwd_kernel[(s_blocks, B)](
             dy, x, dx, cos, sin, position_ids, seqlen_offsets if offsets_tensor else None, weight,
-            dw_part, *dy.stride(), *x.stride(), *dx.stride(), cos.stride(0), cos.stride(1),
-            *pos_strides, S, H, D, half, 0 if offsets_tensor else int(seqlen_offsets), eps, offset,
+            dw_part, *dy.stride(), *x.stride(), *dx.stride(), *cos.stride(), *sin.stride(),
+            *pos_strides, _stride(weight), S, H, D, half, 0 if offsets_tensor else int(seqlen_offsets), eps, offset,
             BLOCK_S=block_s, BLOCK_HALF=triton.next_power_of_2(max(half, 1)),
             BLOCK_D=triton.next_power_of_2(D), INTERLEAVED=interleaved,
             HAS_WEIGHT=weight is not None, HAS_POS_IDS=position_ids is not None,

@@ -8,6 +8,8 @@ A custom op returns tensors only: an empty tensor stands for "absent".
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from lanekit.reference import layers as ref
@@ -63,10 +65,9 @@ def _norm_fwd_op(x: Tensor, residual: Tensor | None, gate: Tensor | None, scale:
 
 @_norm_fwd_op.register_fake
 def _(x, residual, gate, scale, shift, weight, bias, eps, offset, is_rms, rows_per_mod):
-    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    stats = x.new_empty((rows,), dtype=torch.float32)
+    rows = math.prod(x.shape[:-1])
     return (x.new_empty(x.shape), x.new_empty(x.shape) if residual is not None else x.new_empty(0),
-            stats, torch.empty_like(stats))
+            x.new_empty((rows, 2), dtype=torch.float32), x.new_empty((rows,), dtype=torch.float32))
 
 
 @torch.library.custom_op("lanekit::norm_bwd", mutates_args=())
@@ -235,10 +236,8 @@ def apply_rotary_reference(*, x, cos, sin, interleaved, rotary_dim, position_ids
     out = _in_f64(ref.apply_rotary, x, x=x, cos=cos, sin=sin, interleaved=interleaved,
                   rotary_dim=rotary_dim, position_ids=position_ids, cu_seqlens=cu_seqlens,
                   seqlen_offsets=seqlen_offsets)
-    if inplace:
-        with torch.no_grad():
-            x.copy_(out)
-        return x
+    if inplace:  # recorded by autograd as an in-place op (which PyTorch refuses on a leaf)
+        return x.copy_(out)
     return out
 
 
@@ -376,7 +375,7 @@ def _halves(x: Tensor, up: Tensor | None) -> tuple[Tensor, Tensor]:
 
 def _as_rows(t: Tensor) -> Tensor:
     """(rows, N) view of t (..., N); a copy when the leading dims cannot be merged."""
-    return t.reshape(-1, t.shape[-1])
+    return t.reshape(math.prod(t.shape[:-1]), t.shape[-1])
 
 
 @_custom_op("lanekit::glu")
@@ -386,7 +385,7 @@ def _glu_op(x: Tensor, up: Tensor | None, activation: str) -> Tensor:
     gate, up = _halves(x, up)
     out = empty(gate.shape, dtype=gate.dtype, device=gate.device)
     _kernels().glu_fwd(gate=_as_rows(gate), up=_as_rows(up), activation=activation,
-                       out=out.view(-1, out.shape[-1]))
+                       out=_as_rows(out))
     return out
 
 
@@ -400,7 +399,7 @@ def _(x, up, activation):
 def _glu_out_op(x: Tensor, up: Tensor | None, activation: str, out: Tensor) -> None:
     gate, up = _halves(x, up)
     _kernels().glu_fwd(gate=_as_rows(gate), up=_as_rows(up), activation=activation,
-                       out=out.view(-1, out.shape[-1]))
+                       out=_as_rows(out))
 
 
 @torch.library.custom_op("lanekit::glu_bwd", mutates_args=())
@@ -410,11 +409,11 @@ def _glu_bwd_op(dy: Tensor, x: Tensor, up: Tensor | None, activation: str) -> tu
     gate, up_ = _halves(x, up)
     dx = empty(x.shape, dtype=x.dtype, device=x.device)
     if up is None:  # one fused gradient: the kernel writes its two halves
-        dgate, dup = _halves(dx.view(-1, x.shape[-1]), None)
+        dgate, dup = _halves(_as_rows(dx), None)
         dup_out = x.new_empty(0)
     else:
         dup_out = empty(up.shape, dtype=up.dtype, device=up.device)
-        dgate, dup = dx.view(-1, x.shape[-1]), dup_out.view(-1, up.shape[-1])
+        dgate, dup = _as_rows(dx), _as_rows(dup_out)
     _kernels().glu_bwd(dy=_as_rows(dy), gate=_as_rows(gate), up=_as_rows(up_),
                        activation=activation, dgate=dgate, dup=dup)
     return dx, dup_out
