@@ -33,7 +33,9 @@ NOTES = {
         "same computation in eager PyTorch as models write it (transformers' Llama RMSNorm and "
         "rotate_half RoPE, `F.layer_norm`, `F.silu(g) * u`) and that function under "
         "`torch.compile`. Every peer is timed replaying a CUDA graph of its calls (the GPU's time, without "
-        "the host's launch overhead). `of copy` is lanekit's GB/s over the copy bandwidth."
+        "the host's launch overhead). `of copy` is lanekit's GB/s over the copy bandwidth; a kernel that reads "
+        "more than it writes (the GLUs read two bytes per byte written) can pass 100%, since writes "
+        "cost HBM more than reads and a copy does as many of each."
     ),
     "attention_train": (
         "Attention forward + backward (`torch.autograd.grad` of the output with a random gradient), "
