@@ -168,6 +168,7 @@ def _layer_norm_samples(device):
                     kind="ln", bias=True, dtype=torch.float32, mean=100.0, params="strided")
     yield norm_case("N20000 (looped) fp32 rows of mean 100", device, shape=(2, 20000), kind="ln",
                     bias=True, dtype=torch.float32, mean=100.0)
+    yield norm_case("N4096 bf16 rows of mean 100", device, shape=(3, 4096), kind="ln", bias=True, mean=100.0)
     yield norm_case("N96 non-contiguous no affine", device, shape=(6, 96), kind="ln", weight=False,
                     noncontiguous=True)
 

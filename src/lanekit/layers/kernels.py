@@ -71,7 +71,7 @@ def _norm_fwd_kernel(
     N, rows_per_mod, eps, offset,
     IS_RMS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_GATE: tl.constexpr,
     HAS_MOD: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BLOCK_N: tl.constexpr, ONE_BLOCK: tl.constexpr,
+    BLOCK_N: tl.constexpr, ONE_BLOCK: tl.constexpr, TWO_PART_MEAN: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     m = row // rows_per_mod                          # the row of scale, shift and gate
@@ -87,7 +87,8 @@ def _norm_fwd_kernel(
         mean_lo = 0.0
         if not IS_RMS:
             mean = tl.sum(h, axis=0) / N
-            mean_lo = tl.sum(tl.where(mask, h - mean, 0.0), axis=0) / N
+            if TWO_PART_MEAN:  # only fp32 outputs can see the rounding of the mean
+                mean_lo = tl.sum(tl.where(mask, h - mean, 0.0), axis=0) / N
         hc = tl.where(mask, (h - mean) - mean_lo, 0.0)
         rstd = 1.0 / tl.sqrt(tl.sum(hc * hc, axis=0) / N + eps)
         y = _norm_affine(hc * rstd, W, B, SCALE, SHIFT, s_row, t_row, cols0, mask, offset,
@@ -316,7 +317,8 @@ def norm_fwd(*, x, weight, bias, eps, offset=0.0, is_rms, residual=None, gate=No
         N, rows_per_mod, eps, offset,
         IS_RMS=is_rms, HAS_RESIDUAL=residual is not None, HAS_GATE=gate is not None,
         HAS_MOD=scale is not None, HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
-        BLOCK_N=BLOCK_N, ONE_BLOCK=one_block, num_warps=num_warps,
+        BLOCK_N=BLOCK_N, ONE_BLOCK=one_block, TWO_PART_MEAN=x.dtype == torch.float32,
+        num_warps=num_warps,
     )
     return y, h, mean, rstd
 
