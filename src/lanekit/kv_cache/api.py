@@ -19,12 +19,12 @@ Any page_size from 1 up. The data moves in Triton kernels; the host only validat
 from __future__ import annotations
 
 import heapq
-from typing import Hashable, Iterable
+from collections.abc import Hashable, Iterable
 
 import torch
 
 from lanekit.kv_cache import op as _lanes
-from lanekit.layers.api import _is_real, _shape, _tensor
+from lanekit.layers.api import _shape, _tensor
 from lanekit.runtime.lanes import select_lane
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)

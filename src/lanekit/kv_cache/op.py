@@ -40,6 +40,9 @@ def _write_cache_op(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor
 
 def write_cache_triton(*, key, value, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None,
                        k_cache_scale=None, v_cache_scale=None):
+    """In place; given scales broadcast to (N, Hkv) (views, stride 0 where broadcast)."""
+    k_scale = k_scale.expand(key.shape[:-1]) if k_scale is not None else None
+    v_scale = v_scale.expand(value.shape[:-1]) if v_scale is not None else None
     _call(_write_cache_op, key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale,
           k_cache_scale, v_cache_scale)
 
