@@ -144,6 +144,34 @@ def test_negative_slots_are_skipped_and_nothing_else_is_written(device, lane):
     assert (flat_k[others] == 7.0).all() and (flat_v[others] == 7.0).all()
 
 
+@pytest.mark.parametrize("kv_dtype", [None, torch.int8], ids=["bf16", "int8"])
+@pytest.mark.parametrize("lane", LANES)
+def test_k_and_v_caches_as_views_of_one_buffer(device, kv_dtype, lane):
+    """vLLM's (num_blocks, 2, page_size, Hkv, D) buffer: k_cache and v_cache are strided views."""
+    g = gen(8)
+    buf = torch.zeros(5, 2, 3, 2, 16, dtype=kv_dtype or torch.bfloat16, device=device)
+    k_cache, v_cache = buf[:, 0], buf[:, 1]
+    scales = {}
+    if kv_dtype is not None:
+        sbuf = torch.ones(5, 3, 2, 2, device=device)       # scales interleaved in the last dim
+        scales = dict(k_cache_scale=sbuf[..., 0], v_cache_scale=sbuf[..., 1])
+    key = randn(6, 2, 16, dtype=torch.bfloat16, device=device, generator=g)
+    value = randn(6, 2, 16, dtype=torch.bfloat16, device=device, generator=g)
+    slots = torch.tensor([14, 0, 7, -1, 3, 4], device=device)
+    expected = ref.reshape_and_cache(key, value, k_cache.contiguous(), v_cache.contiguous(), slots,
+                                     **{k: v.contiguous() for k, v in scales.items()})
+    KV.reshape_and_cache(key, value, k_cache, v_cache, slots, **scales, lane=lane)
+    for got, want in zip((k_cache, v_cache, *scales.values()), expected):
+        assert torch.equal(got, want)
+    table = torch.tensor([[4, 0, 1], [2, 1, 1]], dtype=torch.int32, device=device)
+    lens = torch.tensor([8, 2], dtype=torch.int32, device=device)
+    with poisoned_outputs():
+        k, v = KV.gather_cache(k_cache, v_cache, table, lens, **scales, lane=lane)
+    want = ref.gather_cache(k_cache.contiguous(), v_cache.contiguous(), table, lens,
+                            *(t.contiguous() for t in scales.values()))
+    assert torch.equal(k, want[0]) and torch.equal(v, want[1])
+
+
 def _sequences(device, *, page_size, lengths, H=2, D=32, kv_dtype=None, seed=3):
     """A PagedKVCache holding sequences 0..B-1 of ``lengths`` random tokens, and those tokens."""
     g = gen(seed)

@@ -68,11 +68,11 @@ def reshape_and_cache(key, value, k_cache, v_cache, slot_mapping, k_scale=None, 
     for x, cache, given, cache_scale in ((key, k_cache, k_scale, k_cache_scale),
                                          (value, v_cache, v_scale, v_cache_scale)):
         blocks, page_size, H, D = cache.shape
-        new = cache.to(kv_dtype).clone()
+        new = cache.to(kv_dtype, copy=True, memory_format=torch.contiguous_format)
         rows = new.view(blocks * page_size, H, D)
         if quantized:
             codes, s = quantize_kv(x, kv_dtype, None if given is None else given.expand(x.shape[:-1]))
-            new_scale = cache_scale.to(F32).clone()
+            new_scale = cache_scale.to(F32, copy=True, memory_format=torch.contiguous_format)
             new_scale.view(blocks * page_size, H)[slots] = s[keep]
             rows[slots] = codes[keep]
             scales.append(new_scale)
