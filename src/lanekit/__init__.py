@@ -1,8 +1,10 @@
 """lanekit: fused Triton kernels for transformer inference and training, each checked against a
 readable PyTorch oracle (``lanekit.reference``)."""
 
-from lanekit import layers, rnn
+from lanekit import kv_cache, layers, rnn
 from lanekit.attention.api import flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func
+from lanekit.kv_cache.api import merge_attn_states
 
 __version__ = "0.1.0"
-__all__ = ["layers", "rnn", "flash_attn_func", "flash_attn_kvpacked_func", "flash_attn_qkvpacked_func"]
+__all__ = ["kv_cache", "layers", "rnn", "flash_attn_func", "flash_attn_kvpacked_func", "flash_attn_qkvpacked_func",
+           "merge_attn_states"]

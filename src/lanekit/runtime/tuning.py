@@ -276,3 +276,21 @@ RNN_CELL_BWD: dict[str, dict[int, TileConfig]] = {
 # Interpreted: 16 in every dimension splits the tests' odd sizes (In=13, H=27, B=17) into several
 # blocks along B, H and the H-long K loop, so every mask is exercised on the CPU.
 RNN_CELL_INTERPRETER = RnnTileConfig(16, 16, 16, 1, 1)
+
+
+# Paged KV cache (lanekit.kv_cache): writes to and reads from pages, quantizing or dequantizing on
+# the way, and the merge of attention partials. Each program moves ``tile`` elements: tile //
+# BLOCK_D rows of one (token, head) each (BLOCK_D: the head dim rounded up to a power of two), so a
+# row's amax for the quantized write stays in one program. Not yet measured on any GPU: 4096
+# elements (32 rows of D=128, 32 per thread with 4 warps) is a stated guess for a copy kernel.
+@dataclass(frozen=True)
+class KvCacheConfig:
+    tile: int
+    num_warps: int
+
+
+KV_CACHE: dict[str, KvCacheConfig] = {"generic": KvCacheConfig(4096, 4)}
+
+
+def kv_cache_config(device: torch.device) -> KvCacheConfig:
+    return _arch_row(KV_CACHE, device)

@@ -1,0 +1,543 @@
+"""Public paged-KV-cache functions and the ``PagedKVCache`` object: validated, dispatched to a lane.
+
+Layout (FlashAttention's paged KV cache, as ``flash_attn_with_kvcache`` reads it):
+
+- ``k_cache``, ``v_cache``: (num_blocks, page_size, Hkv, D) (v may have its own Dv); fp16, bf16 or
+  fp32 values, or int8 / fp8 e4m3 codes.
+- a quantized cache's scales: ``k_cache_scale``, ``v_cache_scale`` (num_blocks, page_size, Hkv) fp32,
+  one per (slot, head); the value of a code is codes * scale.
+- ``block_table`` (B, max_pages) int32: the pages of sequence b, in order; ``cache_seqlens`` (B,)
+  int32: its number of tokens. Token t of sequence b is in page ``block_table[b, t // page_size]``
+  at offset ``t % page_size``.
+- ``slot_mapping`` (N,) int32 or int64 (vLLM's): where new token n goes, slot = page * page_size +
+  offset; a negative slot is padding and is skipped.
+
+Any page_size from 1 up. The data moves in Triton kernels; the host only validates and keeps
+``PagedKVCache``'s bookkeeping.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Hashable, Iterable
+
+import torch
+
+from lanekit.kv_cache import op as _lanes
+from lanekit.layers.api import _shape, _tensor
+from lanekit.runtime.lanes import select_lane
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_CODE_DTYPES = (torch.int8, torch.float8_e4m3fn)
+_CACHE_DTYPES = _DTYPES + _CODE_DTYPES
+_INT_INDEX = (torch.int32, torch.int64)
+
+
+def _int(name: str, value, low: int = 0) -> int:
+    if not (isinstance(value, int) and not isinstance(value, bool) and value >= low):
+        raise ValueError(f"{name}: expected an int >= {low}, got {value!r}")
+    return value
+
+
+def _caches(k_cache, v_cache, k_cache_scale, v_cache_scale) -> bool:
+    """Check the caches (and a quantized cache's scales); returns whether they hold codes."""
+    _tensor("k_cache", k_cache, dtypes=_CACHE_DTYPES, ndim=4)
+    _tensor("v_cache", v_cache, dtypes=(k_cache.dtype,), ndim=4, like=k_cache)
+    blocks, page_size, H, D = k_cache.shape
+    if tuple(v_cache.shape[:3]) != (blocks, page_size, H):
+        raise ValueError(f"v_cache: expected (num_blocks, page_size, Hkv, Dv) = ({blocks}, {page_size}, "
+                         f"{H}, Dv) as k_cache's, got {tuple(v_cache.shape)}")
+    if blocks * page_size * H == 0 or D == 0 or v_cache.shape[3] == 0:
+        raise ValueError(f"k_cache: expected num_blocks, page_size, Hkv and D >= 1, got "
+                         f"{tuple(k_cache.shape)} (v_cache {tuple(v_cache.shape)})")
+    quantized = k_cache.dtype in _CODE_DTYPES
+    for name, scale in (("k_cache_scale", k_cache_scale), ("v_cache_scale", v_cache_scale)):
+        if quantized:
+            if scale is None:
+                raise ValueError(f"{name}: a cache of {k_cache.dtype} codes needs its scales "
+                                 f"(num_blocks, page_size, Hkv) fp32, got None")
+            _tensor(name, scale, dtypes=(torch.float32,), like=k_cache)
+            _shape(name, scale, (blocks, page_size, H), "(num_blocks, page_size, Hkv), the cache's")
+        elif scale is not None:
+            raise ValueError(f"{name}: expected None for a cache of {k_cache.dtype} values (scales go "
+                             f"with int8 or float8_e4m3fn codes), got a tensor")
+    return quantized
+
+
+def _positive_scale(name: str, scale, shape: tuple, what: str, like: torch.Tensor) -> torch.Tensor:
+    """A given scale: fp32, broadcastable to ``shape``, every value > 0 and finite. Returns it
+    expanded to ``shape`` (a view)."""
+    _tensor(name, scale, dtypes=(torch.float32,), like=like)
+    try:
+        expanded = scale.expand(shape)
+    except RuntimeError:
+        raise ValueError(f"{name}: expected a shape broadcastable to {tuple(shape)} ({what}), got "
+                         f"{tuple(scale.shape)}") from None
+    if scale.numel() and not bool(((scale > 0) & torch.isfinite(scale)).all()):
+        raise ValueError(f"{name}: expected every scale > 0 and finite, got min {float(scale.min())}, "
+                         f"max {float(scale.max())}")
+    return expanded
+
+
+def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+                      v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                      k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None, *,
+                      k_cache_scale: torch.Tensor | None = None,
+                      v_cache_scale: torch.Tensor | None = None, lane: str | None = None) -> None:
+    """Write new tokens' keys and values into a paged cache at their slots, in place.
+
+    Token n goes to slot ``slot_mapping[n]`` = page * page_size + offset of both caches; a
+    negative slot is padding and is skipped (nothing written). A cache of int8 or fp8 e4m3 codes
+    gets each (token, head) row quantized: scale = amax / qmax over its D features (qmax 127 for
+    int8, 448 for e4m3; 1 for an all-zero row), or ``k_scale``/``v_scale`` when given; codes =
+    x / scale rounded to nearest, ties to even, clamped (int8 to [-128, 127], e4m3 to +-448), bit
+    for bit as ``lanekit.reference.kv_cache.quantize_kv``; the scale is stored at the same slot of
+    ``k_cache_scale``/``v_cache_scale``.
+
+    Arguments:
+        key: (N, Hkv, D); value: (N, Hkv, Dv); fp16, bf16 or fp32, one dtype, the caches' dtype
+            when they hold values. Any strides.
+        k_cache, v_cache: (num_blocks, page_size, Hkv, D) and (..., Dv): fp16, bf16 or fp32
+            values, or int8 or torch.float8_e4m3fn codes; any page_size >= 1, any strides.
+            Written in place.
+        slot_mapping: (N,) int32 or int64; each non-negative slot below num_blocks * page_size
+            and used once.
+        k_scale, v_scale: fp32 scales to quantize with instead of amax / qmax, broadcastable to
+            (N, Hkv) (one per tensor, per head or per (token, head)); > 0. Codes caches only.
+        k_cache_scale, v_cache_scale: (num_blocks, page_size, Hkv) fp32, a codes cache's scales
+            (required with codes, None otherwise). Written in place.
+        lane: "triton" or "reference"; default triton for CUDA/ROCm tensors, reference otherwise.
+
+    Raises:
+        TypeError: a non-tensor; an unsupported dtype; key of another dtype than a values cache.
+        ValueError: shapes that do not match, a slot out of range or repeated, scales missing
+            for codes or given for values, a scale <= 0 or not finite, tensors on different
+            devices. Nothing is written then.
+
+    Source: vLLM's ``reshape_and_cache_flash`` (slot_mapping, padding slots) into FlashAttention's
+    paged layout; per-(token, head) scales and the rounding are lanekit's (docs/semantics.md).
+    """
+    quantized = _caches(k_cache, v_cache, k_cache_scale, v_cache_scale)
+    blocks, page_size, H, D = k_cache.shape
+    Dv = v_cache.shape[3]
+    _tensor("key", key, dtypes=_DTYPES if quantized else (k_cache.dtype,), ndim=3, like=k_cache)
+    N = key.shape[0]
+    _shape("key", key, (N, H, D), "(N, Hkv, D), Hkv and D as k_cache's")
+    _tensor("value", value, dtypes=(key.dtype,), ndim=3, like=k_cache)
+    _shape("value", value, (N, H, Dv), "(N, Hkv, Dv), N as key's, Hkv and Dv as v_cache's")
+    _tensor("slot_mapping", slot_mapping, dtypes=_INT_INDEX, ndim=1, like=k_cache)
+    _shape("slot_mapping", slot_mapping, (N,), "(N,), one slot per token of key")
+    used = slot_mapping[slot_mapping >= 0]
+    if used.numel():
+        top = int(used.max())
+        if top >= blocks * page_size:
+            raise ValueError(f"slot_mapping: expected slots below num_blocks * page_size = "
+                             f"{blocks} * {page_size} = {blocks * page_size} (or negative for padding), "
+                             f"got {top}")
+        if used.unique().numel() != used.numel():
+            raise ValueError("slot_mapping: expected each non-negative slot once (two tokens would "
+                             "race for one slot), got repeated slots")
+    scales = {}
+    for name, given in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if given is None:
+            scales[name] = None
+        elif not quantized:
+            raise ValueError(f"{name}: expected None for a cache of {k_cache.dtype} values (scales "
+                             "quantize into int8 or float8_e4m3fn codes), got a tensor")
+        else:
+            scales[name] = _positive_scale(name, given, (N, H), "(N, Hkv)", k_cache)
+    chosen = select_lane(k_cache.device, lane)
+    getattr(_lanes, f"write_cache_{chosen}")(
+        key=key, value=value, k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping,
+        k_scale=scales["k_scale"], v_scale=scales["v_scale"], k_cache_scale=k_cache_scale,
+        v_cache_scale=v_cache_scale)
+
+
+def _table(block_table, cache_seqlens, k_cache) -> None:
+    """Check block_table and cache_seqlens against the cache: every page a sequence uses exists."""
+    blocks, page_size = k_cache.shape[0], k_cache.shape[1]
+    _tensor("block_table", block_table, dtypes=(torch.int32,), ndim=2, like=k_cache)
+    B, max_pages = block_table.shape
+    _tensor("cache_seqlens", cache_seqlens, dtypes=(torch.int32,), ndim=1, like=k_cache)
+    _shape("cache_seqlens", cache_seqlens, (B,), "(B,), one per row of block_table")
+    if B == 0:
+        return
+    if int(cache_seqlens.min()) < 0:
+        raise ValueError(f"cache_seqlens: expected lengths >= 0, got {int(cache_seqlens.min())}")
+    pages_used = (cache_seqlens.long() + page_size - 1) // page_size
+    if int(pages_used.max()) > max_pages:
+        b = int(pages_used.argmax())
+        raise ValueError(f"cache_seqlens: sequence {b} has {int(cache_seqlens[b])} tokens, "
+                         f"{int(pages_used[b])} pages of {page_size}, beyond the {max_pages} pages a row "
+                         f"of block_table holds")
+    live = torch.arange(max_pages, device=block_table.device)[None, :] < pages_used[:, None]
+    entries = block_table[live]
+    if entries.numel() and (int(entries.min()) < 0 or int(entries.max()) >= blocks):
+        bad = entries[(entries < 0) | (entries >= blocks)][0]
+        raise ValueError(f"block_table: expected the pages of the live tokens in [0, {blocks}) "
+                         f"(num_blocks), got {int(bad)}")
+
+
+def gather_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+                 cache_seqlens: torch.Tensor, *, k_cache_scale: torch.Tensor | None = None,
+                 v_cache_scale: torch.Tensor | None = None, dtype: torch.dtype | None = None,
+                 max_seqlen: int | None = None, lane: str | None = None):
+    """Read each sequence's keys and values back from its pages, as dense tensors.
+
+    Row b of the results holds sequence b's ``cache_seqlens[b]`` tokens in order, then zeros up
+    to ``max_seqlen`` (dense and zero-padded, the layout ``flash_attn_func`` takes with
+    per-row lengths; pack with the lengths if a varlen layout is wanted). Pages a sequence does not
+    own, and the slots of its last page past its length, are never read. A codes cache is
+    dequantized: codes * scale in fp32, rounded once to ``dtype``.
+
+    Arguments:
+        k_cache, v_cache: (num_blocks, page_size, Hkv, D) / (..., Dv) as in
+            :func:`reshape_and_cache`.
+        block_table: (B, max_pages) int32; the first ceil(cache_seqlens[b] / page_size) entries
+            of row b are its pages, each in [0, num_blocks); later entries are not read.
+        cache_seqlens: (B,) int32 >= 0, at most max_pages * page_size.
+        k_cache_scale, v_cache_scale: (num_blocks, page_size, Hkv) fp32 with a codes cache.
+        dtype: fp16, bf16 or fp32; default the cache's dtype (values) or fp32 (codes).
+        max_seqlen: the results' length, at least max(cache_seqlens) (the default, one device sync).
+        lane: as in :func:`reshape_and_cache`.
+
+    Returns:
+        (k, v): (B, max_seqlen, Hkv, D) and (B, max_seqlen, Hkv, Dv) in ``dtype``.
+
+    Raises:
+        TypeError: a non-tensor, an unsupported dtype, block_table or cache_seqlens not int32.
+        ValueError: mismatched shapes; a length beyond the pages its row holds; a used page out of
+            [0, num_blocks); max_seqlen too small; scales missing or superfluous; devices.
+
+    Source: FlashAttention's paged-cache layout (``flash_attn_with_kvcache``'s block_table and
+    cache_seqlens); vLLM's ``gather_cache`` reads the same pages (packed, with cu_seqlens).
+    """
+    _caches(k_cache, v_cache, k_cache_scale, v_cache_scale)
+    _table(block_table, cache_seqlens, k_cache)
+    if dtype is not None and dtype not in _DTYPES:
+        raise TypeError(f"dtype: expected one of {[str(d) for d in _DTYPES]} or None, got {dtype!r}")
+    longest = int(cache_seqlens.max()) if cache_seqlens.numel() else 0
+    if max_seqlen is None:
+        max_seqlen = longest
+    elif not (isinstance(max_seqlen, int) and not isinstance(max_seqlen, bool) and max_seqlen >= longest):
+        raise ValueError(f"max_seqlen: expected an int >= the longest sequence ({longest}), got {max_seqlen!r}")
+    chosen = select_lane(k_cache.device, lane)
+    return getattr(_lanes, f"gather_cache_{chosen}")(
+        k_cache=k_cache, v_cache=v_cache, block_table=block_table, cache_seqlens=cache_seqlens,
+        k_cache_scale=k_cache_scale, v_cache_scale=v_cache_scale, dtype=dtype, max_seqlen=max_seqlen)
+
+
+def quantize_kv(x: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn,
+                scale: torch.Tensor | None = None, *, lane: str | None = None):
+    """Quantize x per row (over its last dim) to int8 or fp8 e4m3 codes, as the cache stores them.
+
+    scale = amax / qmax per row (qmax 127 for int8, 448 for e4m3; 1 for an all-zero row), or the
+    given ``scale``; codes = x / scale (one correctly rounded fp32 division) rounded to nearest,
+    ties to even, clamped (int8 to [-128, 127]: with a given scale -128 is reachable; e4m3 to
+    +-448). Bit for bit as ``lanekit.reference.kv_cache.quantize_kv``.
+
+    Arguments:
+        x: (..., D), D >= 1; fp16, bf16 or fp32, any strides.
+        dtype: torch.int8 or torch.float8_e4m3fn.
+        scale: fp32 broadcastable to x.shape[:-1], every value > 0 and finite; or None.
+        lane: as in :func:`reshape_and_cache`.
+
+    Returns:
+        (codes (..., D) in dtype, scale (...) fp32).
+
+    Raises:
+        TypeError: a non-tensor, x not fp16/bf16/fp32, dtype not int8 or e4m3, scale not fp32.
+        ValueError: x 0-d or with D = 0; scale of the wrong shape, <= 0 or not finite; devices.
+
+    Source: per-token-head KV quantization as in vLLM's fp8/int8 KV caches; rounding as
+    ``torch.round`` and PyTorch's float8 casts.
+    """
+    _tensor("x", x, dtypes=_DTYPES)
+    if x.dim() == 0 or x.shape[-1] == 0:
+        raise ValueError(f"x: expected (..., D) with D >= 1, got shape {tuple(x.shape)}")
+    if dtype not in _CODE_DTYPES:
+        raise TypeError(f"dtype: expected torch.int8 or torch.float8_e4m3fn, got {dtype!r}")
+    if scale is not None:
+        _positive_scale("scale", scale, x.shape[:-1], "x.shape[:-1], one per row", x)
+    chosen = select_lane(x.device, lane)
+    return getattr(_lanes, f"quantize_kv_{chosen}")(x=x, dtype=dtype, scale=scale)
+
+
+def dequantize_kv(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32, *,
+                  lane: str | None = None) -> torch.Tensor:
+    """codes * scale per row: the values a quantized cache (or :func:`quantize_kv`) holds.
+
+    One fp32 multiplication (rounded once), then rounded to ``dtype``: bit for bit as
+    ``lanekit.reference.kv_cache.dequantize_kv``.
+
+    Arguments:
+        codes: (..., D), int8 or torch.float8_e4m3fn, any strides.
+        scale: fp32 broadcastable to codes.shape[:-1].
+        dtype: fp16, bf16 or fp32 (default).
+        lane: as in :func:`reshape_and_cache`.
+
+    Returns:
+        (..., D) in dtype.
+
+    Raises:
+        TypeError: a non-tensor, codes not int8/e4m3, scale not fp32, dtype not a float format.
+        ValueError: codes 0-d; scale of the wrong shape; devices.
+
+    Source: the dequantization of vLLM's fp8/int8 KV caches, per (token, head).
+    """
+    _tensor("codes", codes, dtypes=_CODE_DTYPES)
+    if codes.dim() == 0:
+        raise ValueError("codes: expected (..., D), got a 0-d tensor")
+    _tensor("scale", scale, dtypes=(torch.float32,), like=codes)
+    try:
+        scale.expand(codes.shape[:-1])
+    except RuntimeError:
+        raise ValueError(f"scale: expected a shape broadcastable to {tuple(codes.shape[:-1])} "
+                         f"(codes.shape[:-1]), got {tuple(scale.shape)}") from None
+    if dtype not in _DTYPES:
+        raise TypeError(f"dtype: expected one of {[str(d) for d in _DTYPES]}, got {dtype!r}")
+    chosen = select_lane(codes.device, lane)
+    return getattr(_lanes, f"dequantize_kv_{chosen}")(codes=codes, scale=scale, dtype=dtype)
+
+
+def merge_attn_states(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
+                      lse_b: torch.Tensor, *, lane: str | None = None):
+    """Attention over two key sets A and B from its two partial results.
+
+    ``lse = log(exp(lse_a) + exp(lse_b))`` and ``out = exp(lse_a - lse) * out_a +
+    exp(lse_b - lse) * out_b``, in fp32, out rounded once to out_a's dtype: exactly what attention
+    over the keys of A and B together gives (split-KV decoding; a cached prefix and new tokens).
+    A partial whose LSE is -inf saw no key and contributes nothing, whatever its out holds (NaN
+    included); +inf, the LSE FlashAttention 2 returns for a row with no key, counts as -inf. Both
+    empty: out 0 and lse -inf, never NaN.
+
+    Arguments:
+        out_a, out_b: (B, Sq, H, D), one dtype: fp16, bf16 or fp32 (fp64 on the reference lane);
+            any strides.
+        lse_a, lse_b: (B, H, Sq) fp32, natural log (FlashAttention's softmax_lse).
+        lane: as in :func:`reshape_and_cache`.
+
+    Returns:
+        (out (B, Sq, H, D) in out_a's dtype, lse (B, H, Sq) fp32).
+
+    Raises:
+        TypeError: a non-tensor, an unsupported dtype, lse not fp32, out_b of another dtype.
+        ValueError: shapes that do not match, tensors on different devices.
+
+    Source: FlashAttention's split-KV combine of partial results by their LSE; vLLM's
+    ``merge_attn_states`` (its (H, T) LSE layout replaced by FlashAttention's (B, H, Sq)).
+    """
+    _tensor("out_a", out_a, dtypes=_DTYPES + (torch.float64,), ndim=4)
+    _tensor("out_b", out_b, dtypes=(out_a.dtype,), ndim=4, like=out_a)
+    _shape("out_b", out_b, out_a.shape, "out_a's shape")
+    B, S, H, _ = out_a.shape
+    for name, lse in (("lse_a", lse_a), ("lse_b", lse_b)):
+        _tensor(name, lse, dtypes=(torch.float32,), ndim=3, like=out_a)
+        _shape(name, lse, (B, H, S), "(B, H, Sq) from out_a's (B, Sq, H, D)")
+    chosen = select_lane(out_a.device, lane)
+    if out_a.dtype == torch.float64 and chosen == "triton":
+        raise TypeError(f"out_a: expected dtype in {[str(d) for d in _DTYPES]} on the triton lane, got "
+                        "torch.float64 (float64 runs on the reference lane only: lane='reference')")
+    return getattr(_lanes, f"merge_attn_states_{chosen}")(out_a=out_a, lse_a=lse_a, out_b=out_b, lse_b=lse_b)
+
+
+class KVCacheFullError(RuntimeError):
+    """The page pool of a :class:`PagedKVCache` cannot hold the tokens asked for."""
+
+
+class PagedKVCache:
+    """A paged KV cache for one attention layer: the pages, a pool of free pages, and sequences.
+
+    The tensors are FlashAttention's paged layout (see this module's docstring): ``k_cache`` and
+    ``v_cache`` (num_blocks, page_size, Hkv, D), and for a codes cache ``k_scale`` and ``v_scale``
+    (num_blocks, page_size, Hkv) fp32. Sequences, by any hashable id, own pages taken from the pool
+    as they grow (:meth:`append`) and give them back when they shrink or end (:meth:`trim`,
+    :meth:`free`). The pool hands out its lowest-numbered free page first. The bookkeeping is host
+    Python; writes and reads are the Triton kernels of :func:`reshape_and_cache` and
+    :func:`gather_cache`.
+
+    Example::
+
+        cache = PagedKVCache(num_blocks=64, page_size=16, num_kv_heads=8, head_dim=128,
+                             dtype=torch.bfloat16, device="cuda")
+        slots = cache.append([0, 1], [37, 5])       # prefill two sequences: 42 slots
+        cache.write(k_new, v_new, slots)            # k_new, v_new: (42, 8, 128)
+        table, lens = cache.block_table([0, 1]), cache.cache_seqlens([0, 1])
+        k, v = cache.gather([0, 1])                 # (2, 37, 8, 128) each, zero-padded
+        cache.trim(0, 7); cache.free(1)
+    """
+
+    def __init__(self, num_blocks: int, page_size: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu",
+                 kv_dtype: torch.dtype | None = None, *, lane: str | None = None):
+        """Allocate the pages (zeroed; scales 1).
+
+        Arguments:
+            num_blocks, page_size, num_kv_heads, head_dim: ints >= 1.
+            dtype: the model's dtype, fp16, bf16 or fp32: what :meth:`write` takes and
+                :meth:`gather` returns.
+            device: where the pages live.
+            kv_dtype: None to store values in ``dtype``; torch.int8 or torch.float8_e4m3fn to
+                store codes with per-(slot, head) fp32 scales.
+            lane: passed to every operation (None: by device).
+
+        Raises:
+            ValueError: a size < 1. TypeError: an unsupported dtype or kv_dtype.
+        """
+        for name, v in (("num_blocks", num_blocks), ("page_size", page_size),
+                        ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
+            _int(name, v, 1)
+        if dtype not in _DTYPES:
+            raise TypeError(f"dtype: expected one of {[str(d) for d in _DTYPES]}, got {dtype!r}")
+        if kv_dtype is not None and kv_dtype not in _CODE_DTYPES:
+            raise TypeError(f"kv_dtype: expected None, torch.int8 or torch.float8_e4m3fn, got {kv_dtype!r}")
+        self.page_size, self.dtype, self.kv_dtype, self.lane = page_size, dtype, kv_dtype, lane
+        shape = (num_blocks, page_size, num_kv_heads, head_dim)
+        self.k_cache = torch.zeros(shape, dtype=kv_dtype or dtype, device=device)
+        self.v_cache = torch.zeros(shape, dtype=kv_dtype or dtype, device=device)
+        self.k_scale = self.v_scale = None
+        if kv_dtype is not None:
+            self.k_scale = torch.ones(shape[:3], dtype=torch.float32, device=device)
+            self.v_scale = torch.ones(shape[:3], dtype=torch.float32, device=device)
+        self._free = list(range(num_blocks))     # a min-heap: the lowest free page goes first
+        self._pages: dict[Hashable, list[int]] = {}
+        self._lengths: dict[Hashable, int] = {}
+
+    @classmethod
+    def allocate(cls, num_blocks: int, page_size: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu",
+                 kv_dtype: torch.dtype | None = None, *, lane: str | None = None) -> PagedKVCache:
+        """The same as ``PagedKVCache(...)``."""
+        return cls(num_blocks, page_size, num_kv_heads, head_dim, dtype, device, kv_dtype, lane=lane)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.k_cache.shape[0]
+
+    @property
+    def device(self) -> torch.device:
+        return self.k_cache.device
+
+    @property
+    def num_free_pages(self) -> int:
+        return len(self._free)
+
+    @property
+    def sequences(self) -> list:
+        """The ids of the sequences held, in the order they were first appended."""
+        return list(self._lengths)
+
+    def seq_len(self, seq_id: Hashable) -> int:
+        return self._lengths[self._known(seq_id)]
+
+    def pages(self, seq_id: Hashable) -> list[int]:
+        """The pages of ``seq_id``, in order (a copy)."""
+        return list(self._pages[self._known(seq_id)])
+
+    def _known(self, seq_id):
+        if seq_id not in self._lengths:
+            raise ValueError(f"seq_id: expected one of the sequences held {self.sequences}, got {seq_id!r}")
+        return seq_id
+
+    def _ids(self, seq_ids, *, known: bool) -> list:
+        """A list of distinct ids from one id (an int or a str) or an iterable of ids."""
+        ids = [seq_ids] if isinstance(seq_ids, (int, str)) else list(seq_ids)
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"seq_ids: expected distinct ids, got {ids}")
+        if known:
+            for s in ids:
+                self._known(s)
+        return ids
+
+    def append(self, seq_ids: Hashable | Iterable[Hashable], num_tokens: int | Iterable[int]) -> torch.Tensor:
+        """Make room for ``num_tokens[i]`` new tokens at the end of sequence ``seq_ids[i]`` (a new id
+        starts an empty sequence), taking pages from the pool as needed.
+
+        Returns:
+            slot_mapping (N,) int64 on the cache's device, N = sum(num_tokens): the slots of the
+            new tokens, sequence by sequence, in order; pass it to :meth:`write`.
+
+        Raises:
+            KVCacheFullError: the pool has fewer free pages than the new tokens need; nothing is
+                changed then. ValueError: ids repeated, counts negative or of another length.
+        """
+        ids = self._ids(seq_ids, known=False)
+        counts = [num_tokens] if isinstance(num_tokens, int) else list(num_tokens)
+        if len(counts) != len(ids):
+            raise ValueError(f"num_tokens: expected one count per id ({len(ids)}), got {len(counts)}")
+        for n in counts:
+            _int("num_tokens", n, 0)
+        ps = self.page_size
+        need = [-(-(self._lengths.get(s, 0) + n) // ps) - len(self._pages.get(s, ()))
+                for s, n in zip(ids, counts)]
+        if sum(need) > len(self._free):
+            raise KVCacheFullError(
+                f"append: the new tokens need {sum(need)} more pages of {ps} slots, the pool has "
+                f"{len(self._free)} free of {self.num_blocks} (free or trim a sequence first)")
+        slots = []
+        for s, n, k in zip(ids, counts, need):
+            pages = self._pages.setdefault(s, [])
+            start = self._lengths.setdefault(s, 0)
+            pages += [heapq.heappop(self._free) for _ in range(k)]
+            pos = torch.arange(start, start + n)
+            slots.append(torch.tensor(pages, dtype=torch.int64)[pos // ps] * ps + pos % ps
+                         if n else torch.zeros(0, dtype=torch.int64))
+            self._lengths[s] = start + n
+        return torch.cat(slots).to(self.device) if slots else torch.zeros(0, dtype=torch.int64, device=self.device)
+
+    def write(self, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor,
+              k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None:
+        """:func:`reshape_and_cache` of key, value (N, Hkv, D) into this cache at ``slot_mapping``
+        (from :meth:`append`); a codes cache quantizes them and stores their scales."""
+        reshape_and_cache(key, value, self.k_cache, self.v_cache, slot_mapping, k_scale, v_scale,
+                          k_cache_scale=self.k_scale, v_cache_scale=self.v_scale, lane=self.lane)
+
+    def block_table(self, seq_ids: Hashable | Iterable[Hashable], max_pages: int | None = None) -> torch.Tensor:
+        """(B, max_pages) int32 on the cache's device: row b lists the pages of ``seq_ids[b]``,
+        then zeros (not read: past the sequence's length). max_pages: default the most pages any
+        of them holds."""
+        ids = self._ids(seq_ids, known=True)
+        widest = max((len(self._pages[s]) for s in ids), default=0)
+        width = widest if max_pages is None else max_pages
+        if not (isinstance(width, int) and width >= widest):
+            raise ValueError(f"max_pages: expected an int >= {widest} (the most pages a sequence holds), "
+                             f"got {max_pages!r}")
+        table = torch.zeros(len(ids), width, dtype=torch.int32)
+        for b, s in enumerate(ids):
+            table[b, : len(self._pages[s])] = torch.tensor(self._pages[s], dtype=torch.int32)
+        return table.to(self.device)
+
+    def cache_seqlens(self, seq_ids: Hashable | Iterable[Hashable]) -> torch.Tensor:
+        """(B,) int32 on the cache's device: the lengths of ``seq_ids``."""
+        ids = self._ids(seq_ids, known=True)
+        return torch.tensor([self._lengths[s] for s in ids], dtype=torch.int32).to(self.device)
+
+    def gather(self, seq_ids: Hashable | Iterable[Hashable], dtype: torch.dtype | None = None):
+        """:func:`gather_cache` of ``seq_ids``: (k, v), each (B, longest, Hkv, D) in ``dtype``
+        (default the cache's model dtype), zero-padded."""
+        ids = self._ids(seq_ids, known=True)
+        return gather_cache(self.k_cache, self.v_cache, self.block_table(ids), self.cache_seqlens(ids),
+                            k_cache_scale=self.k_scale, v_cache_scale=self.v_scale,
+                            dtype=dtype or self.dtype, max_seqlen=max((self._lengths[s] for s in ids), default=0),
+                            lane=self.lane)
+
+    def free(self, seq_id: Hashable) -> None:
+        """Forget ``seq_id`` and give its pages back to the pool."""
+        self._known(seq_id)
+        for page in self._pages.pop(seq_id):
+            heapq.heappush(self._free, page)
+        del self._lengths[seq_id]
+
+    def trim(self, seq_id: Hashable, n: int) -> None:
+        """Drop the last ``n`` tokens of ``seq_id`` (0 <= n <= its length); pages left empty go
+        back to the pool. The sequence stays, possibly empty."""
+        length = self._lengths[self._known(seq_id)]
+        if not (isinstance(n, int) and not isinstance(n, bool) and 0 <= n <= length):
+            raise ValueError(f"n: expected an int in [0, {length}] (the length of sequence {seq_id!r}), got {n!r}")
+        keep = length - n
+        pages = self._pages[seq_id]
+        kept = -(-keep // self.page_size)
+        for page in pages[kept:]:
+            heapq.heappush(self._free, page)
+        del pages[kept:]
+        self._lengths[seq_id] = keep

@@ -1,0 +1,249 @@
+"""Triton kernels of the paged KV cache, and their launchers.
+
+- ``_scatter_kv_kernel``: rows (token n, head h) of new keys or values written at their slots of a
+  paged cache (reshape_and_cache), or at row n of a dense output (quantize_kv); quantized per row
+  on the way when the destination holds int8 or fp8 e4m3 codes.
+- ``_gather_kv_kernel``: rows read back from the pages a block table lists into a dense
+  (B, S, H, D) output padded with zeros (gather_cache), or from a dense input (dequantize_kv);
+  dequantized on the way (codes * scale) when the source holds codes.
+- ``_merge_attn_states_kernel``: two attention partials combined by their LSEs.
+
+One program moves a tile of rows of D features (``tuning.KV_CACHE``); every grid is one-dimensional
+(batch entries and row blocks flattened), so no grid axis limit applies; all offsets are int64.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from lanekit.layers.kernels import _quantize  # the same rounding as qk_norm_rope_quant's codes
+from lanekit.runtime import tuning
+from lanekit.runtime.alloc import empty
+from lanekit.runtime.lanes import triton_interpreted
+
+if triton_interpreted():
+    from lanekit.runtime.interpreter import fix_interpreter
+
+    fix_interpreter()
+
+QUANT_CODES = {torch.int8: 1, torch.float8_e4m3fn: 2}   # _quantize's QUANT: 1 int8, 2 e4m3
+QMAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
+
+
+@triton.jit
+def _scatter_kv_kernel(
+    X, SLOTS, SCALE_IN, CACHE, SCALE_OUT,
+    stride_xn, stride_xh, stride_xd, stride_slot, stride_in, stride_ih,
+    stride_cb, stride_cp, stride_ch, stride_cd, stride_sb, stride_sp, stride_sh,
+    N, H, D, page_size, qmax,
+    BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, HAS_SLOTS: tl.constexpr,
+    QUANT: tl.constexpr, HAS_SCALE_IN: tl.constexpr,
+):
+    # One program: BLOCK_R rows r = n * H + h of x (N, H, D). Row (n, h) goes to slot s = SLOTS[n]
+    # (page s // page_size, offset s % page_size), head h; without SLOTS, s = n. QUANT: 0 copy,
+    # 1 int8, 2 fp8 e4m3, each step exactly rounded (the launcher turns off fused multiply-adds).
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R).to(tl.int64)
+    n = rows // H
+    h = rows % H
+    in_range = n < N
+    if HAS_SLOTS:
+        slot = tl.load(SLOTS + n * stride_slot, mask=in_range, other=-1).to(tl.int64)
+    else:
+        slot = n
+    live = in_range & (slot >= 0)                                    # a negative slot is padding
+    slot = tl.where(live, slot, 0)
+    page = slot // page_size
+    off = slot % page_size
+    offs_d = tl.arange(0, BLOCK_D).to(tl.int64)
+    mask = live[:, None] & (offs_d < D)[None, :]                     # [BLOCK_R, BLOCK_D]
+    x_rows = X + n * stride_xn + h * stride_xh
+    x = tl.load(x_rows[:, None] + offs_d[None, :] * stride_xd, mask=mask, other=0.0).to(tl.float32)
+    if QUANT:
+        if HAS_SCALE_IN:
+            scale = tl.load(SCALE_IN + n * stride_in + h * stride_ih, mask=live, other=1.0).to(tl.float32)
+        else:
+            amax = tl.max(tl.abs(x), axis=1)
+            scale = tl.where(amax > 0, tl.math.div_rn(amax, qmax), 1.0)
+        tl.store(SCALE_OUT + page * stride_sb + off * stride_sp + h * stride_sh, scale, mask=live)
+        x = _quantize(tl.math.div_rn(x, scale[:, None]), qmax, QUANT)
+    c_rows = CACHE + page * stride_cb + off * stride_cp + h * stride_ch
+    tl.store(c_rows[:, None] + offs_d[None, :] * stride_cd, x.to(CACHE.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _gather_kv_kernel(
+    CACHE, SCALE, BLOCK_TABLE, SEQLENS, OUT,
+    stride_cb, stride_cp, stride_ch, stride_cd, stride_sb, stride_sp, stride_sh,
+    stride_tb, stride_tp, stride_ob, stride_os, stride_oh, stride_od,
+    S, H, D, page_size, blocks_per_seq,
+    BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, HAS_TABLE: tl.constexpr,
+    DEQUANT: tl.constexpr,
+):
+    # One program: BLOCK_R rows r = s * H + h of sequence b's output (S, H, D). Position s of a
+    # live token (s < SEQLENS[b]) is in page BLOCK_TABLE[b, s // page_size] at offset
+    # s % page_size; without a table, page s // page_size itself. Rows past the sequence are 0:
+    # their pages are never read.
+    pid = tl.program_id(0).to(tl.int64)
+    b = pid // blocks_per_seq
+    rows = (pid % blocks_per_seq) * BLOCK_R + tl.arange(0, BLOCK_R).to(tl.int64)
+    s = rows // H
+    h = rows % H
+    in_out = s < S
+    page_idx = s // page_size
+    if HAS_TABLE:
+        live = in_out & (s < tl.load(SEQLENS + b).to(tl.int64))
+        page = tl.load(BLOCK_TABLE + b * stride_tb + page_idx * stride_tp, mask=live, other=0).to(tl.int64)
+    else:
+        live = in_out
+        page = page_idx
+    off = s % page_size
+    offs_d = tl.arange(0, BLOCK_D).to(tl.int64)
+    d_in = (offs_d < D)[None, :]
+    c_rows = CACHE + page * stride_cb + off * stride_cp + h * stride_ch
+    x = tl.load(c_rows[:, None] + offs_d[None, :] * stride_cd, mask=live[:, None] & d_in,
+                other=0.0).to(tl.float32)                            # [BLOCK_R, BLOCK_D]
+    if DEQUANT:
+        scale = tl.load(SCALE + page * stride_sb + off * stride_sp + h * stride_sh, mask=live, other=0.0)
+        x = x * scale[:, None]
+    o_rows = OUT + b * stride_ob + s * stride_os + h * stride_oh
+    tl.store(o_rows[:, None] + offs_d[None, :] * stride_od, x.to(OUT.dtype.element_ty),
+             mask=in_out[:, None] & d_in)
+
+
+@triton.jit
+def _merge_attn_states_kernel(
+    OA, LA, OB, LB, OUT, LSE,
+    stride_ab, stride_as, stride_ah, stride_ad, stride_bb, stride_bs, stride_bh, stride_bd,
+    stride_ob, stride_os, stride_oh, stride_od,
+    stride_lab, stride_lah, stride_las, stride_lbb, stride_lbh, stride_lbs,
+    stride_lob, stride_loh, stride_los,
+    S, H, D, blocks_per_seq,
+    BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    # One program: BLOCK_R rows r = s * H + h of batch entry b. Weights e^(lse_x - lse), formed
+    # from the larger LSE m so that neither exponent overflows; +inf (FlashAttention 2's LSE of a
+    # row with no key) counts as -inf; a partial of weight 0 is not read into the sum (0 * NaN).
+    pid = tl.program_id(0).to(tl.int64)
+    b = pid // blocks_per_seq
+    rows = (pid % blocks_per_seq) * BLOCK_R + tl.arange(0, BLOCK_R).to(tl.int64)
+    s = rows // H
+    h = rows % H
+    in_out = s < S
+    la = tl.load(LA + b * stride_lab + h * stride_lah + s * stride_las, mask=in_out, other=float("-inf"))
+    lb = tl.load(LB + b * stride_lbb + h * stride_lbh + s * stride_lbs, mask=in_out, other=float("-inf"))
+    la = tl.where(la == float("inf"), float("-inf"), la)
+    lb = tl.where(lb == float("inf"), float("-inf"), lb)
+    m = tl.maximum(la, lb)
+    empty = m == float("-inf")                                       # neither partial saw a key
+    m = tl.where(empty, 0.0, m)
+    wa = tl.exp(la - m)
+    wb = tl.exp(lb - m)
+    total = tl.where(empty, 1.0, wa + wb)
+    lse = tl.where(empty, float("-inf"), m + tl.log(total))
+    tl.store(LSE + b * stride_lob + h * stride_loh + s * stride_los, lse, mask=in_out)
+    offs_d = tl.arange(0, BLOCK_D).to(tl.int64)
+    d_in = (offs_d < D)[None, :]
+    a_ptr = (OA + b * stride_ab + s * stride_as + h * stride_ah)[:, None] + offs_d[None, :] * stride_ad
+    b_ptr = (OB + b * stride_bb + s * stride_bs + h * stride_bh)[:, None] + offs_d[None, :] * stride_bd
+    use_a = (in_out & (wa > 0))[:, None] & d_in
+    use_b = (in_out & (wb > 0))[:, None] & d_in
+    oa = tl.load(a_ptr, mask=use_a, other=0.0).to(tl.float32)       # [BLOCK_R, BLOCK_D]
+    ob = tl.load(b_ptr, mask=use_b, other=0.0).to(tl.float32)
+    out = (oa * wa[:, None] + ob * wb[:, None]) / total[:, None]
+    o_ptr = (OUT + b * stride_ob + s * stride_os + h * stride_oh)[:, None] + offs_d[None, :] * stride_od
+    tl.store(o_ptr, out.to(OUT.dtype.element_ty), mask=in_out[:, None] & d_in)
+
+
+def _tiles(rows: int, D: int, device: torch.device) -> tuple[int, int, int]:
+    """(BLOCK_R, BLOCK_D, num_warps) for rows of D features."""
+    cfg = tuning.kv_cache_config(device)
+    block_d = triton.next_power_of_2(max(D, 1))
+    block_r = min(max(1, cfg.tile // block_d), triton.next_power_of_2(max(rows, 1)))
+    return block_r, block_d, cfg.num_warps
+
+
+def scatter_kv(*, x, cache, slots=None, scale_in=None, scale_out=None):
+    """Write x (N, H, D) into cache (num_blocks, page_size, H, D), row (n, h) at slot slots[n]
+    (skipped when negative), or at page n, offset 0, when slots is None. When the cache holds int8
+    or e4m3 codes, each row is quantized by its scale: scale_in[n, h] ((N, H), any strides,
+    broadcast views too) or amax / qmax; the scale goes to scale_out (num_blocks, page_size, H) fp32.
+    In place; returns nothing."""
+    N, H, D = x.shape
+    if N * H * D == 0:
+        return
+    quant = QUANT_CODES.get(cache.dtype, 0)
+    block_r, block_d, num_warps = _tiles(N * H, D, x.device)
+    _scatter_kv_kernel[(triton.cdiv(N * H, block_r),)](
+        x, slots, scale_in, cache, scale_out,
+        *x.stride(), slots.stride(0) if slots is not None else 0,
+        *(scale_in.stride() if scale_in is not None else (0, 0)),
+        *cache.stride(), *(scale_out.stride() if scale_out is not None else (0, 0, 0)),
+        N, H, D, cache.shape[1], QMAX.get(cache.dtype, 0.0),
+        BLOCK_R=block_r, BLOCK_D=block_d, HAS_SLOTS=slots is not None, QUANT=quant,
+        HAS_SCALE_IN=scale_in is not None, num_warps=num_warps,
+        # the quantized path is specified as exactly rounded steps: no fused multiply-adds
+        **({"enable_fp_fusion": False} if quant else {}),
+    )
+
+
+def gather_kv(*, cache, scale=None, block_table=None, seqlens=None, max_seqlen, dtype):
+    """Read a (B, max_seqlen, H, D) tensor of ``dtype`` out of cache (num_blocks, page_size, H, D):
+    position s of sequence b from page block_table[b, s // page_size] (B = block_table's rows),
+    zeros from seqlens[b] on; without a table, B = 1 and position s is page s // page_size.
+    With ``scale`` (num_blocks, page_size, H) fp32 the cache holds codes: codes * scale."""
+    _, page_size, H, D = cache.shape
+    B = block_table.shape[0] if block_table is not None else 1
+    out = empty((B, max_seqlen, H, D), dtype=dtype, device=cache.device)
+    rows = max_seqlen * H
+    if B * rows * D == 0:
+        return out
+    block_r, block_d, num_warps = _tiles(rows, D, cache.device)
+    blocks_per_seq = triton.cdiv(rows, block_r)
+    _gather_kv_kernel[(B * blocks_per_seq,)](
+        cache, scale, block_table, seqlens, out,
+        *cache.stride(), *(scale.stride() if scale is not None else (0, 0, 0)),
+        *(block_table.stride() if block_table is not None else (0, 0)), *out.stride(),
+        max_seqlen, H, D, page_size, blocks_per_seq,
+        BLOCK_R=block_r, BLOCK_D=block_d, HAS_TABLE=block_table is not None,
+        DEQUANT=scale is not None, num_warps=num_warps,
+    )
+    return out
+
+
+def quantize_kv_fwd(*, x, dtype, scale=None):
+    """Codes of x (R, D) in ``dtype`` (int8 or e4m3) and their scales (R,) fp32: amax / qmax per
+    row, or the given ``scale`` (R,), any strides. Returns (codes (R, D), scale (R,))."""
+    R, D = x.shape
+    codes = empty((R, D), dtype=dtype, device=x.device)
+    scale_out = empty((R,), dtype=torch.float32, device=x.device)
+    scatter_kv(x=x.unsqueeze(1), cache=codes.view(R, 1, 1, D),
+               scale_in=scale.unsqueeze(1) if scale is not None else None,
+               scale_out=scale_out.view(R, 1, 1))
+    return codes, scale_out
+
+
+def dequantize_kv_fwd(*, codes, scale, dtype):
+    """codes (R, D) * scale (R,) in fp32, rounded to ``dtype``: (R, D)."""
+    R, D = codes.shape
+    out = gather_kv(cache=codes[:, None, None, :], scale=scale[:, None, None], max_seqlen=R, dtype=dtype)
+    return out.view(R, D)
+
+
+def merge_attn_states_fwd(*, out_a, lse_a, out_b, lse_b):
+    """out (B, Sq, H, D) in out_a's dtype and lse (B, H, Sq) fp32 of the two partials."""
+    B, S, H, D = out_a.shape
+    out = empty((B, S, H, D), dtype=out_a.dtype, device=out_a.device)
+    lse = empty((B, H, S), dtype=torch.float32, device=out_a.device)
+    rows = S * H
+    if B * rows == 0:
+        return out, lse
+    block_r, block_d, num_warps = _tiles(rows, D, out_a.device)
+    blocks_per_seq = triton.cdiv(rows, block_r)
+    _merge_attn_states_kernel[(B * blocks_per_seq,)](
+        out_a, lse_a, out_b, lse_b, out, lse,
+        *out_a.stride(), *out_b.stride(), *out.stride(), *lse_a.stride(), *lse_b.stride(), *lse.stride(),
+        S, H, D, blocks_per_seq, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=num_warps,
+    )
+    return out, lse
