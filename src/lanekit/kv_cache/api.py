@@ -24,8 +24,8 @@ from collections.abc import Hashable, Iterable
 import torch
 
 from lanekit.kv_cache import op as _lanes
-from lanekit.layers.api import _shape, _tensor
 from lanekit.runtime.lanes import select_lane
+from lanekit.runtime.validate import shape as _shape, tensor as _tensor
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _CODE_DTYPES = (torch.int8, torch.float8_e4m3fn)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from lanekit.layers.op import _call, _custom_op
+from lanekit.runtime.custom_ops import call as _call, custom_op as _custom_op
 from lanekit.reference import kv_cache as ref
 
 Tensor = torch.Tensor

@@ -101,14 +101,18 @@ def apply_rotary(x, cos, sin, interleaved=False, rotary_dim=None, position_ids=N
     s = sin[pos.to(sin.device)].unsqueeze(-2)
     if conjugate:
         s = -s
-    rot, rest = x[..., :rd], x[..., rd:]
+    return torch.cat((_rotate_pairs(x[..., :rd], c, s, interleaved), x[..., rd:]), dim=-1)
+
+
+def _rotate_pairs(rot, c, s, interleaved):
+    """Each pair (a, b) of rot's features -> (a c - b s, b c + a s): NeoX pairs (i, i + d/2), or
+    interleaved (2i, 2i + 1)."""
     if interleaved:
         a, b = rot[..., 0::2], rot[..., 1::2]
-        out = torch.stack((a * c - b * s, b * c + a * s), dim=-1).flatten(-2)
-    else:
-        a, b = rot[..., : rd // 2], rot[..., rd // 2:]
-        out = torch.cat((a * c - b * s, b * c + a * s), dim=-1)
-    return torch.cat((out, rest), dim=-1)
+        return torch.stack((a * c - b * s, b * c + a * s), dim=-1).flatten(-2)
+    half = rot.shape[-1] // 2
+    a, b = rot[..., :half], rot[..., half:]
+    return torch.cat((a * c - b * s, b * c + a * s), dim=-1)
 
 
 def rms_norm_rope(q, k, q_weight, k_weight, cos, sin, eps=1e-6, offset=0.0, interleaved=False,
@@ -175,12 +179,7 @@ def qk_norm_rope_quant(q, k, q_weight, k_weight, cos, sin, eps=1e-6, offset=0.0,
         head, tail = n[..., : D - rd], n[..., D - rd:]
         c = cos.to(f32)[pos.to(cos.device)].unsqueeze(-2)
         s = sin.to(f32)[pos.to(sin.device)].unsqueeze(-2)
-        if interleaved:
-            a, b = tail[..., 0::2], tail[..., 1::2]
-            tail = torch.stack((a * c - b * s, b * c + a * s), dim=-1).flatten(-2)
-        else:
-            a, b = tail[..., : rd // 2], tail[..., rd // 2:]
-            tail = torch.cat((a * c - b * s, b * c + a * s), dim=-1)
+        tail = _rotate_pairs(tail, c, s, interleaved)
         return quantize_per_head(torch.cat((head, tail), dim=-1), quant_dtype, reciprocal=True)
 
     return (*one(q, q_weight), *one(k, k_weight))

@@ -1,0 +1,61 @@
+"""Argument checks shared by the public functions: each raises a ValueError or TypeError that
+names the argument, the expected and the got, before anything is launched."""
+
+from __future__ import annotations
+
+import numbers
+
+import numpy as np
+import torch
+
+
+def is_real(x) -> bool:
+    """A real number (Python's or NumPy's), and not a bool (True would silently mean 1.0)."""
+    return isinstance(x, numbers.Real) and not isinstance(x, (bool, np.bool_))
+
+
+def is_int(x) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, (bool, np.bool_))
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """[first, last] byte of t's elements in memory."""
+    last = sum((n - 1) * st for n, st in zip(t.shape, t.stride()) if n > 0)
+    first = t.data_ptr() + min(0, last) * t.element_size()
+    return first, t.data_ptr() + max(0, last) * t.element_size() + t.element_size() - 1
+
+
+def check_writable(name: str, out: torch.Tensor, *inputs: torch.Tensor | None):
+    """out can be written element by element: no two of its elements share memory, and it either
+    is exactly one of the inputs (the same elements) or shares no memory with any of them."""
+    if out.numel() == 0:
+        return
+    if any(st == 0 and n > 1 for n, st in zip(out.shape, out.stride())):
+        raise ValueError(f"{name}: expected a tensor whose elements do not share memory, got strides "
+                         f"{out.stride()} for shape {tuple(out.shape)} (an expanded view)")
+    lo, hi = _span(out)
+    for t in inputs:
+        if t is None or t.numel() == 0 or t.untyped_storage().data_ptr() != out.untyped_storage().data_ptr():
+            continue
+        same = t.data_ptr() == out.data_ptr() and t.shape == out.shape and t.stride() == out.stride()
+        t_lo, t_hi = _span(t)
+        if not same and t_lo <= hi and lo <= t_hi:
+            raise ValueError(f"{name}: expected memory that the inputs do not overlap (or exactly an "
+                             f"input), got a view that partly overlaps one of them")
+
+
+def tensor(name: str, t, *, dtypes=None, ndim=None, like: torch.Tensor | None = None):
+    """Check that t is a tensor of an accepted dtype and rank, on ``like``'s device."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if dtypes is not None and t.dtype not in dtypes:
+        raise TypeError(f"{name}: expected dtype in {[str(d) for d in dtypes]}, got {t.dtype}")
+    if ndim is not None and t.dim() not in ((ndim,) if isinstance(ndim, int) else ndim):
+        raise ValueError(f"{name}: expected {ndim} dimensions, got shape {tuple(t.shape)}")
+    if like is not None and t.device != like.device:
+        raise ValueError(f"{name}: expected a tensor on {like.device} (the input's device), got {t.device}")
+
+
+def shape(name: str, t: torch.Tensor, expected: tuple, what: str):
+    if tuple(t.shape) != tuple(expected):
+        raise ValueError(f"{name}: expected shape {tuple(expected)} ({what}), got {tuple(t.shape)}")
