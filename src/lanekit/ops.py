@@ -6,6 +6,7 @@ and the registry-driven tests pick it up from there.
 
 from __future__ import annotations
 
+import itertools
 import math
 import zlib
 
@@ -104,6 +105,176 @@ register(Op(
     doc="Gradients of flash_attn_func by autograd: dq, dk, dv, and the bias's gradient when it has one",
 ))
 
+
+
+def varlen_case(name, device, *, seqlens_q, seqlens_k, Hq=2, Hkv=None, D=64, dtype=torch.float16,
+                causal=False, window_size=(-1, -1), softcap=0.0, alibi=False, dropout_p=0.0, seed=0,
+                page_size=None, num_blocks=None) -> Sample:
+    """A ``flash_attn_varlen_func`` sample in the lanes' normalized form: packed q, k, v for the
+    given per-sequence lengths; with ``page_size``, k and v in a paged cache whose pages are
+    handed out in a shuffled order (and a spare page nobody owns)."""
+    g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+    Hkv = Hkv or Hq
+    B = len(seqlens_q)
+    cu_q = torch.tensor([0, *itertools.accumulate(seqlens_q)], dtype=torch.int32)
+    cu_k = torch.tensor([0, *itertools.accumulate(seqlens_k)], dtype=torch.int32)
+    q = randn(int(cu_q[-1]), Hq, D, dtype=dtype, device=device, generator=g)
+    block_table = None
+    if page_size is None:
+        k = randn(int(cu_k[-1]), Hkv, D, dtype=dtype, device=device, generator=g)
+        v = randn(int(cu_k[-1]), Hkv, D, dtype=dtype, device=device, generator=g)
+    else:
+        pages = [-(-n // page_size) for n in seqlens_k]
+        max_pages = max(pages + [1])
+        num_blocks = num_blocks or sum(pages) + 1
+        k = randn(num_blocks, page_size, Hkv, D, dtype=dtype, device=device, generator=g)
+        v = randn(num_blocks, page_size, Hkv, D, dtype=dtype, device=device, generator=g)
+        order = torch.randperm(num_blocks, generator=g).tolist()
+        rows = []
+        for n in pages:
+            rows.append(order[:n] + [0] * (max_pages - n))
+            order = order[n:]
+        block_table = torch.tensor(rows, dtype=torch.int32).to(device)
+    slopes = (torch.rand(B, Hq, generator=g) * 0.5).to(device) if alibi else None
+    left, right = window_size
+    return Sample(name, dict(
+        q=q, k=k, v=v, cu_seqlens_q=cu_q.to(device), cu_seqlens_k=cu_k.to(device),
+        max_seqlen_q=max(seqlens_q), max_seqlen_k=max(seqlens_k), block_table=block_table,
+        softmax_scale=D ** -0.5, window_size=(left, 0 if causal else right), softcap=softcap,
+        alibi_slopes=slopes, dropout_p=dropout_p, seed=seed, offset=0,
+    ))
+
+
+def _varlen_samples(device, *, paged=True):
+    bf16, f32 = torch.bfloat16, torch.float32
+    yield varlen_case("gqa 9:3 d64 causal Sq[0,1,0,1] Sk[0,3,0,5]", device, seqlens_q=[0, 1, 0, 1],
+                      seqlens_k=[0, 3, 0, 5], Hq=9, Hkv=3, D=64, causal=True)
+    yield varlen_case("bf16 d80 Sq[33,1,70] Sk[40,0,70] causal", device, seqlens_q=[33, 1, 70],
+                      seqlens_k=[40, 0, 70], Hq=4, Hkv=2, D=80, dtype=bf16, causal=True)
+    yield varlen_case("window(5,2) softcap alibi d96", device, seqlens_q=[17, 40], seqlens_k=[50, 40],
+                      D=96, window_size=(5, 2), softcap=20.0, alibi=True)
+    yield varlen_case("fp32 d128 Sq>Sk", device, seqlens_q=[20, 9], seqlens_k=[7, 33], D=128, dtype=f32)
+    yield varlen_case("dropout0.2 d32", device, seqlens_q=[9, 21], seqlens_k=[30, 21], D=32,
+                      dropout_p=0.2, seed=77)
+    if paged:
+        yield varlen_case("paged page3 gqa 4:2 causal d64", device, seqlens_q=[1, 7, 0], seqlens_k=[10, 7, 4],
+                          Hq=4, Hkv=2, D=64, dtype=bf16, causal=True, page_size=3)
+        yield varlen_case("paged page16 d128 window(8,0)", device, seqlens_q=[5, 16], seqlens_k=[37, 16],
+                          D=128, window_size=(8, 0), page_size=16)
+
+
+def _varlen_bwd_samples(device):
+    for case in _varlen_samples(device, paged=False):
+        q, v = case.kwargs["q"], case.kwargs["v"]
+        g = torch.Generator().manual_seed(zlib.crc32(b"dout " + case.name.encode()))
+        dout = randn(q.shape[0], q.shape[1], v.shape[-1], dtype=q.dtype, device=device, generator=g)
+        yield Sample(case.name, dict(case.kwargs, dout=dout))
+
+
+register(Op(
+    name="flash_attn_varlen_func",
+    family="attention",
+    oracle="lanekit.reference.attention:flash_attn_varlen",
+    lanes={"triton": "lanekit.attention.op:flash_attn_varlen_triton",
+           "reference": "lanekit.attention.op:flash_attn_varlen_reference"},
+    samples=_varlen_samples,
+    outputs=(("out", "attention_fwd"), ("lse", "lse")),
+    doc="Attention over packed variable-length sequences (FlashAttention's varlen), packed or paged K/V",
+))
+
+register(Op(
+    name="flash_attn_varlen_func.backward",
+    family="attention",
+    oracle="lanekit.reference.attention:flash_attn_varlen_backward",
+    lanes={"triton": "lanekit.attention.op:flash_attn_varlen_backward_triton",
+           "reference": "lanekit.attention.op:flash_attn_varlen_backward_reference"},
+    samples=_varlen_bwd_samples,
+    outputs=(("dq", "attention_bwd"), ("dk", "attention_bwd"), ("dv", "attention_bwd")),
+    doc="Gradients of flash_attn_varlen_func (packed K/V) by autograd: dq, dk, dv",
+))
+
+
+def kvcache_case(name, device, *, B=2, Sq=1, Hq=4, Hkv=2, D=64, Dv=None, dtype=torch.bfloat16,
+                 seqlens=(5, 29), S_new=1, capacity=40, page_size=None, rotary_dim=0, interleaved=True,
+                 leftpad=None, batch_idx=None, causal=True, window_size=(-1, -1), softcap=0.0,
+                 alibi=False, quant=None, num_splits=1) -> Sample:
+    """A ``flash_attn_with_kvcache`` sample in the lanes' normalized form: a contiguous cache of
+    ``capacity`` tokens per row, or a paged one whose pages are shuffled (with spare pages nobody
+    owns), filled with random values (or their int8 / e4m3 codes and scales)."""
+    from lanekit.reference.kv_cache import quantize_kv
+
+    g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+    Dv = Dv or D
+    q = randn(B, Sq, Hq, D, dtype=dtype, device=device, generator=g)
+    block_table = None
+    if page_size is None:
+        rows = B if batch_idx is None else max(batch_idx) + 2
+        shape = (rows, capacity)
+    else:
+        max_pages = -(-capacity // page_size)
+        num_blocks = B * max_pages + 3
+        order = torch.randperm(num_blocks, generator=g)[: B * max_pages]
+        block_table = order.reshape(B, max_pages).to(torch.int32).to(device)
+        shape = (num_blocks, page_size)
+    k_cache = randn(*shape, Hkv, D, dtype=torch.float32, device=device, generator=g)
+    v_cache = randn(*shape, Hkv, Dv, dtype=torch.float32, device=device, generator=g)
+    k_scale = v_scale = None
+    if quant is not None:
+        k_cache, k_scale = quantize_kv(k_cache, quant)
+        v_cache, v_scale = quantize_kv(v_cache, quant)
+    else:
+        k_cache, v_cache = k_cache.to(dtype), v_cache.to(dtype)
+    k = v = None
+    if S_new:
+        k = randn(B, S_new, Hkv, D, dtype=dtype, device=device, generator=g)
+        v = randn(B, S_new, Hkv, Dv, dtype=dtype, device=device, generator=g)
+    cos = sin = None
+    if rotary_dim:
+        angles = torch.rand(capacity + Sq, rotary_dim // 2, generator=g, dtype=torch.float64) * 6.0
+        cos, sin = angles.cos().float().to(device), angles.sin().float().to(device)
+    left, right = window_size
+    return Sample(name, dict(
+        q=q, k_cache=k_cache, v_cache=v_cache,
+        cache_seqlens=torch.tensor(seqlens, dtype=torch.int32, device=device), k=k, v=v,
+        rotary_cos=cos, rotary_sin=sin, rotary_interleaved=interleaved,
+        cache_batch_idx=torch.tensor(batch_idx, dtype=torch.int32, device=device) if batch_idx else None,
+        cache_leftpad=torch.tensor(leftpad, dtype=torch.int32, device=device) if leftpad else None,
+        block_table=block_table, k_cache_scale=k_scale, v_cache_scale=v_scale, kv_dtype=k_cache.dtype,
+        rotary_dtype=dtype, softmax_scale=D ** -0.5, window_size=(left, 0 if causal else right),
+        softcap=softcap, alibi_slopes=(torch.rand(B, Hq, generator=g) * 0.5).to(device) if alibi else None,
+        num_splits=num_splits,
+    ))
+
+
+def _kvcache_samples(device):
+    f16, f32 = torch.float16, torch.float32
+    yield kvcache_case("decode gqa 4:2 d64", device)
+    yield kvcache_case("decode splits 3, no append", device, S_new=0, seqlens=(0, 40), num_splits=3)
+    yield kvcache_case("paged page 7, splits 2, mqa 6:1 d80", device, Hq=6, Hkv=1, D=80, page_size=7,
+                       seqlens=(13, 0), num_splits=2)
+    yield kvcache_case("paged page 1, Sq 3 append 3, d96 fp16", device, Sq=3, S_new=3, D=96, dtype=f16,
+                       page_size=1, seqlens=(4, 9), capacity=16)
+    yield kvcache_case("rotary NeoX half dim, leftpad, batch_idx", device, rotary_dim=32, interleaved=False,
+                       leftpad=(2, 11), batch_idx=(2, 0), seqlens=(6, 30))
+    yield kvcache_case("rotary interleaved, non-causal Sq 2", device, Sq=2, S_new=2, rotary_dim=64,
+                       causal=False, seqlens=(3, 20))
+    yield kvcache_case("window(7,0) softcap alibi splits 4", device, window_size=(7, 0), softcap=15.0,
+                       alibi=True, num_splits=4, seqlens=(30, 2))
+    yield kvcache_case("int8 cache paged page 5 splits 2", device, quant=torch.int8, page_size=5, num_splits=2)
+    yield kvcache_case("e4m3 cache Dv 32", device, quant=torch.float8_e4m3fn, Dv=32, seqlens=(10, 35))
+    yield kvcache_case("fp32 d128 Sq 4 gqa 8:2", device, Hq=8, Sq=4, S_new=0, D=128, dtype=f32, seqlens=(40, 25))
+
+
+register(Op(
+    name="flash_attn_with_kvcache",
+    family="attention",
+    oracle="lanekit.reference.attention:flash_attn_with_kvcache",
+    lanes={"triton": "lanekit.attention.op:flash_attn_with_kvcache_triton",
+           "reference": "lanekit.attention.op:flash_attn_with_kvcache_reference"},
+    samples=_kvcache_samples,
+    outputs=(("out", "attention_fwd"), ("lse", "lse"), ("k_cache", "eltwise"), ("v_cache", "eltwise")),
+    doc="Decode over a contiguous or paged (quantized) KV cache: append, RoPE, split-KV (FlashAttention's with_kvcache)",
+))
 
 # ---- fused layers (lanekit.layers) ----
 

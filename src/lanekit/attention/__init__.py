@@ -1,5 +1,7 @@
 """Attention: FlashAttention-compatible functions."""
 
-from lanekit.attention.api import flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func
+from lanekit.attention.api import (flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func,
+                                  flash_attn_varlen_func, flash_attn_with_kvcache)
 
-__all__ = ["flash_attn_func", "flash_attn_kvpacked_func", "flash_attn_qkvpacked_func"]
+__all__ = ["flash_attn_func", "flash_attn_kvpacked_func", "flash_attn_qkvpacked_func", "flash_attn_varlen_func",
+           "flash_attn_with_kvcache"]

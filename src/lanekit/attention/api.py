@@ -42,6 +42,58 @@ def _broadcast_4d(name: str, t: torch.Tensor, shape: tuple[int, int, int, int]) 
                          f"got {tuple(t.shape)}") from None
 
 
+def _options(D: int, Sq: int, Sk: int, dropout_p, softmax_scale, softcap, causal, window_size):
+    """Check the scalar options of the attention functions; returns (softmax_scale, left, right)
+    with the default scale filled in and the causal mask folded into the window."""
+    if not (_is_real(dropout_p) and 0.0 <= dropout_p < 1.0):
+        raise ValueError(f"dropout_p: expected a float in [0, 1), got {dropout_p!r}")
+    if softmax_scale is None:
+        softmax_scale = D ** -0.5
+    elif not (_is_real(softmax_scale) and math.isfinite(softmax_scale) and abs(softmax_scale) < _FP32_MAX):
+        raise ValueError(f"softmax_scale: expected a finite float (fp32 range) or None, got {softmax_scale!r}")
+    if not (_is_real(softcap) and softcap >= 0 and math.isfinite(softcap)):
+        raise ValueError(f"softcap: expected a finite float >= 0, got {softcap!r}")
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal: expected a bool, got {type(causal).__name__}")
+    if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
+            or not all(isinstance(w, int) and not isinstance(w, bool) for w in window_size)):
+        raise TypeError(f"window_size: expected a pair of ints (left, right), got {window_size!r}")
+    left, right = window_size
+    if left < -1 or right < -1:
+        raise ValueError(f"window_size: expected values >= -1 (-1 is unbounded), got {tuple(window_size)}")
+    # A side that reaches past every key is unbounded (FlashAttention also turns window sizes
+    # >= Sk into -1); this keeps the kernel's int32 window arithmetic in range.
+    if left >= Sk:
+        left = -1
+    if right >= max(Sq, Sk):
+        right = -1
+    if causal:
+        right = 0
+    return float(softmax_scale), left, right
+
+
+def _alibi(alibi_slopes, B: int, Hq: int, device) -> torch.Tensor | None:
+    """ALiBi slopes (Hq,) or (B, Hq) fp32, checked and expanded to (B, Hq)."""
+    if alibi_slopes is None:
+        return None
+    _check_tensor("alibi_slopes", alibi_slopes, (1, 2), (torch.float32,))
+    if tuple(alibi_slopes.shape) not in ((Hq,), (B, Hq)):
+        raise ValueError(f"alibi_slopes: expected shape ({Hq},) or ({B}, {Hq}), got {tuple(alibi_slopes.shape)}")
+    if alibi_slopes.device != device:
+        raise ValueError(f"alibi_slopes: expected the device of q ({device}), got {alibi_slopes.device}")
+    return alibi_slopes.expand(B, Hq)
+
+
+def _dropout_seed(dropout_p: float, dropout_seed, dropout_offset) -> int:
+    """The Philox seed of the dropout mask: checked, or drawn from PyTorch's CPU generator."""
+    for name, val in (("dropout_offset", dropout_offset),) + ((("dropout_seed", dropout_seed),) if dropout_seed is not None else ()):
+        if not isinstance(val, int) or isinstance(val, bool) or not 0 <= val < 2**63:
+            raise ValueError(f"{name}: expected an int in [0, 2**63), got {val!r}")
+    if dropout_p > 0 and dropout_seed is None:
+        dropout_seed = int(torch.randint(0, 2**62, (1,), device="cpu").item())
+    return dropout_seed or 0
+
+
 def flash_attn_func(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -142,38 +194,9 @@ def flash_attn_func(
         raise ValueError(f"q: expected at least one head, got shape {tuple(q.shape)}")
     if Hkv == 0 or Hq % Hkv != 0:
         raise ValueError(f"k, v: expected a number of heads that divides Hq={Hq}, got Hkv={Hkv}")
-    if not (_is_real(dropout_p) and 0.0 <= dropout_p < 1.0):
-        raise ValueError(f"dropout_p: expected a float in [0, 1), got {dropout_p!r}")
-    if softmax_scale is None:
-        softmax_scale = D ** -0.5
-    elif not (_is_real(softmax_scale) and math.isfinite(softmax_scale) and abs(softmax_scale) < _FP32_MAX):
-        raise ValueError(f"softmax_scale: expected a finite float (fp32 range) or None, got {softmax_scale!r}")
-    if not (_is_real(softcap) and softcap >= 0 and math.isfinite(softcap)):
-        raise ValueError(f"softcap: expected a finite float >= 0, got {softcap!r}")
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal: expected a bool, got {type(causal).__name__}")
-    if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
-            or not all(isinstance(w, int) and not isinstance(w, bool) for w in window_size)):
-        raise TypeError(f"window_size: expected a pair of ints (left, right), got {window_size!r}")
-    left, right = window_size
-    if left < -1 or right < -1:
-        raise ValueError(f"window_size: expected values >= -1 (-1 is unbounded), got {tuple(window_size)}")
-    # A side that reaches past every key is unbounded (FlashAttention also turns window sizes
-    # >= Sk into -1); this keeps the kernel's int32 window arithmetic in range.
-    if left >= Sk:
-        left = -1
-    if right >= max(Sq, Sk):
-        right = -1
-    if causal:
-        right = 0
+    softmax_scale, left, right = _options(D, Sq, Sk, dropout_p, softmax_scale, softcap, causal, window_size)
     shape4 = (B, Hq, Sq, Sk)
-    if alibi_slopes is not None:
-        _check_tensor("alibi_slopes", alibi_slopes, (1, 2), (torch.float32,))
-        if tuple(alibi_slopes.shape) not in ((Hq,), (B, Hq)):
-            raise ValueError(f"alibi_slopes: expected shape ({Hq},) or ({B}, {Hq}), got {tuple(alibi_slopes.shape)}")
-        if alibi_slopes.device != q.device:
-            raise ValueError(f"alibi_slopes: expected the device of q ({q.device}), got {alibi_slopes.device}")
-        alibi_slopes = alibi_slopes.expand(B, Hq)
+    alibi_slopes = _alibi(alibi_slopes, B, Hq, q.device)
     if attn_bias is not None:
         _check_tensor("attn_bias", attn_bias, (0, 1, 2, 3, 4), _DTYPES + (torch.float64,))
         if attn_bias.device != q.device:
@@ -184,12 +207,7 @@ def flash_attn_func(
         if attn_mask.device != q.device:
             raise ValueError(f"attn_mask: expected the device of q ({q.device}), got {attn_mask.device}")
         attn_mask = _broadcast_4d("attn_mask", attn_mask, shape4)
-    for name, val in (("dropout_offset", dropout_offset),) + ((("dropout_seed", dropout_seed),) if dropout_seed is not None else ()):
-        if not isinstance(val, int) or isinstance(val, bool) or not 0 <= val < 2**63:
-            raise ValueError(f"{name}: expected an int in [0, 2**63), got {val!r}")
-    if dropout_p > 0 and dropout_seed is None:
-        dropout_seed = int(torch.randint(0, 2**62, (1,), device="cpu").item())
-
+    dropout_seed = _dropout_seed(dropout_p, dropout_seed, dropout_offset)
     chosen = select_lane(q.device, lane)
     if q.dtype == torch.float64 and chosen != "reference":
         raise TypeError(f"q: expected dtype in {[str(d) for d in _DTYPES]} on the {chosen} lane, got "
@@ -197,9 +215,9 @@ def flash_attn_func(
     # The lane functions the registry names (ops.py), looked up by attribute rather than through
     # the registry's importlib, which torch.compile cannot trace.
     out, lse = getattr(_lanes, f"flash_attn_{chosen}")(
-        q=q, k=k, v=v, softmax_scale=float(softmax_scale), window_size=(left, right),
+        q=q, k=k, v=v, softmax_scale=softmax_scale, window_size=(left, right),
         softcap=float(softcap), alibi_slopes=alibi_slopes, attn_bias=attn_bias, attn_mask=attn_mask,
-        dropout_p=float(dropout_p), seed=dropout_seed or 0, offset=dropout_offset,
+        dropout_p=float(dropout_p), seed=dropout_seed, offset=dropout_offset,
     )
     if return_attn_probs:
         return out, lse, None
@@ -288,3 +306,428 @@ def flash_attn_kvpacked_func(
         alibi_slopes, deterministic, return_attn_probs, attn_bias=attn_bias, attn_mask=attn_mask,
         dropout_seed=dropout_seed, dropout_offset=dropout_offset, lane=lane,
     )
+
+
+def _capturing() -> bool:
+    """Inside a CUDA graph capture, where reading a device value back would break the capture."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def _cu_seqlens(name: str, cu, total: int, max_seqlen: int, B: int | None, device) -> int:
+    """Check cumulative sequence lengths: (B + 1,) int32 on ``device``, from 0 up to ``total``,
+    non-decreasing, no sequence longer than ``max_seqlen``. The values are read back (a device
+    sync) except inside a CUDA graph capture. Returns B."""
+    _check_tensor(name, cu, 1, (torch.int32,))
+    if cu.device != device:
+        raise ValueError(f"{name}: expected the device of q ({device}), got {cu.device}")
+    if cu.shape[0] < 1 or (B is not None and cu.shape[0] != B + 1):
+        raise ValueError(f"{name}: expected shape ({'B + 1' if B is None else B + 1},) (B + 1 cumulative "
+                         f"lengths), got {tuple(cu.shape)}")
+    if not _capturing():
+        vals = cu.tolist()
+        lengths = [b - a for a, b in zip(vals, vals[1:])]
+        if vals[0] != 0 or any(n < 0 for n in lengths) or (total >= 0 and vals[-1] != total):
+            raise ValueError(f"{name}: expected non-decreasing values from 0 to {total if total >= 0 else 'the cache size'}, "
+                             f"got {vals if len(vals) <= 16 else vals[:8] + ['...'] + vals[-4:]}")
+        if lengths and max(lengths) > max_seqlen:
+            raise ValueError(f"{name}: expected no sequence longer than its max_seqlen ({max_seqlen}), "
+                             f"got one of {max(lengths)}")
+    return cu.shape[0] - 1
+
+
+def _nonneg_int(name: str, value) -> int:
+    if not (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
+        raise ValueError(f"{name}: expected an int >= 0, got {value!r}")
+    return value
+
+
+def flash_attn_varlen_func(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+    block_table: torch.Tensor | None = None,
+    *,
+    dropout_seed: int | None = None,
+    dropout_offset: int = 0,
+    lane: str | None = None,
+):
+    """Attention over a packed batch of sequences of different lengths, FlashAttention-2's
+    ``flash_attn_varlen_func`` with the same arguments.
+
+    Sequence b holds query rows ``cu_seqlens_q[b]:cu_seqlens_q[b + 1]`` of q and key rows
+    ``cu_seqlens_k[b]:cu_seqlens_k[b + 1]`` of k and v, and attends only within itself: each
+    sequence is :func:`flash_attn_func` on its own, with causal, window and ALiBi positions aligned
+    bottom-right by its own lengths (query i at key position i + Sk_b - Sq_b). A sequence of zero
+    queries or zero keys is valid: it produces nothing, or zeros (LSE -inf), and gets zero gradients.
+
+    Arguments:
+        q: (total_q, Hq, D), fp16, bf16 or fp32 (fp64 on the reference lane). Any strides.
+        k: (total_k, Hkv, D), and v: (total_k, Hkv, Dv), q's dtype and device, Hq a multiple of
+            Hkv; or, with ``block_table``, a paged cache (num_blocks, page_size, Hkv, D), any
+            page_size >= 1.
+        cu_seqlens_q, cu_seqlens_k: (B + 1,) int32, the cumulative lengths: 0, then
+            non-decreasing up to total_q (total_k; with a block table, the sequence's cached
+            tokens, each at most max_pages * page_size).
+        max_seqlen_q, max_seqlen_k: ints, at least every sequence's length (they size the grid).
+        dropout_p, softmax_scale, causal, window_size, softcap, deterministic, dropout_seed,
+        dropout_offset, lane: as :func:`flash_attn_func`. The dropout draw of (head h, packed
+            query row r, key j) has Philox counter dropout_offset + (h * total_q + r) *
+            max_seqlen_k + j.
+        alibi_slopes: (Hq,) or (B, Hq) fp32.
+        return_attn_probs: also return the LSE (see Returns).
+        block_table: (B, max_pages) int32, the pages of sequence b's keys in order (FlashAttention
+            2.6's paged varlen). Inference only: no gradient flows through a paged k or v.
+
+    Returns:
+        out: (total_q, Hq, Dv) in q's dtype. With ``return_attn_probs``: ``(out, softmax_lse,
+        None)``, softmax_lse (Hq, total_q) fp32 (FlashAttention's varlen layout), natural log;
+        -inf for a row that sees no key.
+
+    Raises:
+        TypeError: a non-tensor, an unsupported dtype, cu_seqlens or block_table not int32.
+        ValueError: wrong ranks or shapes, cu_seqlens not from 0 to the total or decreasing, a
+            sequence longer than its max_seqlen, a block_table too short for a sequence or naming
+            a page that does not exist, and the errors of :func:`flash_attn_func`. The values of
+            cu_seqlens and block_table are read back to check them (one device sync), except
+            inside a CUDA graph capture, where they are trusted.
+
+    Semantics: FlashAttention 2.7's ``flash_attn_varlen_func`` (Dao et al.); the LSE layout
+    (Hq, total_q) is its own.
+    """
+    _check_tensor("q", q, 3, _DTYPES + (torch.float64,))
+    _check_tensor("k", k, 4 if block_table is not None else 3)
+    _check_tensor("v", v, k.dim())
+    for name, t in (("k", k), ("v", v)):
+        if t.dtype != q.dtype:
+            raise TypeError(f"{name}: expected the dtype of q ({q.dtype}), got {t.dtype}")
+        if t.device != q.device:
+            raise ValueError(f"{name}: expected the device of q ({q.device}), got {t.device}")
+    total_q, Hq, D = q.shape
+    Hkv, Dv = k.shape[-2], v.shape[-1]
+    if k.shape[-1] != D:
+        raise ValueError(f"k: expected head dim {D} (that of q), got {k.shape[-1]}")
+    if tuple(v.shape[:-1]) != tuple(k.shape[:-1]):
+        raise ValueError(f"v: expected {tuple(k.shape[:-1]) + ('Dv',)} (k's leading dimensions), got {tuple(v.shape)}")
+    for name, d in (("q/k head dim", D), ("v head dim", Dv)):
+        if not 1 <= d <= MAX_HEAD_DIM:
+            raise ValueError(f"{name}: expected 1..{MAX_HEAD_DIM}, got {d}")
+    if Hq == 0:
+        raise ValueError(f"q: expected at least one head, got shape {tuple(q.shape)}")
+    if Hkv == 0 or Hq % Hkv != 0:
+        raise ValueError(f"k, v: expected a number of heads that divides Hq={Hq}, got Hkv={Hkv}")
+    max_seqlen_q = _nonneg_int("max_seqlen_q", max_seqlen_q)
+    max_seqlen_k = _nonneg_int("max_seqlen_k", max_seqlen_k)
+    B = _cu_seqlens("cu_seqlens_q", cu_seqlens_q, total_q, max_seqlen_q, None, q.device)
+    _cu_seqlens("cu_seqlens_k", cu_seqlens_k, -1 if block_table is not None else k.shape[0],
+                max_seqlen_k, B, q.device)
+    if block_table is not None:
+        _check_tensor("block_table", block_table, 2, (torch.int32,))
+        if block_table.device != q.device:
+            raise ValueError(f"block_table: expected the device of q ({q.device}), got {block_table.device}")
+        if block_table.shape[0] != B:
+            raise ValueError(f"block_table: expected {B} rows (one per sequence of cu_seqlens_q), "
+                             f"got shape {tuple(block_table.shape)}")
+        if not _capturing():
+            _check_pages(block_table, cu_seqlens_k.diff(), k.shape[0], k.shape[1])
+    softmax_scale, left, right = _options(D, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
+                                          softcap, causal, window_size)
+    alibi_slopes = _alibi(alibi_slopes, B, Hq, q.device)
+    dropout_seed = _dropout_seed(dropout_p, dropout_seed, dropout_offset)
+
+    chosen = select_lane(q.device, lane)
+    if q.dtype == torch.float64 and chosen != "reference":
+        raise TypeError(f"q: expected dtype in {[str(d) for d in _DTYPES]} on the {chosen} lane, got "
+                        "torch.float64 (float64 runs on the reference lane only: lane='reference')")
+    out, lse = getattr(_lanes, f"flash_attn_varlen_{chosen}")(
+        q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, block_table=block_table,
+        softmax_scale=softmax_scale, window_size=(left, right), softcap=float(softcap),
+        alibi_slopes=alibi_slopes, dropout_p=float(dropout_p), seed=dropout_seed, offset=dropout_offset,
+    )
+    if return_attn_probs:
+        return out, lse, None
+    return out
+
+
+def _check_pages(block_table: torch.Tensor, seqlens: torch.Tensor, num_blocks: int, page_size: int) -> None:
+    """Every page that sequence b's first seqlens[b] tokens use is listed and exists (a device sync)."""
+    max_pages = block_table.shape[1]
+    needed = (seqlens.to(torch.int64) + page_size - 1) // page_size
+    if needed.numel() and int(needed.max()) > max_pages:
+        raise ValueError(f"block_table: expected at least {int(needed.max())} pages per row for "
+                         f"{int(seqlens.max())} tokens of page_size {page_size}, got {max_pages}")
+    used = torch.arange(max_pages, device=block_table.device)[None, :] < needed[:, None]
+    pages = block_table[used]
+    if pages.numel() and (int(pages.min()) < 0 or int(pages.max()) >= num_blocks):
+        raise ValueError(f"block_table: expected pages in [0, {num_blocks}) (the cache's num_blocks) "
+                         f"where a sequence has tokens, got {int(pages.min())}..{int(pages.max())}")
+
+
+_CODE_DTYPES = (torch.int8, torch.float8_e4m3fn)
+MAX_SPLITS = 128
+
+
+def _index_vector(name: str, t, B: int, device) -> None:
+    _check_tensor(name, t, 1, (torch.int32,))
+    if t.device != device:
+        raise ValueError(f"{name}: expected the device of q ({device}), got {t.device}")
+    if t.shape[0] != B:
+        raise ValueError(f"{name}: expected shape ({B},) (one per sequence of q), got {tuple(t.shape)}")
+
+
+def num_splits_heuristic(batch_programs: int, max_seqlen_k: int | None, device: torch.device,
+                         block_n: int = 64) -> int:
+    """How many programs split each row's keys: enough for about four programs per SM, while each
+    keeps at least four key blocks of the longest sequence (``max_seqlen_k``, the used length, not
+    the cache's capacity; None inside a CUDA graph capture, where it cannot be read: occupancy
+    alone decides, and the programs past a sequence's end exit at once)."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    splits = -(-4 * sms // max(batch_programs, 1))
+    if max_seqlen_k is not None:
+        splits = min(splits, max(1, -(-max_seqlen_k // block_n) // 4))
+    return max(1, min(splits, MAX_SPLITS))
+
+
+def flash_attn_with_kvcache(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: torch.Tensor | None = None,
+    v: torch.Tensor | None = None,
+    rotary_cos: torch.Tensor | None = None,
+    rotary_sin: torch.Tensor | None = None,
+    cache_seqlens: int | torch.Tensor | None = None,
+    cache_batch_idx: torch.Tensor | None = None,
+    cache_leftpad: torch.Tensor | None = None,
+    block_table: torch.Tensor | None = None,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    rotary_interleaved: bool = True,
+    alibi_slopes: torch.Tensor | None = None,
+    num_splits: int = 0,
+    return_softmax_lse: bool = False,
+    *,
+    k_cache_scale: torch.Tensor | None = None,
+    v_cache_scale: torch.Tensor | None = None,
+    lane: str | None = None,
+):
+    """Attention of new queries over a KV cache, appending new keys and values to it first:
+    FlashAttention-2's ``flash_attn_with_kvcache`` with the same arguments (decode, chunked
+    prefill).
+
+    Sequence b's keys are its cache positions ``cache_leftpad[b]`` (default 0) up to
+    ``cache_seqlens[b]``, plus the new ``k``, ``v`` (if given), which are first rotated (k only)
+    and written into the caches in place at positions cache_seqlens[b], cache_seqlens[b] + 1, ...
+    Masks and ALiBi are aligned bottom-right over those keys (query i at key position
+    i + Sk_b - Sq, Sk_b = cache_seqlens[b] + S_new - leftpad[b]).
+
+    Arguments:
+        q: (B, Sq, Hq, D), fp16, bf16 or fp32 (fp64 on the reference lane).
+        k_cache, v_cache: (B_cache, S_cache, Hkv, D) and (..., Dv), or paged (num_blocks,
+            page_size, Hkv, D) with ``block_table``, any page_size >= 1; q's dtype, or int8 /
+            torch.float8_e4m3fn codes with ``k_cache_scale``/``v_cache_scale``. Written in place
+            when k, v are given.
+        k, v: (B, S_new, Hkv, D) and (B, S_new, Hkv, Dv), q's dtype, or None (no append). Into a
+            cache of codes they are quantized per (token, head) as :func:`lanekit.kv_cache.reshape_and_cache` does.
+        rotary_cos, rotary_sin: (S_ro, rotary_dim / 2), rotary_dim even and <= D: RoPE applied to
+            the new k at positions cache_seqlens[b] + t and to q at cache_seqlens[b] + i when causal
+            or local (else all of q at cache_seqlens[b]), FlashAttention's rule. Pairing:
+            ``rotary_interleaved`` (GPT-J's (2i, 2i + 1), the default as in FlashAttention) or
+            NeoX's (i, i + rotary_dim / 2).
+        cache_seqlens: (B,) int32, or an int for every sequence: tokens already cached (the end
+            position, leftpad included). Default: S_cache (a full contiguous cache).
+        cache_batch_idx: (B,) int32: the cache row of sequence b (contiguous caches only);
+            distinct rows when k, v are appended. Default b.
+        cache_leftpad: (B,) int32: the position where sequence b's keys start (left padding).
+        block_table: (B, max_pages) int32, sequence b's pages in order (paged caches).
+        softmax_scale, causal, window_size, softcap, alibi_slopes: as :func:`flash_attn_func`.
+        num_splits: split each row's keys across this many programs and merge the partial
+            results by their LSE (split-KV); 0 picks by :func:`num_splits_heuristic` from the
+            used lengths, never the allocated capacity. At most 128.
+        return_softmax_lse: also return the LSE.
+        k_cache_scale, v_cache_scale: (lanekit) the (B_cache, S_cache, Hkv) or (num_blocks,
+            page_size, Hkv) fp32 scales of a cache of codes (value = code * scale); updated in
+            place with the appended tokens' scales.
+        lane: as :func:`flash_attn_func`.
+
+    Returns:
+        out (B, Sq, Hq, Dv) in q's dtype; with ``return_softmax_lse``, ``(out, softmax_lse)``,
+        softmax_lse (B, Hq, Sq) fp32 natural log, -inf for a row that sees no key. The same for
+        every num_splits up to rounding.
+
+    Raises:
+        TypeError: a non-tensor, an unsupported dtype, index tensors not int32.
+        ValueError: wrong shapes; cache_seqlens, cache_leftpad or a new token past the cache's
+            capacity (S_cache, or max_pages * page_size) or negative; leftpad past cache_seqlens;
+            a page that does not exist; repeated cache_batch_idx rows with an append; rotary
+            positions past S_ro; scales missing or superfluous; num_splits outside 0..128; and
+            the errors of :func:`flash_attn_func`. Index values are read back to check them (one
+            device sync), except inside a CUDA graph capture, where they are trusted. Nothing is
+            written when an argument is rejected.
+
+    Semantics: FlashAttention 2.7's ``flash_attn_with_kvcache`` (Dao et al.); beyond it: any
+    page_size, paged caches with num_splits and with cache_leftpad, quantized caches.
+    """
+    _check_tensor("q", q, 4, _DTYPES + (torch.float64,))
+    paged = block_table is not None
+    _check_tensor("k_cache", k_cache, 4, (q.dtype,) + _CODE_DTYPES)
+    _check_tensor("v_cache", v_cache, 4, (k_cache.dtype,))
+    B, Sq, Hq, D = q.shape
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.device != q.device:
+            raise ValueError(f"{name}: expected the device of q ({q.device}), got {t.device}")
+    n_rows, S_cache, Hkv = k_cache.shape[:3]
+    Dv = v_cache.shape[3]
+    if tuple(v_cache.shape[:3]) != (n_rows, S_cache, Hkv):
+        raise ValueError(f"v_cache: expected ({n_rows}, {S_cache}, {Hkv}, Dv) (k_cache's leading "
+                         f"dimensions), got {tuple(v_cache.shape)}")
+    if k_cache.shape[3] != D:
+        raise ValueError(f"k_cache: expected head dim {D} (that of q), got {k_cache.shape[3]}")
+    for name, d in (("q/k head dim", D), ("v head dim", Dv)):
+        if not 1 <= d <= MAX_HEAD_DIM:
+            raise ValueError(f"{name}: expected 1..{MAX_HEAD_DIM}, got {d}")
+    if Hq == 0 or Hkv == 0 or Hq % Hkv != 0:
+        raise ValueError(f"k_cache: expected a number of heads that divides Hq={Hq}, got Hkv={Hkv}")
+    if n_rows == 0 or S_cache == 0:
+        raise ValueError(f"k_cache: expected at least one row (page) of at least one token, got {tuple(k_cache.shape)}")
+    quantized = k_cache.dtype in _CODE_DTYPES
+    for name, scale in (("k_cache_scale", k_cache_scale), ("v_cache_scale", v_cache_scale)):
+        if quantized:
+            if scale is None:
+                raise ValueError(f"{name}: a cache of {k_cache.dtype} codes needs its ({n_rows}, {S_cache}, {Hkv}) "
+                                 "fp32 scales, got None")
+            _check_tensor(name, scale, 3, (torch.float32,))
+            if tuple(scale.shape) != (n_rows, S_cache, Hkv) or scale.device != q.device:
+                raise ValueError(f"{name}: expected shape ({n_rows}, {S_cache}, {Hkv}) on {q.device}, got "
+                                 f"{tuple(scale.shape)} on {scale.device}")
+        elif scale is not None:
+            raise ValueError(f"{name}: expected None for a cache of {k_cache.dtype} values, got a tensor")
+    if (k is None) != (v is None):
+        raise ValueError(f"k, v: expected both or neither, got k={'a tensor' if k is not None else None}, "
+                         f"v={'a tensor' if v is not None else None}")
+    S_new = 0
+    if k is not None:
+        _check_tensor("k", k, 4, (q.dtype,))
+        _check_tensor("v", v, 4, (q.dtype,))
+        S_new = k.shape[1]
+        for name, t, d in (("k", k, D), ("v", v, Dv)):
+            if tuple(t.shape) != (B, S_new, Hkv, d) or t.device != q.device:
+                raise ValueError(f"{name}: expected shape ({B}, S_new, {Hkv}, {d}) on {q.device} (q's batch, "
+                                 f"the cache's heads and head dim), got {tuple(t.shape)} on {t.device}")
+    if paged:
+        _check_tensor("block_table", block_table, 2, (torch.int32,))
+        if block_table.shape[0] != B or block_table.device != q.device:
+            raise ValueError(f"block_table: expected ({B}, max_pages) on {q.device}, got "
+                             f"{tuple(block_table.shape)} on {block_table.device}")
+        if cache_batch_idx is not None:
+            raise ValueError("cache_batch_idx: expected None with a block_table (the table names "
+                             "each sequence's pages), got a tensor")
+        capacity = block_table.shape[1] * S_cache
+    else:
+        capacity = S_cache
+        if cache_batch_idx is not None:
+            _index_vector("cache_batch_idx", cache_batch_idx, B, q.device)
+        elif n_rows != B:
+            raise ValueError(f"k_cache: expected {B} rows (q's batch) without cache_batch_idx, got {n_rows}")
+    if cache_seqlens is None:
+        if paged:
+            raise ValueError("cache_seqlens: expected a (B,) int32 tensor or an int with a block_table, got None")
+        cache_seqlens = S_cache - S_new
+    if isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
+        if not 0 <= cache_seqlens <= capacity - S_new:
+            raise ValueError(f"cache_seqlens: expected 0..{capacity - S_new} (capacity {capacity} less "
+                             f"{S_new} new tokens), got {cache_seqlens}")
+        cache_seqlens = torch.full((B,), cache_seqlens, dtype=torch.int32, device=q.device)
+    else:
+        _index_vector("cache_seqlens", cache_seqlens, B, q.device)
+    if cache_leftpad is not None:
+        _index_vector("cache_leftpad", cache_leftpad, B, q.device)
+    rotary_dim = 0
+    if (rotary_cos is None) != (rotary_sin is None):
+        raise ValueError("rotary_cos, rotary_sin: expected both or neither")
+    if rotary_cos is not None:
+        for name, t in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
+            _check_tensor(name, t, 2, _DTYPES + (torch.float64,))
+            if t.device != q.device or tuple(t.shape) != tuple(rotary_cos.shape):
+                raise ValueError(f"{name}: expected (S_ro, rotary_dim / 2) on {q.device} as rotary_cos, "
+                                 f"got {tuple(t.shape)} on {t.device}")
+        rotary_dim = 2 * rotary_cos.shape[1]
+        if not 0 < rotary_dim <= D:
+            raise ValueError(f"rotary_cos: expected rotary_dim = 2 * shape[1] in 2..{D} (the head dim), got {rotary_dim}")
+    if not isinstance(rotary_interleaved, bool):
+        raise TypeError(f"rotary_interleaved: expected a bool, got {type(rotary_interleaved).__name__}")
+    if not (isinstance(num_splits, int) and not isinstance(num_splits, bool) and 0 <= num_splits <= MAX_SPLITS):
+        raise ValueError(f"num_splits: expected an int in 0..{MAX_SPLITS} (0: a heuristic), got {num_splits!r}")
+    softmax_scale, left, right = _options(D, Sq, capacity, 0.0, softmax_scale, softcap, causal, window_size)
+    alibi_slopes = _alibi(alibi_slopes, B, Hq, q.device)
+
+    max_used = None
+    if not _capturing():
+        max_used = _check_cache_values(
+            cache_seqlens, cache_leftpad, cache_batch_idx, block_table, S_new, capacity, n_rows, S_cache,
+            Sq, rotary_cos.shape[0] if rotary_cos is not None else None, left >= 0 or right >= 0)
+    if num_splits == 0:
+        group = Hq // Hkv
+        m_blocks = -(-Sq * group // 64)
+        num_splits = num_splits_heuristic(B * Hkv * max(m_blocks, 1), max_used, q.device)
+
+    chosen = select_lane(q.device, lane)
+    if q.dtype == torch.float64 and chosen != "reference":
+        raise TypeError(f"q: expected dtype in {[str(d) for d in _DTYPES]} on the {chosen} lane, got "
+                        "torch.float64 (float64 runs on the reference lane only: lane='reference')")
+    impl = _lanes.flash_attn_with_kvcache_inplace if chosen == "triton" else _lanes.flash_attn_with_kvcache_reference_inplace
+    out, lse = impl(
+        q=q, k_cache=k_cache, v_cache=v_cache, cache_seqlens=cache_seqlens, k=k, v=v,
+        rotary_cos=rotary_cos, rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved,
+        cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad, block_table=block_table,
+        k_cache_scale=k_cache_scale, v_cache_scale=v_cache_scale, softmax_scale=softmax_scale,
+        window_size=(left, right), softcap=float(softcap), alibi_slopes=alibi_slopes, num_splits=num_splits,
+    )
+    return (out, lse) if return_softmax_lse else out
+
+
+def _check_cache_values(cache_seqlens, cache_leftpad, cache_batch_idx, block_table, S_new, capacity,
+                        n_rows, page_size, Sq, S_ro, bounded) -> int:
+    """The index values (read back once): lengths within the capacity, left padding within the
+    length, existing rows and pages, rotary positions within cos/sin. Returns the longest
+    sequence's key count after the append (the used length)."""
+    seqlens = cache_seqlens.cpu().to(torch.int64)
+    ends = seqlens + S_new
+    if seqlens.numel() and (int(seqlens.min()) < 0 or int(ends.max()) > capacity):
+        raise ValueError(f"cache_seqlens: expected 0 <= cache_seqlens and cache_seqlens + {S_new} new "
+                         f"tokens <= the capacity {capacity}, got {seqlens.tolist()[:16]}")
+    starts = torch.zeros_like(seqlens)
+    if cache_leftpad is not None:
+        starts = cache_leftpad.cpu().to(torch.int64)
+        if starts.numel() and (bool((starts < 0).any()) or bool((starts > seqlens).any())):
+            raise ValueError(f"cache_leftpad: expected 0 <= cache_leftpad <= cache_seqlens, got "
+                             f"{starts.tolist()[:16]} for cache_seqlens {seqlens.tolist()[:16]}")
+    if cache_batch_idx is not None:
+        rows = cache_batch_idx.cpu()
+        if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= n_rows):
+            raise ValueError(f"cache_batch_idx: expected rows in [0, {n_rows}), got {rows.tolist()[:16]}")
+        if S_new and rows.unique().numel() != rows.numel():
+            raise ValueError("cache_batch_idx: expected distinct rows when k, v are appended (two "
+                             f"sequences would write one row), got {rows.tolist()[:16]}")
+    if block_table is not None:
+        _check_pages(block_table, ends.to(block_table.device), n_rows, page_size)
+    if S_ro is not None:
+        top = int((seqlens + max(S_new, Sq if bounded else 1)).max()) if seqlens.numel() else 0
+        if top > S_ro:
+            raise ValueError(f"rotary_cos: expected rows for positions up to {top - 1} (cache_seqlens plus "
+                             f"the new tokens), got {S_ro} rows")
+    return int((ends - starts).max()) if ends.numel() else 0

@@ -33,12 +33,14 @@ def _flash_attn_fwd_inner(
     stride_bm, stride_bn, stride_mm, stride_mn,
     offs_m, offs_m_local, offs_d, offs_dv, pos_m,
     slope_log2, sm_scale_log2, softcap_scale, softcap_log2,
-    Sq, Sk, D, Dv, window_left, window_right, dropout_p, seed,
+    Sq, Sk, D, Dv, window_left, window_right, dropout_p, seed, rng_stride,
+    bt_row, page_size, stride_kpage, stride_vpage,
     lo, hi,
     BLOCK_N: tl.constexpr, MASKED: tl.constexpr, EVEN_D: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, INPUT_PRECISION: tl.constexpr, INT64_TILES: tl.constexpr,
+    PAGED: tl.constexpr,
 ):
     offs_n_local = tl.arange(0, BLOCK_N)
     if INT64_TILES:
@@ -47,8 +49,15 @@ def _flash_attn_fwd_inner(
         start_n64 = tl.cast(start_n, tl.int64)
         offs_n = start_n + offs_n_local                                       # [BLOCK_N]
         n_in = offs_n < Sk
-        k_ptrs = k_base + start_n64 * stride_kn + offs_n_local[None, :] * stride_kn + offs_d[:, None] * stride_kd
-        v_ptrs = v_base + start_n64 * stride_vn + offs_n_local[:, None] * stride_vn + offs_dv[None, :] * stride_vd
+        if PAGED:
+            # key n of the sequence sits in page bt_row[n // page_size], at row n % page_size
+            k_off, v_off = _paged_rows(bt_row, offs_n, n_in, page_size, stride_kpage, stride_kn,
+                                       stride_vpage, stride_vn)
+            k_ptrs = k_base + k_off[None, :] + offs_d[:, None] * stride_kd
+            v_ptrs = v_base + v_off[:, None] + offs_dv[None, :] * stride_vd
+        else:
+            k_ptrs = k_base + start_n64 * stride_kn + offs_n_local[None, :] * stride_kn + offs_d[:, None] * stride_kd
+            v_ptrs = v_base + start_n64 * stride_vn + offs_n_local[:, None] * stride_vn + offs_dv[None, :] * stride_vd
         if MASKED:
             k = tl.load(k_ptrs, mask=n_in[None, :] & (offs_d[:, None] < D), other=0.0)     # [BLOCK_D, BLOCK_N]
             v = tl.load(v_ptrs, mask=n_in[:, None] & (offs_dv[None, :] < Dv), other=0.0)   # [BLOCK_N, BLOCK_DV]
@@ -100,11 +109,32 @@ def _flash_attn_fwd_inner(
         alpha = tl.math.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
         if HAS_DROPOUT:
-            counter = rng_base + offs_m_local[:, None].to(tl.int64) * Sk + offs_n[None, :]
+            counter = rng_base + offs_m_local[:, None].to(tl.int64) * rng_stride + offs_n[None, :]
             p = tl.where(tl.rand(seed, counter) >= dropout_p, p, 0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION)
         m_i = m_new
     return acc, l_i, m_i
+
+
+@triton.jit
+def _varlen_bounds(CuSeqQ, CuSeqK, b):
+    # Sequence b of a packed batch: its first query row and query count, its first key row
+    # (unused with a block table, whose pages place the keys) and key count. Starts are int64.
+    q_lo = tl.load(CuSeqQ + b)
+    Sq = tl.load(CuSeqQ + b + 1) - q_lo
+    k_lo = tl.load(CuSeqK + b)
+    Sk = tl.load(CuSeqK + b + 1) - k_lo
+    return q_lo.to(tl.int64), Sq, k_lo.to(tl.int64), Sk
+
+
+@triton.jit
+def _paged_rows(bt_row, offs_n, n_in, page_size, stride_kpage, stride_kn, stride_vpage, stride_vn):
+    # Offsets of keys offs_n of one sequence in a paged cache (num_blocks, page_size, H, D): page
+    # bt_row[n // page_size], row n % page_size. Keys past the sequence (not n_in) read page 0's
+    # offsets and are masked by the caller; int64, as a page's offset may pass 2^31.
+    page = tl.load(bt_row + offs_n // page_size, mask=n_in, other=0).to(tl.int64)
+    row = (offs_n % page_size).to(tl.int64)
+    return page * stride_kpage + row * stride_kn, page * stride_vpage + row * stride_vn
 
 
 @triton.jit
@@ -121,24 +151,25 @@ def _tanh(x):
 # Lengths, window sizes and the RNG state change from call to call: not specializing them keeps one
 # compiled kernel per set of flags and tile sizes.
 @triton.jit(do_not_specialize=["Hq", "GROUP", "Sq", "Sk", "D", "Dv", "window_left", "window_right",
-                               "dropout_p", "seed", "rng_offset"])
+                               "dropout_p", "seed", "rng_offset", "stride_lb", "stride_lh", "rng_stride",
+                               "page_size"])
 def _flash_attn_fwd_kernel(
-    Q, K, V, Out, Lse, Bias, Mask, Alibi,
+    Q, K, V, Out, Lse, Bias, Mask, Alibi, CuSeqQ, CuSeqK, BlockTable,
     stride_qb, stride_qm, stride_qh, stride_qd,
     stride_kb, stride_kn, stride_kh, stride_kd,
     stride_vb, stride_vn, stride_vh, stride_vd,
     stride_ob, stride_om, stride_oh, stride_od,
     stride_bb, stride_bh, stride_bm, stride_bn,
     stride_mb, stride_mh, stride_mm, stride_mn,
-    stride_ab, stride_ah,
+    stride_ab, stride_ah, stride_lb, stride_lh, stride_btb,
     Hq, GROUP, Sq, Sk, D, Dv,
     sm_scale_log2, softcap_scale, softcap_log2,
-    window_left, window_right, dropout_p, seed, rng_offset,
+    window_left, window_right, dropout_p, seed, rng_offset, rng_stride, page_size,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     EVEN_D: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_BIAS: tl.constexpr,
     HAS_MASK: tl.constexpr, HAS_DROPOUT: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-    INT64_TILES: tl.constexpr,
+    INT64_TILES: tl.constexpr, IS_VARLEN: tl.constexpr, PAGED: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     h = tl.program_id(1).to(tl.int64)
@@ -146,6 +177,17 @@ def _flash_attn_fwd_kernel(
     hk = h // GROUP
     start_m = pid_m * BLOCK_M
     start_m64 = start_m.to(tl.int64)
+    # Varlen: sequence b's queries are rows cu_seqlens_q[b] .. cu_seqlens_q[b + 1] of the packed q
+    # (stride_qb is 0), its keys likewise, or its pages' with a block table; Sq and Sk are its own.
+    q_start = 0
+    k_start = 0
+    if IS_VARLEN:
+        q_start, Sq, k_start, Sk = _varlen_bounds(CuSeqQ, CuSeqK, b)
+        if start_m >= Sq:
+            return
+    # Row (b, h, i) of the LSE, and of the dropout draws: b * stride_lb + h * stride_lh + i, with
+    # the packed row index for i when varlen.
+    row0 = b * stride_lb + h * stride_lh + q_start
 
     offs_m_local = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
@@ -157,14 +199,19 @@ def _flash_attn_fwd_kernel(
     offs_m = start_m + offs_m_local                                              # [BLOCK_M]
     pos_m = offs_m + (Sk - Sq)                     # query i sits at key position i + Sk - Sq
 
-    q_ptrs = (Q + b * stride_qb + h * stride_qh + start_m64 * stride_qm
+    q_ptrs = (Q + b * stride_qb + h * stride_qh + (q_start + start_m64) * stride_qm
               + offs_m_local[:, None] * stride_qm + offs_d[None, :] * stride_qd)
     q = tl.load(q_ptrs, mask=(offs_m[:, None] < Sq) & (offs_d[None, :] < D), other=0.0)   # [BLOCK_M, BLOCK_D]
-    k_base = K + b * stride_kb + hk * stride_kh
-    v_base = V + b * stride_vb + hk * stride_vh
+    if PAGED:  # K, V: (num_blocks, page_size, Hkv, D); stride_kb, stride_vb step a page
+        k_base = K + hk * stride_kh
+        v_base = V + hk * stride_vh
+    else:
+        k_base = K + b * stride_kb + k_start * stride_kn + hk * stride_kh
+        v_base = V + b * stride_vb + k_start * stride_vn + hk * stride_vh
+    bt_row = BlockTable + b * stride_btb
     bias_base = Bias + b * stride_bb + h * stride_bh + start_m64 * stride_bm
     mask_base = Mask + b * stride_mb + h * stride_mh + start_m64 * stride_mm
-    rng_base = rng_offset + ((b * Hq + h) * Sq + start_m64) * Sk
+    rng_base = rng_offset + (row0 + start_m64) * rng_stride
     slope_log2 = 0.0
     if HAS_ALIBI:
         slope_log2 = tl.load(Alibi + b * stride_ab + h * stride_ah).to(tl.float32) * 1.4426950408889634
@@ -195,23 +242,26 @@ def _flash_attn_fwd_kernel(
             acc, l_i, m_i, q, k_base, v_base, bias_base, mask_base, rng_base,
             stride_kn, stride_kd, stride_vn, stride_vd, stride_bm, stride_bn, stride_mm, stride_mn,
             offs_m, offs_m_local, offs_d, offs_dv, pos_m, slope_log2, sm_scale_log2, softcap_scale,
-            softcap_log2, Sq, Sk, D, Dv, window_left, window_right, dropout_p, seed, lo, full_lo,
+            softcap_log2, Sq, Sk, D, Dv, window_left, window_right, dropout_p, seed, rng_stride,
+            bt_row, page_size, stride_kb, stride_vb, lo, full_lo,
             BLOCK_N, True, EVEN_D, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_BIAS, HAS_MASK,
-            HAS_DROPOUT, INPUT_PRECISION, INT64_TILES)
+            HAS_DROPOUT, INPUT_PRECISION, INT64_TILES, PAGED)
     acc, l_i, m_i = _flash_attn_fwd_inner(
         acc, l_i, m_i, q, k_base, v_base, bias_base, mask_base, rng_base,
         stride_kn, stride_kd, stride_vn, stride_vd, stride_bm, stride_bn, stride_mm, stride_mn,
         offs_m, offs_m_local, offs_d, offs_dv, pos_m, slope_log2, sm_scale_log2, softcap_scale,
-        softcap_log2, Sq, Sk, D, Dv, window_left, window_right, dropout_p, seed, full_lo, full_hi,
+        softcap_log2, Sq, Sk, D, Dv, window_left, window_right, dropout_p, seed, rng_stride,
+        bt_row, page_size, stride_kb, stride_vb, full_lo, full_hi,
         BLOCK_N, False, EVEN_D, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_BIAS, HAS_MASK,
-        HAS_DROPOUT, INPUT_PRECISION, INT64_TILES)
+        HAS_DROPOUT, INPUT_PRECISION, INT64_TILES, PAGED)
     acc, l_i, m_i = _flash_attn_fwd_inner(
         acc, l_i, m_i, q, k_base, v_base, bias_base, mask_base, rng_base,
         stride_kn, stride_kd, stride_vn, stride_vd, stride_bm, stride_bn, stride_mm, stride_mn,
         offs_m, offs_m_local, offs_d, offs_dv, pos_m, slope_log2, sm_scale_log2, softcap_scale,
-        softcap_log2, Sq, Sk, D, Dv, window_left, window_right, dropout_p, seed, full_hi, hi,
+        softcap_log2, Sq, Sk, D, Dv, window_left, window_right, dropout_p, seed, rng_stride,
+        bt_row, page_size, stride_kb, stride_vb, full_hi, hi,
         BLOCK_N, True, EVEN_D, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_BIAS, HAS_MASK,
-        HAS_DROPOUT, INPUT_PRECISION, INT64_TILES)
+        HAS_DROPOUT, INPUT_PRECISION, INT64_TILES, PAGED)
 
     empty = l_i == 0.0                                                           # no visible key
     l_safe = tl.where(empty, 1.0, l_i)
@@ -220,10 +270,10 @@ def _flash_attn_fwd_kernel(
         out = out * (1.0 / (1.0 - dropout_p))
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
     m_in = offs_m < Sq
-    o_ptrs = (Out + b * stride_ob + h * stride_oh + start_m64 * stride_om
+    o_ptrs = (Out + b * stride_ob + h * stride_oh + (q_start + start_m64) * stride_om
               + offs_m_local[:, None] * stride_om + offs_dv[None, :] * stride_od)
     tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=m_in[:, None] & (offs_dv[None, :] < Dv))
-    tl.store(Lse + (b * Hq + h) * Sq + offs_m, lse, mask=m_in)
+    tl.store(Lse + row0 + offs_m, lse, mask=m_in)
 
 
 def _strides4(t: torch.Tensor | None) -> tuple[int, int, int, int]:
@@ -232,6 +282,14 @@ def _strides4(t: torch.Tensor | None) -> tuple[int, int, int, int]:
 
 def _block(d: int) -> int:
     return max(16, triton.next_power_of_2(d))
+
+
+def _strides_bthd(t: torch.Tensor, varlen: bool, paged: bool = False) -> tuple[int, int, int, int]:
+    """Strides of a (B, S, H, D) operand: a packed (total, H, D) one has batch stride 0; a paged
+    cache (num_blocks, page_size, H, D) passes its page stride in the batch slot."""
+    if varlen and not paged:
+        return (0, *t.stride())
+    return tuple(t.stride())
 
 
 def flash_attn_fwd(
@@ -248,17 +306,39 @@ def flash_attn_fwd(
     dropout_p: float,
     seed: int,
     offset: int,
+    cu_seqlens_q: torch.Tensor | None = None,
+    cu_seqlens_k: torch.Tensor | None = None,
+    max_seqlen_q: int = 0,
+    max_seqlen_k: int = 0,
+    block_table: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the forward. Arguments are already validated and normalized by the public function:
     ``attn_bias``/``attn_mask`` are 4-D views expanded to (B, Hq, Sq, Sk) (stride 0 where
     broadcast), ``alibi_slopes`` is (B, Hq) (stride 0 over B when shared), ``window_size`` holds
     the causal mask. Returns out (B, Sq, Hq, Dv) in q's dtype and lse (B, Hq, Sq) fp32.
+
+    Varlen (``cu_seqlens_q`` given, FlashAttention's ``flash_attn_varlen_func``): q is (total_q,
+    Hq, D), k and v (total_k, Hkv, D) or, with ``block_table`` (B, max_pages) int32, paged as
+    (num_blocks, page_size, Hkv, D); ``cu_seqlens_q``/``cu_seqlens_k`` (B + 1,) int32; no bias or
+    mask. Returns out (total_q, Hq, Dv) and lse (Hq, total_q). Dropout draw (h, row, j) of the
+    packed query row is counter offset + (h * total_q + row) * max_seqlen_k + j.
     """
-    B, Sq, Hq, D = q.shape
-    Sk, Hkv, Dv = k.shape[1], k.shape[2], v.shape[3]
-    out = alloc.empty((B, Sq, Hq, Dv), dtype=q.dtype, device=q.device)
-    lse = alloc.empty((B, Hq, Sq), dtype=torch.float32, device=q.device)
-    if out.numel() == 0:
+    varlen = cu_seqlens_q is not None
+    paged = block_table is not None
+    if varlen:
+        total_q, Hq, D = q.shape
+        B, Sq, Sk = cu_seqlens_q.shape[0] - 1, max_seqlen_q, max_seqlen_k
+        out = alloc.empty((total_q, Hq, v.shape[-1]), dtype=q.dtype, device=q.device)
+        lse = alloc.empty((Hq, total_q), dtype=torch.float32, device=q.device)
+        stride_lb, stride_lh, rng_stride = 0, total_q, Sk
+    else:
+        B, Sq, Hq, D = q.shape
+        Sk = k.shape[1]
+        out = alloc.empty((B, Sq, Hq, v.shape[3]), dtype=q.dtype, device=q.device)
+        lse = alloc.empty((B, Hq, Sq), dtype=torch.float32, device=q.device)
+        stride_lb, stride_lh, rng_stride = Hq * Sq, Sq, Sk
+    Hkv, Dv = k.shape[-2], v.shape[-1]
+    if out.numel() == 0 or B == 0 or Sq == 0:
         return out, lse
     if B > MAX_GRID_YZ or Hq > MAX_GRID_YZ:
         raise ValueError(f"q: the Triton lane runs at most {MAX_GRID_YZ} batches and heads "
@@ -285,20 +365,25 @@ def flash_attn_fwd(
             attn_bias if attn_bias is not None else q,
             mask if mask is not None else q,
             alibi_slopes if alibi_slopes is not None else q,
-            *q.stride(), *k.stride(), *v.stride(), *out.stride(),
+            cu_seqlens_q if varlen else q, cu_seqlens_k if varlen else q,
+            block_table if paged else q,
+            *_strides_bthd(q, varlen), *_strides_bthd(k, varlen, paged), *_strides_bthd(v, varlen, paged),
+            *_strides_bthd(out, varlen),
             *_strides4(attn_bias), *_strides4(mask),
             *(alibi_slopes.stride() if alibi_slopes is not None else (0, 0)),
+            stride_lb, stride_lh, block_table.stride(0) if paged else 0,
             Hq, Hq // Hkv, Sq, Sk, D, Dv,
             softmax_scale * LOG2E,
             softmax_scale / softcap if softcap > 0 else 0.0,
             softcap * LOG2E,
-            left, right, dropout_p, seed, offset,
+            left, right, dropout_p, seed, offset, rng_stride, k.shape[1] if paged else 1,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, BLOCK_DV=block_dv,
             EVEN_D=(D == block_d and Dv == block_dv),
             HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0, HAS_SOFTCAP=softcap > 0,
             HAS_ALIBI=alibi_slopes is not None, HAS_BIAS=attn_bias is not None,
             HAS_MASK=mask is not None, HAS_DROPOUT=dropout_p > 0,
             INPUT_PRECISION="ieee" if q.dtype == torch.float32 else None, INT64_TILES=int64_tiles,
+            IS_VARLEN=varlen, PAGED=paged,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
     return out, lse
@@ -406,10 +491,10 @@ def _flash_attn_bwd_dkdv_inner(
     dk, dv, k, v, q_base, do_base, bias_base, mask_base, Alibi, Lse2, Delta, DBias,
     row_base, rng_offset, h0,
     stride_qh, stride_qm, stride_qd, stride_doh, stride_dom, stride_dod, stride_bh, stride_bm, stride_bn,
-    stride_mh, stride_mm, stride_mn, stride_ah,
+    stride_mh, stride_mm, stride_mn, stride_ah, stride_lh,
     offs_n, offs_n_local, offs_m_local, offs_d, offs_dv,
     sm_scale_log2, softcap_scale, softcap_log2,
-    GROUP, Sq, Sk, D, Dv, window_left, window_right, dropout_p, seed,
+    GROUP, Sq, Sk, D, Dv, window_left, window_right, dropout_p, seed, rng_stride,
     lo, hi, lo2, hi2,
     BLOCK_M: tl.constexpr, MASKED: tl.constexpr, EVEN_D: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
@@ -430,7 +515,7 @@ def _flash_attn_bwd_dkdv_inner(
         start_m = tl.where(t < blocks1, lo + t * BLOCK_M, lo2 + (t - blocks1) * BLOCK_M)
         start_m64 = tl.cast(start_m, tl.int64)
         offs_m = start_m + offs_m_local                                             # [BLOCK_M]
-        rows = row_base + g * Sq                                   # (b * Hq + h) * Sq, h = h0 + g
+        rows = row_base + g * stride_lh                            # LSE row of (b, h0 + g, 0)
         q_ptrs = (q_base + g * stride_qh + start_m64 * stride_qm
                   + offs_m_local[:, None] * stride_qm + offs_d[None, :] * stride_qd)
         do_ptrs = (do_base + g * stride_doh + start_m64 * stride_dom
@@ -461,7 +546,7 @@ def _flash_attn_bwd_dkdv_inner(
             + offs_n_local[:, None] * stride_bn,
             mask_base + g * stride_mh + start_m64 * stride_mm + offs_m_local[None, :] * stride_mm
             + offs_n_local[:, None] * stride_mn,
-            rng_offset + (rows + start_m64 + offs_m_local[None, :].to(tl.int64)) * Sk + j,
+            rng_offset + (rows + start_m64 + offs_m_local[None, :].to(tl.int64)) * rng_stride + j,
             slope_log2, sm_scale_log2, softcap_scale, softcap_log2,
             Sq, Sk, window_left, window_right, dropout_p, seed,
             MASKED, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_BIAS, HAS_MASK, HAS_DROPOUT)
@@ -487,9 +572,9 @@ def _flash_attn_bwd_dkdv_inner(
 
 
 @triton.jit(do_not_specialize=["Hq", "GROUP", "Sq", "Sk", "D", "Dv", "window_left", "window_right",
-                               "dropout_p", "seed", "rng_offset"])
+                               "dropout_p", "seed", "rng_offset", "stride_lb", "stride_lh", "rng_stride"])
 def _flash_attn_bwd_dkdv_kernel(
-    Q, K, V, DOut, Lse2, Delta, DK, DV, DBias, Bias, Mask, Alibi,
+    Q, K, V, DOut, Lse2, Delta, DK, DV, DBias, Bias, Mask, Alibi, CuSeqQ, CuSeqK,
     stride_qb, stride_qm, stride_qh, stride_qd,
     stride_kb, stride_kn, stride_kh, stride_kd,
     stride_vb, stride_vn, stride_vh, stride_vd,
@@ -498,15 +583,15 @@ def _flash_attn_bwd_dkdv_kernel(
     stride_dvb, stride_dvn, stride_dvh, stride_dvd,
     stride_bb, stride_bh, stride_bm, stride_bn,
     stride_mb, stride_mh, stride_mm, stride_mn,
-    stride_ab, stride_ah,
+    stride_ab, stride_ah, stride_lb, stride_lh,
     Hq, GROUP, Sq, Sk, D, Dv,
     sm_scale, sm_scale_log2, softcap_scale, softcap_log2,
-    window_left, window_right, dropout_p, seed, rng_offset,
+    window_left, window_right, dropout_p, seed, rng_offset, rng_stride,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     EVEN_D: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_BIAS: tl.constexpr,
     HAS_MASK: tl.constexpr, HAS_DROPOUT: tl.constexpr, HAS_DBIAS: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr, INT64_TILES: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, INT64_TILES: tl.constexpr, IS_VARLEN: tl.constexpr,
 ):
     # One program: key block pid_n of KV head hk in batch b. Tiles are transposed, keys as rows
     # ([BLOCK_N, BLOCK_M]), so that P^T and dS^T feed the dot products without a transpose.
@@ -515,6 +600,12 @@ def _flash_attn_bwd_dkdv_kernel(
     b = tl.program_id(2).to(tl.int64)
     start_n = pid_n * BLOCK_N
     start_n64 = start_n.to(tl.int64)
+    q_start = 0
+    k_start = 0
+    if IS_VARLEN:
+        q_start, Sq, k_start, Sk = _varlen_bounds(CuSeqQ, CuSeqK, b)
+        if start_n >= Sk:
+            return
     offs_n_local = tl.arange(0, BLOCK_N)
     offs_m_local = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
@@ -526,10 +617,10 @@ def _flash_attn_bwd_dkdv_kernel(
         offs_dv = offs_dv.to(tl.int64)
     offs_n = start_n + offs_n_local                                                 # [BLOCK_N]
     n_in = offs_n < Sk
-    k = tl.load(K + b * stride_kb + hk * stride_kh + start_n64 * stride_kn
+    k = tl.load(K + b * stride_kb + hk * stride_kh + (k_start + start_n64) * stride_kn
                 + offs_n_local[:, None] * stride_kn + offs_d[None, :] * stride_kd,
                 mask=n_in[:, None] & (offs_d[None, :] < D), other=0.0)             # [BLOCK_N, BLOCK_D]
-    v = tl.load(V + b * stride_vb + hk * stride_vh + start_n64 * stride_vn
+    v = tl.load(V + b * stride_vb + hk * stride_vh + (k_start + start_n64) * stride_vn
                 + offs_n_local[:, None] * stride_vn + offs_dv[None, :] * stride_vd,
                 mask=n_in[:, None] & (offs_dv[None, :] < Dv), other=0.0)           # [BLOCK_N, BLOCK_DV]
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
@@ -553,11 +644,11 @@ def _flash_attn_bwd_dkdv_kernel(
         full_hi = tl.minimum(full_hi, tl.maximum(start_n + window_left - shift + 1, 0) // BLOCK_M * BLOCK_M)
     full_hi = tl.where(start_n + BLOCK_N > Sk, full_lo, tl.maximum(full_hi, full_lo))
     h0 = hk * GROUP                                # the first query head on this KV head
-    q_base = Q + b * stride_qb + h0 * stride_qh
-    do_base = DOut + b * stride_dob + h0 * stride_doh
+    q_base = Q + b * stride_qb + h0 * stride_qh + q_start * stride_qm
+    do_base = DOut + b * stride_dob + h0 * stride_doh + q_start * stride_dom
     bias_base = Bias + b * stride_bb + h0 * stride_bh + start_n64 * stride_bn
     mask_base = Mask + b * stride_mb + h0 * stride_mh + start_n64 * stride_mn
-    row_base = (b * Hq + h0) * Sq
+    row_base = b * stride_lb + h0 * stride_lh + q_start
     # [full_lo, full_hi) unmasked; then, in one loop, the masked blocks on either side of it:
     # [m_lo, full_lo) (on the causal diagonal; empty without a right window) and [full_hi, m_hi)
     # (a window's far edge, the last partial block). A third loop for the diagonal cost registers.
@@ -565,24 +656,24 @@ def _flash_attn_bwd_dkdv_kernel(
         dk, dv, k, v, q_base, do_base, bias_base, mask_base, Alibi + b * stride_ab, Lse2, Delta,
         DBias + start_n64, row_base, rng_offset, h0,
         stride_qh, stride_qm, stride_qd, stride_doh, stride_dom, stride_dod, stride_bh, stride_bm, stride_bn,
-        stride_mh, stride_mm, stride_mn, stride_ah,
+        stride_mh, stride_mm, stride_mn, stride_ah, stride_lh,
         offs_n, offs_n_local, offs_m_local, offs_d, offs_dv, sm_scale_log2, softcap_scale,
-        softcap_log2, GROUP, Sq, Sk, D, Dv, window_left, window_right, dropout_p, seed, full_lo, full_hi, 0, 0,
+        softcap_log2, GROUP, Sq, Sk, D, Dv, window_left, window_right, dropout_p, seed, rng_stride, full_lo, full_hi, 0, 0,
         BLOCK_M, False, EVEN_D, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_BIAS, HAS_MASK,
         HAS_DROPOUT, HAS_DBIAS, INPUT_PRECISION)
     dk, dv = _flash_attn_bwd_dkdv_inner(
         dk, dv, k, v, q_base, do_base, bias_base, mask_base, Alibi + b * stride_ab, Lse2, Delta,
         DBias + start_n64, row_base, rng_offset, h0,
         stride_qh, stride_qm, stride_qd, stride_doh, stride_dom, stride_dod, stride_bh, stride_bm, stride_bn,
-        stride_mh, stride_mm, stride_mn, stride_ah,
+        stride_mh, stride_mm, stride_mn, stride_ah, stride_lh,
         offs_n, offs_n_local, offs_m_local, offs_d, offs_dv, sm_scale_log2, softcap_scale,
-        softcap_log2, GROUP, Sq, Sk, D, Dv, window_left, window_right, dropout_p, seed, m_lo, full_lo, full_hi, m_hi,
+        softcap_log2, GROUP, Sq, Sk, D, Dv, window_left, window_right, dropout_p, seed, rng_stride, m_lo, full_lo, full_hi, m_hi,
         BLOCK_M, True, EVEN_D, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_BIAS, HAS_MASK,
         HAS_DROPOUT, HAS_DBIAS, INPUT_PRECISION)
 
-    dk_ptrs = (DK + b * stride_dkb + hk * stride_dkh + start_n64 * stride_dkn
+    dk_ptrs = (DK + b * stride_dkb + hk * stride_dkh + (k_start + start_n64) * stride_dkn
                + offs_n_local[:, None] * stride_dkn + offs_d[None, :] * stride_dkd)
-    dv_ptrs = (DV + b * stride_dvb + hk * stride_dvh + start_n64 * stride_dvn
+    dv_ptrs = (DV + b * stride_dvb + hk * stride_dvh + (k_start + start_n64) * stride_dvn
                + offs_n_local[:, None] * stride_dvn + offs_dv[None, :] * stride_dvd)
     tl.store(dk_ptrs, (dk * sm_scale).to(DK.dtype.element_ty), mask=n_in[:, None] & (offs_d[None, :] < D))
     tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=n_in[:, None] & (offs_dv[None, :] < Dv))
@@ -594,7 +685,7 @@ def _flash_attn_bwd_dq_inner(
     stride_kn, stride_kd, stride_vn, stride_vd, stride_bm, stride_bn, stride_mm, stride_mn,
     offs_m, offs_m_local, offs_n_local, offs_d, offs_dv,
     slope_log2, sm_scale_log2, softcap_scale, softcap_log2,
-    Sq, Sk, D, Dv, window_left, window_right, dropout_p, seed,
+    Sq, Sk, D, Dv, window_left, window_right, dropout_p, seed, rng_stride,
     lo, hi,
     BLOCK_N: tl.constexpr, MASKED: tl.constexpr, EVEN_D: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
@@ -626,7 +717,7 @@ def _flash_attn_bwd_dq_inner(
             qk, i, j, lse2[:, None],
             bias_base + start_n64 * stride_bn + offs_m_local[:, None] * stride_bm + offs_n_local[None, :] * stride_bn,
             mask_base + start_n64 * stride_mn + offs_m_local[:, None] * stride_mm + offs_n_local[None, :] * stride_mn,
-            rng_base + offs_m_local[:, None].to(tl.int64) * Sk + j,
+            rng_base + offs_m_local[:, None].to(tl.int64) * rng_stride + j,
             slope_log2, sm_scale_log2, softcap_scale, softcap_log2,
             Sq, Sk, window_left, window_right, dropout_p, seed,
             MASKED, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_BIAS, HAS_MASK, HAS_DROPOUT)
@@ -641,9 +732,9 @@ def _flash_attn_bwd_dq_inner(
 
 
 @triton.jit(do_not_specialize=["Hq", "GROUP", "Sq", "Sk", "D", "Dv", "window_left", "window_right",
-                               "dropout_p", "seed", "rng_offset"])
+                               "dropout_p", "seed", "rng_offset", "stride_lb", "stride_lh", "rng_stride"])
 def _flash_attn_bwd_dq_kernel(
-    Q, K, V, DOut, Lse2, Delta, DQ, Bias, Mask, Alibi,
+    Q, K, V, DOut, Lse2, Delta, DQ, Bias, Mask, Alibi, CuSeqQ, CuSeqK,
     stride_qb, stride_qm, stride_qh, stride_qd,
     stride_kb, stride_kn, stride_kh, stride_kd,
     stride_vb, stride_vn, stride_vh, stride_vd,
@@ -651,15 +742,15 @@ def _flash_attn_bwd_dq_kernel(
     stride_dqb, stride_dqm, stride_dqh, stride_dqd,
     stride_bb, stride_bh, stride_bm, stride_bn,
     stride_mb, stride_mh, stride_mm, stride_mn,
-    stride_ab, stride_ah,
+    stride_ab, stride_ah, stride_lb, stride_lh,
     Hq, GROUP, Sq, Sk, D, Dv,
     sm_scale, sm_scale_log2, softcap_scale, softcap_log2,
-    window_left, window_right, dropout_p, seed, rng_offset,
+    window_left, window_right, dropout_p, seed, rng_offset, rng_stride,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     EVEN_D: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_BIAS: tl.constexpr,
     HAS_MASK: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr, INT64_TILES: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, INT64_TILES: tl.constexpr, IS_VARLEN: tl.constexpr,
 ):
     # One program: query block pid_m of query head h in batch b, walking the key blocks it sees.
     pid_m = tl.program_id(0)
@@ -668,6 +759,12 @@ def _flash_attn_bwd_dq_kernel(
     hk = h // GROUP
     start_m = pid_m * BLOCK_M
     start_m64 = start_m.to(tl.int64)
+    q_start = 0
+    k_start = 0
+    if IS_VARLEN:
+        q_start, Sq, k_start, Sk = _varlen_bounds(CuSeqQ, CuSeqK, b)
+        if start_m >= Sq:
+            return
     offs_m_local = tl.arange(0, BLOCK_M)
     offs_n_local = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
@@ -679,20 +776,20 @@ def _flash_attn_bwd_dq_kernel(
         offs_dv = offs_dv.to(tl.int64)
     offs_m = start_m + offs_m_local                                                 # [BLOCK_M]
     m_in = offs_m < Sq
-    q = tl.load(Q + b * stride_qb + h * stride_qh + start_m64 * stride_qm
+    q = tl.load(Q + b * stride_qb + h * stride_qh + (q_start + start_m64) * stride_qm
                 + offs_m_local[:, None] * stride_qm + offs_d[None, :] * stride_qd,
                 mask=m_in[:, None] & (offs_d[None, :] < D), other=0.0)             # [BLOCK_M, BLOCK_D]
-    do = tl.load(DOut + b * stride_dob + h * stride_doh + start_m64 * stride_dom
+    do = tl.load(DOut + b * stride_dob + h * stride_doh + (q_start + start_m64) * stride_dom
                  + offs_m_local[:, None] * stride_dom + offs_dv[None, :] * stride_dod,
                  mask=m_in[:, None] & (offs_dv[None, :] < Dv), other=0.0)          # [BLOCK_M, BLOCK_DV]
-    row_base = (b * Hq + h) * Sq
+    row_base = b * stride_lb + h * stride_lh + q_start                              # LSE row of (b, h, 0)
     lse2 = tl.load(Lse2 + row_base + offs_m, mask=m_in, other=float("inf"))
     delta = tl.load(Delta + row_base + offs_m, mask=m_in, other=0.0)
-    k_base = K + b * stride_kb + hk * stride_kh
-    v_base = V + b * stride_vb + hk * stride_vh
+    k_base = K + b * stride_kb + hk * stride_kh + k_start * stride_kn
+    v_base = V + b * stride_vb + hk * stride_vh + k_start * stride_vn
     bias_base = Bias + b * stride_bb + h * stride_bh + start_m64 * stride_bm
     mask_base = Mask + b * stride_mb + h * stride_mh + start_m64 * stride_mm
-    rng_base = rng_offset + (row_base + start_m64) * Sk
+    rng_base = rng_offset + (row_base + start_m64) * rng_stride
     slope_log2 = 0.0
     if HAS_ALIBI:
         slope_log2 = tl.load(Alibi + b * stride_ab + h * stride_ah).to(tl.float32) * 1.4426950408889634
@@ -722,24 +819,24 @@ def _flash_attn_bwd_dq_kernel(
             dq, q, do, lse2, delta, k_base, v_base, bias_base, mask_base, rng_base,
             stride_kn, stride_kd, stride_vn, stride_vd, stride_bm, stride_bn, stride_mm, stride_mn,
             offs_m, offs_m_local, offs_n_local, offs_d, offs_dv, slope_log2, sm_scale_log2, softcap_scale,
-            softcap_log2, Sq, Sk, D, Dv, window_left, window_right, dropout_p, seed, lo, full_lo,
+            softcap_log2, Sq, Sk, D, Dv, window_left, window_right, dropout_p, seed, rng_stride, lo, full_lo,
             BLOCK_N, True, EVEN_D, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_BIAS, HAS_MASK,
             HAS_DROPOUT, INPUT_PRECISION)
     dq = _flash_attn_bwd_dq_inner(
         dq, q, do, lse2, delta, k_base, v_base, bias_base, mask_base, rng_base,
         stride_kn, stride_kd, stride_vn, stride_vd, stride_bm, stride_bn, stride_mm, stride_mn,
         offs_m, offs_m_local, offs_n_local, offs_d, offs_dv, slope_log2, sm_scale_log2, softcap_scale,
-        softcap_log2, Sq, Sk, D, Dv, window_left, window_right, dropout_p, seed, full_lo, full_hi,
+        softcap_log2, Sq, Sk, D, Dv, window_left, window_right, dropout_p, seed, rng_stride, full_lo, full_hi,
         BLOCK_N, False, EVEN_D, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_BIAS, HAS_MASK,
         HAS_DROPOUT, INPUT_PRECISION)
     dq = _flash_attn_bwd_dq_inner(
         dq, q, do, lse2, delta, k_base, v_base, bias_base, mask_base, rng_base,
         stride_kn, stride_kd, stride_vn, stride_vd, stride_bm, stride_bn, stride_mm, stride_mn,
         offs_m, offs_m_local, offs_n_local, offs_d, offs_dv, slope_log2, sm_scale_log2, softcap_scale,
-        softcap_log2, Sq, Sk, D, Dv, window_left, window_right, dropout_p, seed, full_hi, hi,
+        softcap_log2, Sq, Sk, D, Dv, window_left, window_right, dropout_p, seed, rng_stride, full_hi, hi,
         BLOCK_N, True, EVEN_D, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_BIAS, HAS_MASK,
         HAS_DROPOUT, INPUT_PRECISION)
-    tl.store(DQ + b * stride_dqb + h * stride_dqh + start_m64 * stride_dqm
+    tl.store(DQ + b * stride_dqb + h * stride_dqh + (q_start + start_m64) * stride_dqm
              + offs_m_local[:, None] * stride_dqm + offs_d[None, :] * stride_dqd,
              (dq * sm_scale).to(DQ.dtype.element_ty), mask=m_in[:, None] & (offs_d[None, :] < D))
 
@@ -763,14 +860,27 @@ def flash_attn_bwd(
     seed: int,
     offset: int,
     bias_grad: bool,
+    cu_seqlens_q: torch.Tensor | None = None,
+    cu_seqlens_k: torch.Tensor | None = None,
+    max_seqlen_q: int = 0,
+    max_seqlen_k: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Launch the backward of :func:`flash_attn_fwd` with the same normalized arguments, plus
     dout (B, Sq, Hq, Dv), the forward's out and lse, and dlse (B, Hq, Sq) fp32 or None. Returns
     dq, dk, dv in the inputs' shapes and dtype, and dbias (B, Hq, Sq, Sk) fp32 when ``bias_grad``
-    (else None).
+    (else None). Varlen as in :func:`flash_attn_fwd` (packed tensors, lse and dlse (Hq, total_q);
+    no block table).
     """
-    B, Sq, Hq, D = q.shape
-    Sk, Hkv, Dv = k.shape[1], k.shape[2], v.shape[3]
+    varlen = cu_seqlens_q is not None
+    if varlen:
+        total_q, Hq, D = q.shape
+        B, Sq, Sk = cu_seqlens_q.shape[0] - 1, max_seqlen_q, max_seqlen_k
+        stride_lb, stride_lh, rng_stride = 0, total_q, Sk
+    else:
+        B, Sq, Hq, D = q.shape
+        Sk = k.shape[1]
+        stride_lb, stride_lh, rng_stride = Hq * Sq, Sq, Sk
+    Hkv, Dv = k.shape[-2], v.shape[-1]
     if dlse is not None:
         # read as (B, Hq, Sq) rows: autograd may hand over a transposed or expanded (stride 0) grad
         dlse = dlse.contiguous()
@@ -782,7 +892,15 @@ def flash_attn_bwd(
     if B > MAX_GRID_YZ or Hq > MAX_GRID_YZ:
         raise ValueError(f"q: the Triton lane runs at most {MAX_GRID_YZ} batches and heads "
                          f"(grid dimensions 1 and 2), got B={B}, Hq={Hq}")
+    if varlen and (B == 0 or k.shape[0] == 0):
+        dq.zero_()  # no key anywhere: every gradient is 0 (dk, dv are empty then or zeroed below)
+        dk.zero_()
+        dv.zero_()
+        return dq, dk, dv, dbias
     if B * Hq == 0 or (Sq == 0 and Sk == 0):
+        return dq, dk, dv, dbias
+    if varlen and Sk == 0:
+        dq.zero_()
         return dq, dk, dv, dbias
     block_d, block_dv = _block(D), _block(Dv)
     bucket = max(block_d, block_dv)
@@ -797,34 +915,40 @@ def flash_attn_bwd(
     tile_strides = [*q.stride(), *k.stride(), *v.stride(), *dout.stride(), *_strides4(attn_bias), *_strides4(mask), Sk]
     int64_tiles = max(tile_strides) * max(cfg_kv.block_m, cfg_kv.block_n, cfg_q.block_m, cfg_q.block_n,
                                           block_d, block_dv) >= 2**31
-    delta = torch.empty((B, Hq, Sq), dtype=torch.float32, device=q.device)
-    lse2 = torch.empty((B, Hq, Sq), dtype=torch.float32, device=q.device)
+    delta = torch.empty(lse.shape, dtype=torch.float32, device=q.device)
+    lse2 = torch.empty(lse.shape, dtype=torch.float32, device=q.device)
     common = dict(
         EVEN_D=(D == block_d and Dv == block_dv),
         HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0, HAS_SOFTCAP=softcap > 0,
         HAS_ALIBI=alibi_slopes is not None, HAS_BIAS=attn_bias is not None,
         HAS_MASK=mask is not None, HAS_DROPOUT=dropout_p > 0,
         INPUT_PRECISION="ieee" if q.dtype == torch.float32 else None, INT64_TILES=int64_tiles,
+        IS_VARLEN=varlen,
     )
     operands = (attn_bias if attn_bias is not None else q, mask if mask is not None else q,
-                alibi_slopes if alibi_slopes is not None else q)
+                alibi_slopes if alibi_slopes is not None else q,
+                cu_seqlens_q if varlen else q, cu_seqlens_k if varlen else q)
     operand_strides = (*_strides4(attn_bias), *_strides4(mask),
-                       *(alibi_slopes.stride() if alibi_slopes is not None else (0, 0)))
+                       *(alibi_slopes.stride() if alibi_slopes is not None else (0, 0)), stride_lb, stride_lh)
     scalars = (Hq, Hq // Hkv, Sq, Sk, D, Dv, softmax_scale, softmax_scale * LOG2E,
                softmax_scale / softcap if softcap > 0 else 0.0, softcap * LOG2E,
-               left, right, dropout_p, seed, offset)
+               left, right, dropout_p, seed, offset, rng_stride)
+    # Packed rows: the preprocessing sees one batch of total_q rows (its LSE is (1, Hq, total_q)).
+    rows_out, rows_dout = (out[None], dout[None]) if varlen else (out, dout)
+    rows = rows_out.shape[1]
     with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
-        if Sq > 0:
+        if rows > 0:
             pre_m = 64 if not triton_interpreted() else 16
-            _flash_attn_bwd_preprocess_kernel[(triton.cdiv(Sq, pre_m), Hq, B)](
-                out, dout, lse, dlse if dlse is not None else lse, delta, lse2,
-                *out.stride(), *dout.stride(), Hq, Sq, Dv,
+            _flash_attn_bwd_preprocess_kernel[(triton.cdiv(rows, pre_m), Hq, rows_out.shape[0])](
+                rows_out, rows_dout, lse, dlse if dlse is not None else lse, delta, lse2,
+                *rows_out.stride(), *rows_dout.stride(), Hq, rows, Dv,
                 BLOCK_M=pre_m, BLOCK_DV=block_dv, HAS_DLSE=dlse is not None,
             )
         if Sk > 0:
             _flash_attn_bwd_dkdv_kernel[(triton.cdiv(Sk, cfg_kv.block_n), Hkv, B)](
                 q, k, v, dout, lse2, delta, dk, dv, dbias if dbias is not None else q, *operands,
-                *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dk.stride(), *dv.stride(),
+                *_strides_bthd(q, varlen), *_strides_bthd(k, varlen), *_strides_bthd(v, varlen),
+                *_strides_bthd(dout, varlen), *_strides_bthd(dk, varlen), *_strides_bthd(dv, varlen),
                 *operand_strides, *scalars,
                 BLOCK_M=cfg_kv.block_m, BLOCK_N=cfg_kv.block_n, BLOCK_D=block_d, BLOCK_DV=block_dv,
                 HAS_DBIAS=bias_grad, **common,
@@ -833,10 +957,258 @@ def flash_attn_bwd(
         if Sq > 0:
             _flash_attn_bwd_dq_kernel[(triton.cdiv(Sq, cfg_q.block_m), Hq, B)](
                 q, k, v, dout, lse2, delta, dq, *operands,
-                *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dq.stride(),
+                *_strides_bthd(q, varlen), *_strides_bthd(k, varlen), *_strides_bthd(v, varlen),
+                *_strides_bthd(dout, varlen), *_strides_bthd(dq, varlen),
                 *operand_strides, *scalars,
                 BLOCK_M=cfg_q.block_m, BLOCK_N=cfg_q.block_n, BLOCK_D=block_d, BLOCK_DV=block_dv,
                 **common,
                 num_warps=cfg_q.num_warps, num_stages=cfg_q.num_stages,
             )
     return dq, dk, dv, dbias
+
+
+# --------------------------------------------------------------------------------------------
+# Attention over a KV cache (flash_attn_with_kvcache): decode and chunked prefill. One program
+# handles BLOCK_M rows of (query, head) pairs of one KV head, row r = i * GROUP + g for query i
+# and query head hk * GROUP + g, so that the GROUP heads sharing a KV head read each key once
+# (decode has one query: a tile of GROUP rows instead of one). The cache is always read through
+# a page table: a contiguous cache (B_cache, S_cache, H, D) is one page of S_cache rows per
+# sequence. Keys are split across ``num_splits`` programs (split-KV, FlashDecoding); each writes
+# its normalized partial output and LSE, and a second kernel merges them by their LSEs.
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit(do_not_specialize=["Sq", "GROUP", "D", "Dv", "page_size", "window_left", "window_right",
+                               "num_splits", "stride_btb"])
+def _flash_attn_kvcache_kernel(
+    Q, K, V, KScale, VScale, BlockTable, SeqLens, LeftPad, Alibi, Out, Lse,
+    stride_qb, stride_qm, stride_qh, stride_qd,
+    stride_kp, stride_kn, stride_kh, stride_kd,
+    stride_vp, stride_vn, stride_vh, stride_vd,
+    stride_ksp, stride_ksn, stride_ksh, stride_vsp, stride_vsn, stride_vsh,
+    stride_btb, stride_ab, stride_ah,
+    stride_os, stride_ob, stride_om, stride_oh, stride_od,
+    stride_ls, stride_lb, stride_lh, stride_lm,
+    Sq, GROUP, D, Dv, page_size, window_left, window_right, num_splits,
+    sm_scale_log2, softcap_scale, softcap_log2,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, HAS_LEFTPAD: tl.constexpr, QUANTIZED: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    hk = tl.program_id(1).to(tl.int64)
+    b = tl.program_id(2).to(tl.int64)
+    m_block = pid // num_splits
+    split = pid % num_splits
+    # The sequence's keys: cache positions [lp, end), key j at position lp + j.
+    end = tl.load(SeqLens + b)
+    lp = 0
+    if HAS_LEFTPAD:
+        lp = tl.load(LeftPad + b)
+    Sk = end - lp
+
+    r = m_block * BLOCK_M + tl.arange(0, BLOCK_M)                                 # [BLOCK_M]
+    i = r // GROUP
+    h = hk * GROUP + (r % GROUP)
+    row_in = i < Sq
+    pos = i + (Sk - Sq)                      # query i sits at key position i + Sk - Sq
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    q = tl.load(Q + b * stride_qb + i.to(tl.int64)[:, None] * stride_qm + h[:, None] * stride_qh
+                + offs_d[None, :] * stride_qd, mask=row_in[:, None] & (offs_d[None, :] < D), other=0.0)
+    slope_log2 = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if HAS_ALIBI:
+        slope_log2 = tl.load(Alibi + b * stride_ab + h * stride_ah, mask=row_in, other=0.0) * 1.4426950408889634
+
+    # Keys these rows can see, [lo, hi), cut into num_splits runs of whole blocks; this program
+    # takes run ``split`` (possibly empty).
+    i_first = (m_block * BLOCK_M) // GROUP
+    i_last = tl.minimum((m_block * BLOCK_M + BLOCK_M - 1) // GROUP, Sq - 1)
+    lo = 0
+    hi = Sk
+    if HAS_LEFT:
+        lo = tl.maximum(i_first + (Sk - Sq) - window_left, 0)
+    if HAS_RIGHT:
+        hi = tl.minimum(tl.maximum(i_last + (Sk - Sq) + window_right + 1, 0), Sk)
+    lo = lo // BLOCK_N * BLOCK_N
+    blocks = tl.cdiv(tl.maximum(hi - lo, 0), BLOCK_N)
+    per_split = tl.cdiv(blocks, num_splits)
+    s_lo = lo + split * per_split * BLOCK_N
+    s_hi = tl.minimum(s_lo + per_split * BLOCK_N, hi)
+
+    bt_row = BlockTable + b * stride_btb
+    k_base = K + hk * stride_kh
+    v_base = V + hk * stride_vh
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    for start_n in range(s_lo, s_hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)                                   # [BLOCK_N]
+        n_in = offs_n < s_hi
+        k_off, v_off = _paged_rows(bt_row, offs_n + lp, n_in, page_size, stride_kp, stride_kn,
+                                   stride_vp, stride_vn)
+        k = tl.load(k_base + k_off[None, :] + offs_d[:, None] * stride_kd,
+                    mask=n_in[None, :] & (offs_d[:, None] < D), other=0.0)          # [BLOCK_D, BLOCK_N]
+        v = tl.load(v_base + v_off[:, None] + offs_dv[None, :] * stride_vd,
+                    mask=n_in[:, None] & (offs_dv[None, :] < Dv), other=0.0)        # [BLOCK_N, BLOCK_DV]
+        if QUANTIZED:
+            # codes (int8 or e4m3) are exact in q's 16-bit type; each key's scale multiplies its
+            # column of scores, each value's scale its column of probabilities
+            ks_off, vs_off = _paged_rows(bt_row, offs_n + lp, n_in, page_size, stride_ksp, stride_ksn,
+                                         stride_vsp, stride_vsn)
+            k_scale = tl.load(KScale + hk * stride_ksh + ks_off, mask=n_in, other=0.0)
+            v_scale = tl.load(VScale + hk * stride_vsh + vs_off, mask=n_in, other=0.0)
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
+        qk = tl.dot(q, k, input_precision=INPUT_PRECISION)                          # [BLOCK_M, BLOCK_N]
+        if QUANTIZED:
+            qk = qk * k_scale[None, :]
+        if HAS_SOFTCAP:
+            s = softcap_log2 * _tanh(qk * softcap_scale)
+        else:
+            s = qk * sm_scale_log2
+        keep = row_in[:, None] & n_in[None, :]
+        if HAS_LEFT:
+            keep = keep & (offs_n[None, :] >= pos[:, None] - window_left)
+        if HAS_RIGHT:
+            keep = keep & (offs_n[None, :] <= pos[:, None] + window_right)
+        if HAS_ALIBI:
+            bias = -slope_log2[:, None] * tl.abs(pos[:, None] - offs_n[None, :]).to(tl.float32)
+            t = tl.where(keep, s + bias, float("-inf"))
+        else:
+            t = tl.where(keep, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(t, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        if HAS_ALIBI:
+            p = tl.math.exp2(tl.where(keep, (bias - m_safe[:, None]) + s, float("-inf")))
+        else:
+            p = tl.math.exp2(t - m_safe[:, None])
+        alpha = tl.math.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if QUANTIZED:
+            p = p * v_scale[None, :]
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION)
+        m_i = m_new
+
+    empty = l_i == 0.0
+    l_safe = tl.where(empty, 1.0, l_i)
+    out = acc / l_safe[:, None]
+    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
+    i64 = i.to(tl.int64)
+    tl.store(Out + split * stride_os + b * stride_ob + i64[:, None] * stride_om + h[:, None] * stride_oh
+             + offs_dv[None, :] * stride_od, out.to(Out.dtype.element_ty),
+             mask=row_in[:, None] & (offs_dv[None, :] < Dv))
+    tl.store(Lse + split * stride_ls + b * stride_lb + h * stride_lh + i64 * stride_lm, lse, mask=row_in)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    OutP, LseP, Out, Lse,
+    stride_ps, stride_pb, stride_pm, stride_ph, stride_pd,
+    stride_ls, stride_lb, stride_lh, stride_lm,
+    stride_ob, stride_om, stride_oh, stride_od,
+    stride_lob, stride_loh, stride_lom,
+    num_splits, Dv,
+    BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr,
+):
+    # Row (b, i, h) of the output from its num_splits partials: weights exp(lse_s - max lse); a
+    # partial with LSE -inf saw no key and weighs 0. All partials empty: out 0, lse -inf.
+    i = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
+    b = tl.program_id(2).to(tl.int64)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_DV)
+    s_in = offs_s < num_splits
+    lse = tl.load(LseP + offs_s * stride_ls + b * stride_lb + h * stride_lh + i * stride_lm,
+                  mask=s_in, other=float("-inf"))
+    m = tl.max(lse, 0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp(lse - m_safe)                                                      # [BLOCK_S]
+    total = tl.sum(w, 0)
+    o = tl.load(OutP + offs_s[:, None] * stride_ps + b * stride_pb + i * stride_pm + h * stride_ph
+                + offs_d[None, :] * stride_pd, mask=(w[:, None] > 0) & (offs_d[None, :] < Dv), other=0.0)
+    out = tl.sum(o * w[:, None], 0) / tl.where(total == 0.0, 1.0, total)
+    tl.store(Out + b * stride_ob + i * stride_om + h * stride_oh + offs_d * stride_od,
+             out.to(Out.dtype.element_ty), mask=offs_d < Dv)
+    tl.store(Lse + b * stride_lob + h * stride_loh + i * stride_lom,
+             tl.where(total == 0.0, float("-inf"), m_safe + tl.log(total)))
+
+
+def flash_attn_kvcache(
+    *,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seqlens: torch.Tensor,
+    leftpad: torch.Tensor | None,
+    k_cache_scale: torch.Tensor | None,
+    v_cache_scale: torch.Tensor | None,
+    softmax_scale: float,
+    window_size: tuple[int, int],
+    softcap: float,
+    alibi_slopes: torch.Tensor | None,
+    num_splits: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of q (B, Sq, Hq, D) over a paged cache (num_blocks, page_size, Hkv, D), already
+    validated: sequence b's keys are cache positions leftpad[b] .. seqlens[b] (int32, (B,)), found
+    through ``block_table`` (B, max_pages) int32. A quantized cache (int8 / e4m3 codes) comes with
+    its (num_blocks, page_size, Hkv) fp32 scales. Returns out (B, Sq, Hq, Dv) in q's dtype and lse
+    (B, Hq, Sq) fp32. ``num_splits`` >= 1 splits each row's keys across that many programs.
+    """
+    B, Sq, Hq, D = q.shape
+    Hkv, Dv = k_cache.shape[2], v_cache.shape[3]
+    group = Hq // Hkv
+    out = alloc.empty((B, Sq, Hq, Dv), dtype=q.dtype, device=q.device)
+    lse = alloc.empty((B, Hq, Sq), dtype=torch.float32, device=q.device)
+    if out.numel() == 0:
+        return out, lse
+    if B > MAX_GRID_YZ or Hkv > MAX_GRID_YZ:
+        raise ValueError(f"q: the Triton lane runs at most {MAX_GRID_YZ} batches and KV heads "
+                         f"(grid dimensions 1 and 2), got B={B}, Hkv={Hkv}")
+    block_d, block_dv = _block(D), _block(Dv)
+    if triton_interpreted():
+        cfg = tuning.INTERPRETER
+    else:
+        cfg = tuning.lookup(tuning.FLASH_ATTN_KVCACHE, q.device, max(block_d, block_dv))
+    # Rows are (query, head) pairs: decode (Sq * group <= 16) takes the smallest tile tl.dot allows.
+    block_m = min(cfg.block_m, max(16, triton.next_power_of_2(Sq * group)))
+    m_blocks = triton.cdiv(Sq * group, block_m)
+    left, right = window_size
+    if num_splits > 1:
+        part = torch.empty((num_splits, B, Sq, Hq, Dv), dtype=torch.float32, device=q.device)
+        part_lse = torch.empty((num_splits, B, Hq, Sq), dtype=torch.float32, device=q.device)
+        dest, dest_lse = part, part_lse
+        o_strides, l_strides = part.stride(), part_lse.stride()
+    else:
+        dest, dest_lse = out, lse
+        o_strides, l_strides = (0, *out.stride()), (0, *lse.stride())
+    quantized = k_cache_scale is not None
+    scale_strides = (*k_cache_scale.stride(), *v_cache_scale.stride()) if quantized else (0,) * 6
+    with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
+        _flash_attn_kvcache_kernel[(m_blocks * num_splits, Hkv, B)](
+            q, k_cache, v_cache,
+            k_cache_scale if quantized else q, v_cache_scale if quantized else q,
+            block_table, seqlens, leftpad if leftpad is not None else seqlens,
+            alibi_slopes if alibi_slopes is not None else q, dest, dest_lse,
+            *q.stride(), *k_cache.stride(), *v_cache.stride(), *scale_strides,
+            block_table.stride(0), *(alibi_slopes.stride() if alibi_slopes is not None else (0, 0)),
+            *o_strides, *l_strides,
+            Sq, group, D, Dv, k_cache.shape[1], left, right, num_splits,
+            softmax_scale * LOG2E,
+            softmax_scale / softcap if softcap > 0 else 0.0,
+            softcap * LOG2E,
+            BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, BLOCK_DV=block_dv,
+            HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0, HAS_SOFTCAP=softcap > 0,
+            HAS_ALIBI=alibi_slopes is not None, HAS_LEFTPAD=leftpad is not None, QUANTIZED=quantized,
+            INPUT_PRECISION="ieee" if q.dtype == torch.float32 else None,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+        if num_splits > 1:
+            _merge_splits_kernel[(Sq, Hq, B)](
+                part, part_lse, out, lse, *part.stride(), *part_lse.stride(), *out.stride(), *lse.stride(),
+                num_splits, Dv, BLOCK_S=max(2, triton.next_power_of_2(num_splits)), BLOCK_DV=block_dv,
+                num_warps=4,
+            )
+    return out, lse

@@ -112,3 +112,224 @@ def flash_attn_backward_triton(*, dout, **kw):
 def flash_attn_backward_reference(*, dout, **kw):
     """Autograd through the reference lane (float64 inside), gradients in the inputs' dtypes."""
     return ref.gradients(flash_attn_reference, dout, **kw)
+
+
+# ---- packed variable-length batches (flash_attn_varlen_func) ----
+
+@torch.library.custom_op("lanekit::flash_attn_varlen_fwd", mutates_args=())
+def _flash_attn_varlen_fwd_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor, block_table: torch.Tensor | None, alibi_slopes: torch.Tensor | None,
+    max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float, window_left: int, window_right: int,
+    softcap: float, dropout_p: float, seed: int, offset: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    from lanekit.attention.kernels import flash_attn_fwd
+
+    return flash_attn_fwd(
+        q=q, k=k, v=v, softmax_scale=softmax_scale, window_size=(window_left, window_right),
+        softcap=softcap, alibi_slopes=alibi_slopes, attn_bias=None, attn_mask=None,
+        dropout_p=dropout_p, seed=seed, offset=offset, cu_seqlens_q=cu_seqlens_q,
+        cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+        block_table=block_table,
+    )
+
+
+@_flash_attn_varlen_fwd_op.register_fake
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes, max_seqlen_q, max_seqlen_k,
+      softmax_scale, window_left, window_right, softcap, dropout_p, seed, offset):
+    total_q, Hq, _ = q.shape
+    return (q.new_empty((total_q, Hq, v.shape[-1])),
+            q.new_empty((Hq, total_q), dtype=torch.float32))
+
+
+@torch.library.custom_op("lanekit::flash_attn_varlen_bwd", mutates_args=())
+def _flash_attn_varlen_bwd_op(
+    dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+    lse: torch.Tensor, dlse: torch.Tensor | None, cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor, alibi_slopes: torch.Tensor | None, max_seqlen_q: int,
+    max_seqlen_k: int, softmax_scale: float, window_left: int, window_right: int, softcap: float,
+    dropout_p: float, seed: int, offset: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    from lanekit.attention.kernels import flash_attn_bwd
+
+    dq, dk, dv, _ = flash_attn_bwd(
+        dout=dout, q=q, k=k, v=v, out=out, lse=lse, dlse=dlse, softmax_scale=softmax_scale,
+        window_size=(window_left, window_right), softcap=softcap, alibi_slopes=alibi_slopes,
+        attn_bias=None, attn_mask=None, dropout_p=dropout_p, seed=seed, offset=offset,
+        bias_grad=False, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+    )
+    return dq, dk, dv
+
+
+@_flash_attn_varlen_bwd_op.register_fake
+def _(dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, max_seqlen_q,
+      max_seqlen_k, softmax_scale, window_left, window_right, softcap, dropout_p, seed, offset):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _varlen_setup_context(ctx, inputs, output):
+    (q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes, max_seqlen_q, max_seqlen_k,
+     softmax_scale, window_left, window_right, softcap, dropout_p, seed, offset) = inputs
+    out, lse = output
+    ctx.paged = block_table is not None
+    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes)
+    ctx.scalars = (max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right, softcap,
+                   dropout_p, seed, offset)
+
+
+def _varlen_backward(ctx, dout, dlse):
+    if ctx.paged:
+        raise RuntimeError("flash_attn_varlen_func: the backward with a block_table (a paged K/V "
+                           "cache) is not supported; pass packed k and v to train")
+    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes = ctx.saved_tensors
+    dq, dk, dv = _flash_attn_varlen_bwd_op(dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k,
+                                           alibi_slopes, *ctx.scalars)
+    return (dq, dk, dv) + (None,) * 13
+
+
+_flash_attn_varlen_fwd_op.register_autograd(_varlen_backward, setup_context=_varlen_setup_context)
+
+
+def flash_attn_varlen_triton(*, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                             block_table, softmax_scale, window_size, softcap, alibi_slopes,
+                             dropout_p, seed, offset):
+    return _flash_attn_varlen_fwd_op(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes, max_seqlen_q, max_seqlen_k,
+        softmax_scale, window_size[0], window_size[1], softcap, dropout_p, seed, offset)
+
+
+def flash_attn_varlen_reference(*, q, k, v, alibi_slopes, **kw):
+    """The varlen oracle as a lane: float64 inside, out in q's dtype and lse in fp32."""
+    f64 = torch.float64
+    out, lse = ref.flash_attn_varlen(
+        q.to(f64), k.to(f64), v.to(f64),
+        alibi_slopes=alibi_slopes.to(f64) if alibi_slopes is not None else None, **kw)
+    return out.to(q.dtype), lse.to(torch.float32)
+
+
+def _varlen_gradients(forward, dout, *, q, k, v, **kw):
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    with torch.enable_grad():
+        out, _ = forward(q=leaves[0], k=leaves[1], v=leaves[2], **kw)
+        return torch.autograd.grad(out, leaves, dout)
+
+
+def flash_attn_varlen_backward_triton(*, dout, **kw):
+    """(dq, dk, dv) through the Triton lane's autograd (the custom op's backward)."""
+    return _varlen_gradients(flash_attn_varlen_triton, dout, **kw)
+
+
+def flash_attn_varlen_backward_reference(*, dout, **kw):
+    return _varlen_gradients(flash_attn_varlen_reference, dout, **kw)
+
+
+# ---- attention over a KV cache (flash_attn_with_kvcache) ----
+
+def _cache_table(q, block_table, cache_batch_idx):
+    """The page table the kernel reads: the given one, or for a contiguous cache one page (its
+    whole row) per sequence, row cache_batch_idx[b] (default b)."""
+    if block_table is not None:
+        return block_table
+    B = q.shape[0]
+    rows = cache_batch_idx if cache_batch_idx is not None else torch.arange(B, device=q.device, dtype=torch.int32)
+    return rows.to(torch.int32).reshape(B, 1)
+
+
+def flash_attn_with_kvcache_inplace(*, q, k_cache, v_cache, cache_seqlens, k, v, rotary_cos,
+                                    rotary_sin, rotary_interleaved, cache_batch_idx, cache_leftpad,
+                                    block_table, k_cache_scale, v_cache_scale, softmax_scale,
+                                    window_size, softcap, alibi_slopes, num_splits, kv_dtype=None,
+                                    rotary_dtype=None):
+    """The Triton lane: appends k, v into the caches in place (a KV-cache write kernel), rotates
+    q and k (the RoPE kernel), then runs the cache attention kernel. Returns (out, lse)."""
+    from lanekit.attention.kernels import flash_attn_kvcache
+    from lanekit.kv_cache.op import write_cache_triton
+    from lanekit.layers.op import apply_rotary_triton
+
+    table = _cache_table(q, block_table, cache_batch_idx)
+    page_size = k_cache.shape[1]
+    seqlens = cache_seqlens
+    rotary_dim = 2 * rotary_cos.shape[1] if rotary_cos is not None else 0
+    with torch.no_grad():
+        if k is not None:
+            S_new = k.shape[1]
+            positions = cache_seqlens.to(torch.int64)[:, None] + torch.arange(S_new, device=q.device)
+            if rotary_cos is not None:
+                k = apply_rotary_triton(x=k, cos=rotary_cos, sin=rotary_sin, interleaved=rotary_interleaved,
+                                        rotary_dim=rotary_dim, position_ids=positions)
+            pages = table.to(torch.int64).gather(1, positions // page_size)
+            slots = (pages * page_size + positions % page_size).reshape(-1)
+            write_cache_triton(key=k.flatten(0, 1), value=v.flatten(0, 1), k_cache=k_cache, v_cache=v_cache,
+                               slot_mapping=slots, k_cache_scale=k_cache_scale, v_cache_scale=v_cache_scale)
+            seqlens = (cache_seqlens + S_new).to(torch.int32)
+        if rotary_cos is not None:
+            Sq = q.shape[1]
+            bounded = window_size[0] >= 0 or window_size[1] >= 0
+            steps = torch.arange(Sq, device=q.device) if bounded else torch.zeros(Sq, dtype=torch.int64, device=q.device)
+            q = apply_rotary_triton(x=q, cos=rotary_cos, sin=rotary_sin, interleaved=rotary_interleaved,
+                                    rotary_dim=rotary_dim,
+                                    position_ids=cache_seqlens.to(torch.int64)[:, None] + steps)
+        return flash_attn_kvcache(
+            q=q, k_cache=k_cache, v_cache=v_cache, block_table=table, seqlens=seqlens.to(torch.int32),
+            leftpad=cache_leftpad, k_cache_scale=k_cache_scale, v_cache_scale=v_cache_scale,
+            softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
+            alibi_slopes=alibi_slopes, num_splits=num_splits)
+
+
+def flash_attn_with_kvcache_reference_inplace(*, q, k_cache, v_cache, k_cache_scale, v_cache_scale, **kw):
+    """The reference lane of the public function: the oracle in float64 for (out, lse), and the
+    append done in place on the caller's caches by the KV-cache ops' reference lane."""
+    out, lse, _, _ = flash_attn_with_kvcache_reference(
+        q=q, k_cache=k_cache, v_cache=v_cache, k_cache_scale=k_cache_scale, v_cache_scale=v_cache_scale, **kw)
+    if kw.get("k") is not None:
+        _write_back_reference(q, k_cache, v_cache, k_cache_scale, v_cache_scale, kw)
+    return out, lse
+
+
+def _write_back_reference(q, k_cache, v_cache, k_cache_scale, v_cache_scale, kw):
+    """The reference lane's append, in place on the caller's caches (the oracle works on copies)."""
+    from lanekit.kv_cache.op import write_cache_reference
+    from lanekit.layers.op import apply_rotary_reference
+
+    k, v, cache_seqlens = kw["k"], kw["v"], kw["cache_seqlens"]
+    table = _cache_table(q, kw.get("block_table"), kw.get("cache_batch_idx"))
+    page_size = k_cache.shape[1]
+    positions = cache_seqlens.to(torch.int64)[:, None] + torch.arange(k.shape[1], device=q.device)
+    if kw.get("rotary_cos") is not None:
+        k = apply_rotary_reference(x=k, cos=kw["rotary_cos"], sin=kw["rotary_sin"],
+                                   interleaved=kw["rotary_interleaved"],
+                                   rotary_dim=2 * kw["rotary_cos"].shape[1], position_ids=positions)
+    pages = table.to(torch.int64).gather(1, positions // page_size)
+    slots = (pages * page_size + positions % page_size).reshape(-1)
+    write_cache_reference(key=k.flatten(0, 1), value=v.flatten(0, 1), k_cache=k_cache, v_cache=v_cache,
+                          slot_mapping=slots, k_cache_scale=k_cache_scale, v_cache_scale=v_cache_scale)
+
+
+def _dequantized(cache, scale):
+    from lanekit.reference.kv_cache import dequantize_kv
+
+    return dequantize_kv(cache, scale) if scale is not None else cache
+
+
+def flash_attn_with_kvcache_triton(*, k_cache, v_cache, k_cache_scale=None, v_cache_scale=None, **kw):
+    """For the registry: the Triton lane on copies of the caches. Returns (out, lse, k_cache,
+    v_cache) with the caches after the append, dequantized to fp32 when they hold codes."""
+    kc, vc = k_cache.clone(), v_cache.clone()
+    ks = k_cache_scale.clone() if k_cache_scale is not None else None
+    vs = v_cache_scale.clone() if v_cache_scale is not None else None
+    out, lse = flash_attn_with_kvcache_inplace(k_cache=kc, v_cache=vc, k_cache_scale=ks, v_cache_scale=vs, **kw)
+    return out, lse, _dequantized(kc, ks), _dequantized(vc, vs)
+
+
+def flash_attn_with_kvcache_reference(*, q, k_cache, v_cache, k_cache_scale=None, v_cache_scale=None,
+                                      kv_dtype=None, rotary_dtype=None, **kw):
+    """For the registry: the oracle in float64 (codes stay codes), outputs as the Triton lane's."""
+    f64 = torch.float64
+    quantized = k_cache_scale is not None
+    cast = {n: (t.to(f64) if isinstance(t, torch.Tensor) and t.is_floating_point() else t) for n, t in kw.items()}
+    out, lse, kc, vc = ref.flash_attn_with_kvcache(
+        q.to(f64), k_cache if quantized else k_cache.to(f64), v_cache if quantized else v_cache.to(f64),
+        k_cache_scale=k_cache_scale, v_cache_scale=v_cache_scale, kv_dtype=kv_dtype or k_cache.dtype,
+        rotary_dtype=rotary_dtype or q.dtype, **cast)
+    return out.to(q.dtype), lse.to(torch.float32), kc, vc

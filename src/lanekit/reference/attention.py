@@ -93,11 +93,13 @@ def flash_attn(
     dropout_p: float = 0.0,
     seed: int = 0,
     offset: int = 0,
+    dropout_draws: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention forward. q (B, Sq, Hq, D), k (B, Sk, Hkv, D), v (B, Sk, Hkv, Dv).
 
     ``window_size`` already holds the causal mask (causal is (left, 0)). Returns out (B, Sq, Hq, Dv)
-    and lse (B, Hq, Sq), both in the compute dtype (that of q).
+    and lse (B, Hq, Sq), both in the compute dtype (that of q). ``dropout_draws`` (B, Hq, Sq, Sk)
+    replaces the draws of :func:`dropout_uniforms` (a packed batch numbers its draws otherwise).
     """
     B, Sq, Hq, _ = q.shape
     Sk, Hkv = k.shape[1], k.shape[2]
@@ -129,9 +131,71 @@ def flash_attn(
     p = e / torch.where(total == 0, 1, total)                       # empty rows: all zeros
     lse = (m + torch.log(total)).squeeze(-1)                        # (B, Hq, Sq); -inf if empty
     if dropout_p > 0:
-        u = dropout_uniforms(seed, offset, B, Hq, Sq, Sk).to(q.device)
+        u = dropout_draws if dropout_draws is not None else dropout_uniforms(seed, offset, B, Hq, Sq, Sk)
+        u = u.to(q.device)
         p = torch.where(u >= dropout_p, p / (1 - dropout_p), 0)
     out = (p @ vh).transpose(1, 2)                                  # (B, Sq, Hq, Dv)
+    return out, lse
+
+
+def paged_to_dense(k_cache: torch.Tensor, block_table_row: torch.Tensor, n: int) -> torch.Tensor:
+    """The first n tokens of one sequence of a paged cache (num_blocks, page_size, H, D), whose
+    pages are ``block_table_row``, in order: (n, H, D)."""
+    pages = block_table_row[: -(-n // k_cache.shape[1])].long()
+    return k_cache[pages].flatten(0, 1)[:n]
+
+
+def flash_attn_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    block_table: torch.Tensor | None = None,
+    softmax_scale: float,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    seed: int = 0,
+    offset: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention over a packed batch: :func:`flash_attn` on each sequence by itself.
+
+    q (total_q, Hq, D); k, v (total_k, Hkv, D), or paged (num_blocks, page_size, Hkv, D) with
+    ``block_table`` (B, max_pages); sequence b holds query rows cu_seqlens_q[b] .. cu_seqlens_q[b + 1]
+    and keys cu_seqlens_k[b] .. cu_seqlens_k[b + 1] (its first Sk_b cached tokens when paged), and
+    its masks are aligned bottom-right with its own lengths. ``alibi_slopes`` (B, Hq). The dropout
+    draw of (head h, packed query row r, key j) has Philox counter
+    offset + (h * total_q + r) * max_seqlen_k + j. Returns out (total_q, Hq, Dv), lse (Hq, total_q).
+    """
+    total_q, Hq, _ = q.shape
+    out = q.new_zeros(total_q, Hq, v.shape[-1])
+    lse = q.new_full((Hq, total_q), float("-inf"))
+    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    for b in range(len(cq) - 1):
+        q0, q1 = cq[b], cq[b + 1]
+        n = ck[b + 1] - ck[b]
+        if q1 == q0:
+            continue
+        if block_table is not None:
+            kb, vb = paged_to_dense(k, block_table[b], n), paged_to_dense(v, block_table[b], n)
+        else:
+            kb, vb = k[ck[b]:ck[b + 1]], v[ck[b]:ck[b + 1]]
+        draws = None
+        if dropout_p > 0:
+            rows = torch.arange(Hq)[:, None] * total_q + torch.arange(q0, q1)[None, :]   # (Hq, Sq_b)
+            counters = offset + rows[:, :, None] * max_seqlen_k + torch.arange(n)[None, None, :]
+            draws = philox_uniform(seed, counters)[None]
+        o, l = flash_attn(q[q0:q1][None], kb[None], vb[None], softmax_scale=softmax_scale,
+                          window_size=window_size, softcap=softcap,
+                          alibi_slopes=alibi_slopes[b:b + 1] if alibi_slopes is not None else None,
+                          dropout_p=dropout_p, seed=seed, offset=offset, dropout_draws=draws)
+        out[q0:q1] = o[0]
+        lse[:, q0:q1] = l[0]
     return out, lse
 
 
@@ -154,3 +218,113 @@ def gradients(forward, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
 def flash_attn_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs):
     """The gradients of :func:`flash_attn` (see :func:`gradients`), computed in the dtype of q."""
     return gradients(flash_attn, dout, q, k, v, **kwargs)
+
+
+def flash_attn_varlen_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs):
+    """(dq, dk, dv) of :func:`flash_attn_varlen` by autograd, for the gradient ``dout`` of out."""
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    with torch.enable_grad():
+        out, _ = flash_attn_varlen(*leaves, **kwargs)
+        return torch.autograd.grad(out, leaves, dout)
+
+
+def _rounded(x: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    return x.to(dtype).to(x.dtype) if dtype is not None else x
+
+
+def flash_attn_with_kvcache(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    *,
+    cache_seqlens: torch.Tensor,
+    k: torch.Tensor | None = None,
+    v: torch.Tensor | None = None,
+    rotary_cos: torch.Tensor | None = None,
+    rotary_sin: torch.Tensor | None = None,
+    rotary_interleaved: bool = True,
+    cache_batch_idx: torch.Tensor | None = None,
+    cache_leftpad: torch.Tensor | None = None,
+    block_table: torch.Tensor | None = None,
+    k_cache_scale: torch.Tensor | None = None,
+    v_cache_scale: torch.Tensor | None = None,
+    kv_dtype: torch.dtype | None = None,
+    rotary_dtype: torch.dtype | None = None,
+    softmax_scale: float,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    num_splits: int = 1,
+):
+    """Decode attention over a KV cache, FlashAttention's ``flash_attn_with_kvcache``, on copies.
+
+    q (B, Sq, Hq, D). The cache: (B_cache, S_cache, Hkv, D), row ``cache_batch_idx[b]`` (default
+    b) for sequence b; or paged (num_blocks, page_size, Hkv, D) with ``block_table``. Sequence b
+    holds cache positions [cache_leftpad[b] (default 0), cache_seqlens[b]). The new k, v (B, S_new,
+    Hkv, D), if given, are rotated (k only; positions cache_seqlens[b] + t) and written at positions
+    cache_seqlens[b] + t, stored as ``kv_dtype`` (the cache's dtype; with scales, quantized by
+    :func:`lanekit.reference.kv_cache.quantize_kv`). q is rotated at positions cache_seqlens[b] + i
+    when the window is bounded on either side (causal or local), else all at cache_seqlens[b].
+    Then each sequence is :func:`flash_attn` of its q over its positions [leftpad, seqlens + S_new)
+    (dequantized). The rotated q and k are rounded to ``rotary_dtype`` (the inputs' dtype: the
+    kernels store them so) when given. ``num_splits`` changes nothing here (it is the kernel's
+    schedule).
+
+    Returns (out (B, Sq, Hq, Dv), lse (B, Hq, Sq), k_cache, v_cache), the caches after the write,
+    dequantized to fp32 when they hold codes.
+    """
+    from lanekit.reference import kv_cache as kvref, layers as lref
+
+    B, Sq = q.shape[:2]
+    dtype = q.dtype
+    kv_dtype = kv_dtype or k_cache.dtype
+    paged = block_table is not None
+    if not paged:  # a contiguous cache is one page of S_cache tokens per sequence
+        rows = cache_batch_idx if cache_batch_idx is not None else torch.arange(B, device=q.device)
+        block_table = rows.reshape(B, 1)
+    page_size = k_cache.shape[1]
+    start = cache_seqlens.long().cpu()
+    left, right = window_size
+    if k is not None:
+        S_new = k.shape[1]
+        positions = start[:, None] + torch.arange(S_new)                         # (B, S_new)
+        if rotary_cos is not None:
+            k = _rounded(lref.apply_rotary(k, rotary_cos, rotary_sin, rotary_interleaved, position_ids=positions),
+                         rotary_dtype)
+        pages = block_table.long().cpu()[torch.arange(B)[:, None], positions // page_size]
+        slots = (pages * page_size + positions % page_size).reshape(-1).to(q.device)
+        new = kvref.reshape_and_cache(k.flatten(0, 1), v.flatten(0, 1), k_cache, v_cache, slots,
+                                      k_cache_scale=k_cache_scale, v_cache_scale=v_cache_scale,
+                                      kv_dtype=kv_dtype)
+        k_cache, v_cache = new[0], new[1]
+        if k_cache_scale is not None:
+            k_cache_scale, v_cache_scale = new[2], new[3]
+        end = start + S_new
+    else:
+        end = start
+    if rotary_cos is not None:
+        bounded = left >= 0 or right >= 0
+        positions = start[:, None] + (torch.arange(Sq) if bounded else torch.zeros(Sq, dtype=torch.long))
+        q = _rounded(lref.apply_rotary(q, rotary_cos, rotary_sin, rotary_interleaved, position_ids=positions),
+                     rotary_dtype)
+    lp = cache_leftpad.long().cpu() if cache_leftpad is not None else torch.zeros(B, dtype=torch.long)
+
+    quantized = k_cache_scale is not None
+    outs, lses = [], []
+    for b in range(B):
+        n = int(end[b])
+        kb = paged_to_dense(k_cache, block_table[b], n)[int(lp[b]):]
+        vb = paged_to_dense(v_cache, block_table[b], n)[int(lp[b]):]
+        if quantized:
+            kb = kvref.dequantize_kv(kb, paged_to_dense(k_cache_scale[..., None], block_table[b], n)[int(lp[b]):, :, 0], dtype)
+            vb = kvref.dequantize_kv(vb, paged_to_dense(v_cache_scale[..., None], block_table[b], n)[int(lp[b]):, :, 0], dtype)
+        o, l = flash_attn(q[b:b + 1], kb[None].to(dtype), vb[None].to(dtype), softmax_scale=softmax_scale,
+                          window_size=window_size, softcap=softcap,
+                          alibi_slopes=alibi_slopes[b:b + 1] if alibi_slopes is not None else None)
+        outs.append(o)
+        lses.append(l)
+    out, lse = torch.cat(outs), torch.cat(lses)
+    if quantized:
+        k_cache = kvref.dequantize_kv(k_cache, k_cache_scale)
+        v_cache = kvref.dequantize_kv(v_cache, v_cache_scale)
+    return out, lse, k_cache, v_cache

@@ -7,7 +7,9 @@ Triton's interpreter (3.6.0 through 3.9.0 at least) gets two things wrong that t
   product accumulating in fp32 computes too.
 - Its casts to bf16 and to fp8 truncate the mantissa (or round half up without carrying into the
   exponent), where the GPU rounds to nearest even: up to one step of error where the GPU has half.
-  :func:`fix_float_casts` makes those casts round to nearest even, through PyTorch's own casts.
+  Its casts of integers to bf16 store the value where the bit pattern belongs (int8 codes came
+  out as NaN), and its casts from fp8 to bf16 read the fp8 bit pattern as a number. :func:`fix_float_casts` makes those casts round to nearest even, through PyTorch's
+  own casts.
 :func:`fix_interpreter` applies both. Only the interpreter is touched; compiled kernels are not.
 """
 
@@ -52,14 +54,18 @@ def fix_float_casts() -> None:
     narrow = {tl.bfloat16: (torch.bfloat16, np.uint16), tl.float8e4nv: (torch.float8_e4m3fn, np.uint8),
               tl.float8e5: (torch.float8_e5m2, np.uint8)}
     original_cast, original_fp_to_fp = builder.cast_impl, builder.create_fp_to_fp
+    original_si, original_ui = builder.create_si_to_fp, builder.create_ui_to_fp
 
     def _round(src, dst_type):
         dst = dst_type.scalar
-        if dst not in narrow or not src.dtype.scalar.is_floating():
+        if dst not in narrow or not (src.dtype.scalar.is_floating() or src.dtype.scalar.is_int()):
             return None
         data = src.data
         if src.dtype.scalar == tl.bfloat16:  # stored as bit patterns: widen exactly first
             data = (data.astype(np.uint32) << 16).view(np.float32)
+        elif src.dtype.scalar in narrow:     # fp8 bit patterns: decode exactly first
+            codes = torch.from_numpy(np.ascontiguousarray(data).view(np.uint8))
+            data = codes.view(narrow[src.dtype.scalar][0]).float().numpy().reshape(np.shape(data))
         torch_dtype, bits = narrow[dst]
         out = torch.from_numpy(np.ascontiguousarray(data, dtype=np.float32)).to(torch_dtype)
         out = out.view(torch.uint8 if bits == np.uint8 else torch.int16).numpy().view(bits)
@@ -73,10 +79,20 @@ def fix_float_casts() -> None:
         out = _round(src, dst_type)
         return out if out is not None else original_fp_to_fp(self, src, dst_type, rounding_mode)
 
+    def create_si_to_fp(self, src, dst_type):
+        out = _round(src, dst_type)
+        return out if out is not None else original_si(self, src, dst_type)
+
+    def create_ui_to_fp(self, src, dst_type):
+        out = _round(src, dst_type)
+        return out if out is not None else original_ui(self, src, dst_type)
+
     cast_impl._lanekit_rne = True
     builder.cast_impl = cast_impl
     builder.create_fp_to_fp = create_fp_to_fp
     builder.create_fp_trunc = lambda self, src, dst_type: self.cast_impl(src, dst_type)
+    builder.create_si_to_fp = create_si_to_fp
+    builder.create_ui_to_fp = create_ui_to_fp
 
 
 def fix_interpreter() -> None:

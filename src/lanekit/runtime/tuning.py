@@ -50,6 +50,19 @@ FLASH_ATTN_FWD: dict[str, dict[int, TileConfig]] = {
     },
 }
 
+# flash_attn_with_kvcache (decode and chunked prefill over a paged cache): block_m rows of (query,
+# head) pairs (decode uses 16, the least tl.dot takes, when Sq * group <= 16), block_n keys per step.
+# Same buckets as the forward. Decode streams the cache once: the tile is sized for bandwidth.
+FLASH_ATTN_KVCACHE: dict[str, dict[int, TileConfig]] = {
+    "generic": {
+        16: TileConfig(64, 64, 4, 2),
+        32: TileConfig(64, 64, 4, 2),
+        64: TileConfig(64, 64, 4, 2),
+        128: TileConfig(64, 64, 4, 2),
+        256: TileConfig(32, 32, 4, 1),
+    },
+}
+
 # fp32 inputs: twice the bytes per tile, and fp32 is chosen for accuracy rather than speed, so
 # small tiles on every architecture. Sized with the compiler's report of shared memory for sm90
 # with every feature on (bias, mask, ALiBi, dropout, softcap, window): the 16-bit tiles need up to
