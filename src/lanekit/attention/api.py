@@ -608,8 +608,8 @@ def flash_attn_with_kvcache(
     for name, scale in (("k_cache_scale", k_cache_scale), ("v_cache_scale", v_cache_scale)):
         if quantized:
             if scale is None:
-                raise ValueError(f"{name}: a cache of {k_cache.dtype} codes needs its ({n_rows}, {S_cache}, {Hkv}) "
-                                 "fp32 scales, got None")
+                raise ValueError(f"{name}: a cache of {k_cache.dtype} codes needs its scales: expected ({n_rows}, {S_cache}, {Hkv}) "
+                                 "fp32, got None")
             _check_tensor(name, scale, 3, (torch.float32,))
             if tuple(scale.shape) != (n_rows, S_cache, Hkv) or scale.device != q.device:
                 raise ValueError(f"{name}: expected shape ({n_rows}, {S_cache}, {Hkv}) on {q.device}, got "

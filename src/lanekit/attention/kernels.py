@@ -1031,6 +1031,7 @@ def _flash_attn_kvcache_kernel(
         lo = tl.maximum(i_first + (Sk - Sq) - window_left, 0)
     if HAS_RIGHT:
         hi = tl.minimum(tl.maximum(i_last + (Sk - Sq) + window_right + 1, 0), Sk)
+    first = lo                               # no row sees a key before this one: never loaded
     lo = lo // BLOCK_N * BLOCK_N
     blocks = tl.cdiv(tl.maximum(hi - lo, 0), BLOCK_N)
     per_split = tl.cdiv(blocks, num_splits)
@@ -1045,7 +1046,7 @@ def _flash_attn_kvcache_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     for start_n in range(s_lo, s_hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)                                   # [BLOCK_N]
-        n_in = offs_n < s_hi
+        n_in = (offs_n >= first) & (offs_n < s_hi)
         k_off, v_off = _paged_rows(bt_row, offs_n + lp, n_in, page_size, stride_kp, stride_kn,
                                    stride_vp, stride_vn)
         k = tl.load(k_base + k_off[None, :] + offs_d[:, None] * stride_kd,

@@ -1,0 +1,280 @@
+"""Serving paths: flash_attn_varlen_func (packed batches, paged K/V) and flash_attn_with_kvcache
+(decode over a contiguous or paged cache, split-KV): the issue's cases against the oracle, outputs
+poisoned with NaN, pages and keys that must not be read filled with NaN, and bad input."""
+
+import math
+
+import pytest
+import torch
+
+import lanekit
+from lanekit.reference import attention as ref
+from lanekit.testing import assert_close, poisoned_outputs, randn, ulp, upcast
+
+LANES = ["triton", "reference"]
+
+
+def gen(seed=0):
+    return torch.Generator().manual_seed(seed)
+
+
+def cu(lengths, device):
+    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
+
+
+# ---- flash_attn_varlen_func ----
+
+def varlen_inputs(device, lq, lk, Hq=9, Hkv=3, D=64, dtype=torch.float16, seed=0):
+    g = gen(seed)
+    q = randn(sum(lq), Hq, D, dtype=dtype, device=device, generator=g)
+    k = randn(sum(lk), Hkv, D, dtype=dtype, device=device, generator=g)
+    v = randn(sum(lk), Hkv, D, dtype=dtype, device=device, generator=g)
+    return q, k, v, cu(lq, device), cu(lk, device)
+
+
+def oracle_varlen(q, k, v, cq, ck, lq, lk, causal=True):
+    return ref.flash_attn_varlen(upcast(q), upcast(k), upcast(v), cu_seqlens_q=cq.cpu(), cu_seqlens_k=ck.cpu(),
+                                 max_seqlen_q=max(lq), max_seqlen_k=max(lk), softmax_scale=q.shape[-1] ** -0.5,
+                                 window_size=(-1, 0 if causal else -1))
+
+
+@pytest.mark.parametrize("lane", LANES)
+def test_varlen_gqa_9_3_zero_length_sequences_and_fewer_tokens_than_sequences(device, lane):
+    # query lengths [0, 1, 0, 1], key lengths [0, 3, 0, 5]: 2 query tokens for 4 sequences
+    lq, lk = [0, 1, 0, 1], [0, 3, 0, 5]
+    q, k, v, cq, ck = varlen_inputs(device, lq, lk)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    with poisoned_outputs():
+        out, lse, _ = lanekit.flash_attn_varlen_func(*leaves, cq, ck, max(lq), max(lk), causal=True,
+                                                     return_attn_probs=True, lane=lane)
+    ref_out, ref_lse = oracle_varlen(q, k, v, cq, ck, lq, lk)
+    assert out.shape == (2, 9, 64) and lse.shape == (9, 2)
+    assert_close(out, ref_out, "attention_fwd")
+    assert_close(lse, ref_lse, "lse")
+    dout = randn(*out.shape, dtype=out.dtype, device=device, generator=gen(1))
+    with poisoned_outputs():
+        grads = torch.autograd.grad(out, leaves, dout)
+    ref_grads = ref.flash_attn_varlen_backward(
+        upcast(dout), upcast(q), upcast(k), upcast(v), cu_seqlens_q=cq.cpu(), cu_seqlens_k=ck.cpu(),
+        max_seqlen_q=1, max_seqlen_k=5, softmax_scale=64 ** -0.5, window_size=(-1, 0))
+    for got, want in zip(grads, ref_grads):
+        assert torch.isfinite(got).all()
+        assert_close(got, want, "attention_bwd")
+
+
+def test_varlen_each_sequence_equals_flash_attn_func_on_it_alone(device):
+    lq, lk = [33, 1, 70], [40, 0, 70]
+    q, k, v, cq, ck = varlen_inputs(device, lq, lk, Hq=4, Hkv=2, D=80, dtype=torch.bfloat16, seed=3)
+    with poisoned_outputs():
+        out = lanekit.flash_attn_varlen_func(q, k, v, cq, ck, 70, 70, causal=True, lane="triton")
+    qs, ks = cq.tolist(), ck.tolist()
+    for b in range(3):
+        if lq[b] == 0:
+            continue
+        alone = lanekit.flash_attn_func(q[None, qs[b]:qs[b + 1]], k[None, ks[b]:ks[b + 1]],
+                                        v[None, ks[b]:ks[b + 1]], causal=True, lane="triton")[0]
+        assert torch.equal(out[qs[b]:qs[b + 1]], alone), f"sequence {b}"
+
+
+def test_varlen_zero_length_sequences_get_zero_gradients(device):
+    lq, lk = [3, 0, 4], [0, 6, 4]   # sequence 0: queries with no key; sequence 1: keys with no query
+    q, k, v, cq, ck = varlen_inputs(device, lq, lk, Hq=2, Hkv=2, D=32, seed=5)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    with poisoned_outputs():
+        out = lanekit.flash_attn_varlen_func(*leaves, cq, ck, 4, 6, lane="triton")
+        dq, dk, dv = torch.autograd.grad(out, leaves, torch.ones_like(out))
+    assert (out[:3] == 0).all() and (dq[:3] == 0).all()
+    assert (dk[:6] == 0).all() and (dv[:6] == 0).all()
+    assert torch.isfinite(dq).all() and torch.isfinite(dk).all()
+
+
+def test_varlen_paged_keys_equal_packed_keys(device):
+    lq, lk = [2, 5], [19, 5]
+    q, k, v, cq, ck = varlen_inputs(device, lq, lk, Hq=4, Hkv=2, D=64, seed=7)
+    page_size, max_pages = 4, 5
+    k_cache = torch.full((12, page_size, 2, 64), math.nan, dtype=k.dtype, device=device)  # unowned: NaN
+    v_cache = torch.full_like(k_cache, math.nan)
+    table = torch.tensor([[7, 2, 9, 0, 4], [11, 5, 1, 1, 1]], dtype=torch.int32, device=device)
+    for b, n in enumerate(lk):
+        for t in range(n):
+            page, row = table[b, t // page_size], t % page_size
+            k_cache[page, row] = k[ck[b] + t]
+            v_cache[page, row] = v[ck[b] + t]
+    with poisoned_outputs():
+        paged = lanekit.flash_attn_varlen_func(q, k_cache, v_cache, cq, ck, 5, 19, causal=True, block_table=table,
+                                               lane="triton")
+    packed = lanekit.flash_attn_varlen_func(q, k, v, cq, ck, 5, 19, causal=True, lane="triton")
+    assert torch.isfinite(paged).all()
+    assert torch.equal(paged, packed)
+
+
+# ---- flash_attn_with_kvcache ----
+
+def decode_inputs(device, B=1, Sk=4096, Hq=16, Hkv=8, D=128, capacity=None, seed=0):
+    g = gen(seed)
+    capacity = capacity or Sk
+    q = randn(B, 1, Hq, D, dtype=torch.bfloat16, device=device, generator=g)
+    k_cache = randn(B, capacity, Hkv, D, dtype=torch.bfloat16, device=device, generator=g)
+    v_cache = randn(B, capacity, Hkv, D, dtype=torch.bfloat16, device=device, generator=g)
+    return q, k_cache, v_cache, torch.full((B,), Sk, dtype=torch.int32, device=device)
+
+
+def test_output_does_not_depend_on_num_splits_and_lse_is_the_unsplit_one(device):
+    q, kc, vc, seqlens = decode_inputs(device)
+    runs = {}
+    for splits in (1, 16, 32):
+        with poisoned_outputs():
+            runs[splits] = lanekit.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens, num_splits=splits,
+                                                           return_softmax_lse=True, lane="triton")
+    out1, lse1 = runs[1]
+    assert lse1.shape == (1, 16, 1)
+    ref_out, ref_lse = ref.flash_attn(upcast(q), upcast(kc), upcast(vc), softmax_scale=128 ** -0.5)
+    for splits, (out, lse) in runs.items():
+        assert_close(out, ref_out, "attention_fwd")
+        assert_close(lse, ref_lse, "lse")
+        # beyond rounding nothing changes: two bf16 steps at the output's magnitude at most
+        assert (out.float() - out1.float()).abs().max() <= 2 * ulp(torch.bfloat16, out1.float().abs().max().item())
+
+
+def test_output_does_not_depend_on_the_allocated_capacity(device):
+    q, kc, vc, seqlens = decode_inputs(device, B=2, Sk=300, Hq=4, Hkv=2, D=64, capacity=300, seed=1)
+    big_k = torch.full((2, 1000, 2, 64), math.nan, dtype=kc.dtype, device=device)   # past the end: NaN
+    big_v = torch.full_like(big_k, math.nan)
+    big_k[:, :300], big_v[:, :300] = kc, vc
+    for splits in (1, 3):
+        small = lanekit.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens, num_splits=splits, lane="triton")
+        big = lanekit.flash_attn_with_kvcache(q, big_k, big_v, cache_seqlens=seqlens, num_splits=splits,
+                                              lane="triton")
+        assert torch.equal(small, big)
+
+
+def test_keys_outside_the_window_and_unowned_pages_are_never_read(device):
+    # The kernel's property (the oracle reads whole caches): the Triton lane, interpreted on a CPU.
+    g = gen(2)
+    B, page, Hkv, D = 2, 16, 2, 64
+    q = randn(B, 1, 4, D, dtype=torch.bfloat16, device=device, generator=g)
+    table = torch.tensor([[3, 0, 5, 1], [2, 7, 6, 4]], dtype=torch.int32, device=device)
+    seqlens = torch.tensor([50, 64], dtype=torch.int32, device=device)
+    k_cache = randn(10, page, Hkv, D, dtype=torch.bfloat16, device=device, generator=g)
+    v_cache = randn(10, page, Hkv, D, dtype=torch.bfloat16, device=device, generator=g)
+    clean = lanekit.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, block_table=table,
+                                            window_size=(20, 0), num_splits=2, lane="triton")
+    # poison: pages 8, 9 (nobody's), sequence 0's tokens past 50, and keys before each window
+    for cache in (k_cache, v_cache):
+        cache[8:] = math.nan
+        cache[1, 50 - 48:] = math.nan         # sequence 0's last page (3rd of its table is page 5: tokens 32..47)
+        cache[3, :] = math.nan                 # sequence 0's tokens 0..15: before its window [29, 49]
+        cache[2, :] = math.nan                 # sequence 1's tokens 0..15: before its window [43, 63]
+    poisoned = lanekit.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, block_table=table,
+                                               window_size=(20, 0), num_splits=2, lane="triton")
+    assert torch.isfinite(poisoned).all()
+    assert torch.equal(clean, poisoned)
+
+
+def test_paged_two_sequences_four_pages_of_256_split_in_two_writes_every_row(device):
+    g = gen(3)
+    q = randn(2, 1, 8, 64, dtype=torch.bfloat16, device=device, generator=g)
+    kc = randn(9, 256, 2, 64, dtype=torch.bfloat16, device=device, generator=g)
+    vc = randn(9, 256, 2, 64, dtype=torch.bfloat16, device=device, generator=g)
+    table = torch.tensor([[0, 2, 4, 6], [1, 3, 5, 7]], dtype=torch.int32, device=device)
+    seqlens = torch.tensor([1024, 700], dtype=torch.int32, device=device)
+    with poisoned_outputs():
+        out, lse = lanekit.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens, block_table=table,
+                                                   num_splits=2, return_softmax_lse=True, lane="triton")
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+    for b in range(2):
+        n = int(seqlens[b])
+        keys = ref.paged_to_dense(kc, table[b].cpu(), n)[None]
+        vals = ref.paged_to_dense(vc, table[b].cpu(), n)[None]
+        ref_out, ref_lse = ref.flash_attn(upcast(q[b:b + 1]), upcast(keys), upcast(vals), softmax_scale=0.125)
+        assert_close(out[b:b + 1], ref_out, "attention_fwd")
+        assert_close(lse[b:b + 1], ref_lse, "lse")
+
+
+@pytest.mark.parametrize("lane", LANES)
+def test_append_writes_the_rotated_keys_and_values_in_place(device, lane):
+    g = gen(4)
+    B, Hkv, D = 2, 2, 64
+    q = randn(B, 1, 4, D, dtype=torch.float16, device=device, generator=g)
+    kc = torch.zeros(B, 32, Hkv, D, dtype=torch.float16, device=device)
+    vc = torch.zeros_like(kc)
+    k = randn(B, 1, Hkv, D, dtype=torch.float16, device=device, generator=g)
+    v = randn(B, 1, Hkv, D, dtype=torch.float16, device=device, generator=g)
+    seqlens = torch.tensor([3, 10], dtype=torch.int32, device=device)
+    angles = torch.rand(64, 16, generator=g) * 6
+    cos, sin = angles.cos().to(device), angles.sin().to(device)
+    lanekit.flash_attn_with_kvcache(q, kc, vc, k, v, cos, sin, seqlens, causal=True, lane=lane)
+    rotated = ref.flash_attn_with_kvcache  # the oracle's own write, for the expected cache
+    _, _, want_k, want_v = rotated(upcast(q), upcast(torch.zeros_like(kc)), upcast(torch.zeros_like(vc)),
+                                   k=upcast(k), v=upcast(v), rotary_cos=cos, rotary_sin=sin, cache_seqlens=seqlens,
+                                   kv_dtype=torch.float16, rotary_dtype=torch.float16, softmax_scale=0.125,
+                                   window_size=(-1, 0))
+    assert_close(kc, want_k, "eltwise")
+    assert torch.equal(vc, want_v.to(torch.float16))
+    assert (kc[0, 4:] == 0).all() and (kc[1, :10] == 0).all()   # nothing else written
+
+
+@pytest.mark.parametrize("case", [
+    "cache_seqlens past capacity", "leftpad past seqlens", "page out of range", "table too short",
+    "repeated batch_idx with append", "rotary too short", "num_splits too big", "k without v",
+    "codes without scales", "int64 seqlens",
+])
+def test_kvcache_bad_input_raises_and_writes_nothing(device, case):
+    g = gen(5)
+    q = randn(2, 1, 4, 32, dtype=torch.float16, device=device, generator=g)
+    kc = randn(2, 16, 2, 32, dtype=torch.float16, device=device, generator=g)
+    vc = kc.clone()
+    k = randn(2, 1, 2, 32, dtype=torch.float16, device=device, generator=g)
+    kw = dict(k=k, v=k.clone(), cache_seqlens=torch.tensor([3, 5], dtype=torch.int32, device=device))
+    if case == "cache_seqlens past capacity":
+        kw["cache_seqlens"] = torch.tensor([3, 16], dtype=torch.int32, device=device)
+    elif case == "leftpad past seqlens":
+        kw["cache_leftpad"] = torch.tensor([4, 0], dtype=torch.int32, device=device)
+    elif case == "page out of range":
+        kw["block_table"] = torch.tensor([[0], [7]], dtype=torch.int32, device=device)
+    elif case == "table too short":
+        kc = randn(4, 2, 2, 32, dtype=torch.float16, device=device, generator=g)
+        vc = kc.clone()
+        kw["block_table"] = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32, device=device)
+    elif case == "repeated batch_idx with append":
+        kw["cache_batch_idx"] = torch.tensor([1, 1], dtype=torch.int32, device=device)
+    elif case == "rotary too short":
+        kw["rotary_cos"] = kw["rotary_sin"] = torch.ones(4, 8, device=device)
+    elif case == "num_splits too big":
+        kw["num_splits"] = 129
+    elif case == "k without v":
+        kw["v"] = None
+    elif case == "codes without scales":
+        kc, vc = kc.to(torch.int8), vc.to(torch.int8)
+    elif case == "int64 seqlens":
+        kw["cache_seqlens"] = kw["cache_seqlens"].long()
+    before = (kc.clone(), vc.clone())
+    with pytest.raises((ValueError, TypeError)) as info:
+        lanekit.flash_attn_with_kvcache(q, kc, vc, **kw)
+    assert ":" in str(info.value) and "expected" in str(info.value)
+    assert torch.equal(kc, before[0]) and torch.equal(vc, before[1])
+
+
+@pytest.mark.parametrize("case", ["cu_seqlens not ending at total", "decreasing", "longer than max_seqlen",
+                                  "int64 cu_seqlens", "batch mismatch", "block_table too short"])
+def test_varlen_bad_input_raises_a_clear_error(device, case):
+    q, k, v, cq, ck = varlen_inputs(device, [2, 3], [4, 4], Hq=2, Hkv=2, D=16)
+    args = [q, k, v, cq, ck, 3, 4]
+    kw = {}
+    if case == "cu_seqlens not ending at total":
+        args[3] = torch.tensor([0, 2, 4], dtype=torch.int32, device=device)
+    elif case == "decreasing":
+        args[4] = torch.tensor([0, 9, 8], dtype=torch.int32, device=device)
+    elif case == "longer than max_seqlen":
+        args[5] = 2
+    elif case == "int64 cu_seqlens":
+        args[3] = cq.long()
+    elif case == "batch mismatch":
+        args[4] = torch.tensor([0, 8], dtype=torch.int32, device=device)
+    elif case == "block_table too short":
+        args[1] = k.reshape(4, 2, 2, 16)
+        args[2] = v.reshape(4, 2, 2, 16)
+        kw["block_table"] = torch.tensor([[0], [1]], dtype=torch.int32, device=device)
+    with pytest.raises((ValueError, TypeError)) as info:
+        lanekit.flash_attn_varlen_func(*args, **kw)
+    assert "expected" in str(info.value)
