@@ -2,7 +2,8 @@
 # The GPU run, on the machine with the GPU (the device tool), from the repo root:
 #   bash scripts/gpu.sh [STEP ...]
 #   steps: info tests sanitizer check check-sanitized demo tune tune-bwd tune-layers profile bench
-#   bench-layers (default, in this order: info tests check demo bench bench-layers sanitizer).
+#   bench-layers bench-decode tune-decode (default, in this order: info tests check demo bench bench-layers
+#   bench-decode sanitizer).
 #   check-sanitized is lanekit check under compute-sanitizer's memcheck: every kernel on every
 #   registered sample, checked for out-of-bounds accesses as well as against its oracle.
 # Uses the machine's own python3 (torch, triton, transformers preinstalled); lanekit from src/.
@@ -14,7 +15,7 @@ mkdir -p "$OUT"
 export PYTHONPATH="$PWD/src:$PWD" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 LANEKIT_MINILM_DIR="$PWD/.gpu/minilm"
 [ -f .gpu/minilm/config.json ] || echo "warning: .gpu/minilm is missing (carry .gpu): the MiniLM tests and the demo will fail"
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(info tests check demo bench bench-layers sanitizer)
+[ ${#steps[@]} -eq 0 ] && steps=(info tests check demo bench bench-layers bench-decode sanitizer)
 
 run_step() {
   local name=$1; shift
@@ -41,6 +42,8 @@ for s in "${steps[@]}"; do
     tune-bwd) run_step tune-bwd python3 -m benchmarks.tune_attention --backward --dims ${DIMS:-64 128} ;;
     bench) run_step bench python3 -m benchmarks.run attention attention_train --json "$OUT/bench.json" ;;
     bench-layers) run_step bench-layers python3 -m benchmarks.run layers --json "$OUT/bench-layers.json" ;;
+    bench-decode) run_step bench-decode python3 -m benchmarks.run decode prefill --json "$OUT/bench-decode.json" ;;
+    tune-decode) run_step tune-decode python3 -m benchmarks.tune_decode ;;
     *) echo "unknown step $s"; exit 2 ;;
   esac
 done

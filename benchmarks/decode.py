@@ -1,0 +1,93 @@
+"""Decode over a KV cache: lanekit.flash_attn_with_kvcache beside torch SDPA (flash and cuDNN).
+
+B=32 sequences, one query each, 32 query heads and 8 KV heads of 128, bf16, Sk 4k and 32k cached
+tokens; the cache contiguous (B, S, Hkv, D) or paged with pages of 16 and 256 tokens, handed out in
+a shuffled order. The unit is GB/s of K and V read (the traffic decode cannot avoid), comparable
+with the device-to-device copy bandwidth the runner measures in the same run. SDPA reads the
+contiguous cache (it has no paged form) through (B, Hkv, S, D) views with ``enable_gqa``. Every
+call is timed replaying a CUDA graph (as serving engines run decode); lanekit's split count is the
+one its heuristic picks for these used lengths outside a graph.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import lanekit
+from lanekit.attention.api import num_splits_heuristic
+from lanekit.reference import attention as ref
+from lanekit.testing import compare, upcast
+
+UNIT = "GB/s"
+CUDA_GRAPHS = True
+B, HQ, HKV, D = 32, 32, 8, 128
+BF16 = torch.bfloat16
+
+
+def cases(quick: bool = False):
+    for sk in ((4096,) if quick else (4096, 32768)):
+        for layout in ("contiguous", "paged 16", "paged 256"):
+            yield dict(sk=sk, layout=layout)
+
+
+def name(c) -> str:
+    return f"decode Sk={c['sk'] // 1024}k {c['layout']}"
+
+
+def bytes_moved(c) -> float:
+    return 2 * B * c["sk"] * HKV * D * 2
+
+
+def make_inputs(c, device="cuda"):
+    g = torch.Generator(device=device).manual_seed(0)
+    sk = c["sk"]
+    q = torch.randn(B, 1, HQ, D, generator=g, device=device, dtype=BF16)
+    k = torch.randn(B, sk, HKV, D, generator=g, device=device, dtype=BF16)
+    v = torch.randn(B, sk, HKV, D, generator=g, device=device, dtype=BF16)
+    seqlens = torch.full((B,), sk, dtype=torch.int32, device=device)
+    table = None
+    if c["layout"] == "contiguous":
+        kc, vc = k, v
+    else:
+        page = int(c["layout"].split()[1])
+        pages = sk // page
+        order = torch.randperm(B * pages, generator=g, device=device)
+        table = order.reshape(B, pages).to(torch.int32)
+        kc = torch.empty(B * pages, page, HKV, D, device=device, dtype=BF16)
+        vc = torch.empty_like(kc)
+        kc[order] = k.reshape(B * pages, page, HKV, D)
+        vc[order] = v.reshape(B * pages, page, HKV, D)
+    return [q, k, v, kc, vc, seqlens, table]
+
+
+def _splits(c) -> int:
+    group = HQ // HKV
+    return num_splits_heuristic(B * HKV * -(-group // 64), c["sk"], torch.device("cuda"))
+
+
+def check(c, q, k, v, kc, vc, seqlens, table) -> str | None:
+    """Two sequences against the float64 oracle."""
+    out = lanekit.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens, block_table=table, num_splits=_splits(c))
+    expected, _ = ref.flash_attn(upcast(q[:2]), upcast(k[:2]), upcast(v[:2]), softmax_scale=D ** -0.5)
+    result = compare(out[:2], expected, "attention_fwd")
+    return None if result.ok else result.detail
+
+
+def runners(c, q, k, v, kc, vc, seqlens, table):
+    splits = _splits(c)
+    qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+
+    def sdpa(backend):
+        def run():
+            with sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True)
+        return run
+
+    return {
+        "lanekit": lambda: lanekit.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens, block_table=table,
+                                                           num_splits=splits),
+        "sdpa-flash": sdpa(SDPBackend.FLASH_ATTENTION),
+        "sdpa-cudnn": sdpa(SDPBackend.CUDNN_ATTENTION),
+    }

@@ -1,0 +1,54 @@
+"""Sweep the decode kernel's tile and split count on the GPU: `python -m benchmarks.tune_decode`.
+
+For each bench case of benchmarks/decode.py, every (block_n, warps, stages) replaces this GPU's row
+of FLASH_ATTN_KVCACHE and every split count is timed (CUDA graphs); prints GB/s best first. Copy
+the winners into tuning.py (and the heuristic) by hand, with the figures as comment.
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+
+import torch
+
+import lanekit
+from benchmarks import decode
+from benchmarks.run import bench_graph
+from lanekit.runtime import tuning
+
+TILES = [tuning.TileConfig(64, bn, w, s) for bn, w, s in itertools.product((32, 64, 128), (4, 8), (2, 3, 4))]
+SPLITS = (1, 2, 4, 8, 16)
+
+
+def main() -> int:
+    if not torch.cuda.is_available():
+        print("needs a GPU", file=sys.stderr)
+        return 2
+    arch = tuning.arch_id(torch.device("cuda"))
+    saved = tuning.FLASH_ATTN_KVCACHE.get(arch)
+    for case in decode.cases():
+        if case["layout"] == "paged 256":
+            continue
+        q, k, v, kc, vc, seqlens, table = decode.make_inputs(case)
+        results = []
+        for tile, splits in itertools.product(TILES, SPLITS):
+            tuning.FLASH_ATTN_KVCACHE[arch] = {key: tile for key in tuning.FLASH_ATTN_KVCACHE["generic"]}
+            try:
+                ms = bench_graph(lambda: lanekit.flash_attn_with_kvcache(
+                    q, kc, vc, cache_seqlens=seqlens, block_table=table, num_splits=splits))
+                results.append((decode.bytes_moved(case) / ms / 1e6, tile, splits))
+            except Exception as exc:  # a tile that does not compile or fit
+                print(f"{tile} splits={splits}: {type(exc).__name__}")
+        print(f"== {decode.name(case)} (heuristic picks {decode._splits(case)} splits)")
+        for gbps, tile, splits in sorted(results, key=lambda r: -r[0])[:8]:
+            print(f"  {gbps:7.0f} GB/s  block_n={tile.block_n} warps={tile.num_warps} stages={tile.num_stages} splits={splits}")
+        del q, k, v, kc, vc
+        torch.cuda.empty_cache()
+    if saved is None:
+        tuning.FLASH_ATTN_KVCACHE.pop(arch, None)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
