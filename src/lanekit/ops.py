@@ -252,6 +252,8 @@ def _kvcache_samples(device):
     yield kvcache_case("decode splits 3, no append", device, S_new=0, seqlens=(0, 40), num_splits=3)
     yield kvcache_case("paged page 7, splits 2, mqa 6:1 d80", device, Hq=6, Hkv=1, D=80, page_size=7,
                        seqlens=(13, 0), num_splits=2)
+    yield kvcache_case("paged page 64 (whole key blocks), splits 3", device, page_size=64, capacity=200,
+                       seqlens=(130, 61), num_splits=3)
     yield kvcache_case("paged page 1, Sq 3 append 3, d96 fp16", device, Sq=3, S_new=3, D=96, dtype=f16,
                        page_size=1, seqlens=(4, 9), capacity=16)
     yield kvcache_case("rotary NeoX half dim, leftpad, batch_idx", device, rotary_dim=32, interleaved=False,

@@ -994,8 +994,11 @@ def _flash_attn_kvcache_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, HAS_LEFTPAD: tl.constexpr, QUANTIZED: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, PAGES: tl.constexpr,
 ):
+    # PAGES: how keys find their page. 0: the whole sequence is one page (a contiguous cache),
+    # looked up once; 1: pages hold whole key blocks (page_size a multiple of BLOCK_N, no left
+    # padding), one lookup per block; 2: any page_size, one lookup per key.
     pid = tl.program_id(0)
     hk = tl.program_id(1).to(tl.int64)
     b = tl.program_id(2).to(tl.int64)
@@ -1041,14 +1044,37 @@ def _flash_attn_kvcache_kernel(
     bt_row = BlockTable + b * stride_btb
     k_base = K + hk * stride_kh
     v_base = V + hk * stride_vh
+    ks_base = KScale + hk * stride_ksh
+    vs_base = VScale + hk * stride_vsh
+    if PAGES == 0:
+        row = tl.load(bt_row).to(tl.int64)
+        k_base += row * stride_kp + lp * stride_kn
+        v_base += row * stride_vp + lp * stride_vn
+        ks_base += row * stride_ksp + lp * stride_ksn
+        vs_base += row * stride_vsp + lp * stride_vsn
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     for start_n in range(s_lo, s_hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)                                   # [BLOCK_N]
         n_in = (offs_n >= first) & (offs_n < s_hi)
-        k_off, v_off = _paged_rows(bt_row, offs_n + lp, n_in, page_size, stride_kp, stride_kn,
-                                   stride_vp, stride_vn)
+        if PAGES == 0:
+            k_off = offs_n.to(tl.int64) * stride_kn
+            v_off = offs_n.to(tl.int64) * stride_vn
+            ks_off = offs_n.to(tl.int64) * stride_ksn
+            vs_off = offs_n.to(tl.int64) * stride_vsn
+        elif PAGES == 1:
+            page = tl.load(bt_row + start_n // page_size).to(tl.int64)
+            in_page = (start_n % page_size + tl.arange(0, BLOCK_N)).to(tl.int64)
+            k_off = page * stride_kp + in_page * stride_kn
+            v_off = page * stride_vp + in_page * stride_vn
+            ks_off = page * stride_ksp + in_page * stride_ksn
+            vs_off = page * stride_vsp + in_page * stride_vsn
+        else:
+            k_off, v_off = _paged_rows(bt_row, offs_n + lp, n_in, page_size, stride_kp, stride_kn,
+                                       stride_vp, stride_vn)
+            ks_off, vs_off = _paged_rows(bt_row, offs_n + lp, n_in, page_size, stride_ksp, stride_ksn,
+                                         stride_vsp, stride_vsn)
         k = tl.load(k_base + k_off[None, :] + offs_d[:, None] * stride_kd,
                     mask=n_in[None, :] & (offs_d[:, None] < D), other=0.0)          # [BLOCK_D, BLOCK_N]
         v = tl.load(v_base + v_off[:, None] + offs_dv[None, :] * stride_vd,
@@ -1056,10 +1082,8 @@ def _flash_attn_kvcache_kernel(
         if QUANTIZED:
             # codes (int8 or e4m3) are exact in q's 16-bit type; each key's scale multiplies its
             # column of scores, each value's scale its column of probabilities
-            ks_off, vs_off = _paged_rows(bt_row, offs_n + lp, n_in, page_size, stride_ksp, stride_ksn,
-                                         stride_vsp, stride_vsn)
-            k_scale = tl.load(KScale + hk * stride_ksh + ks_off, mask=n_in, other=0.0)
-            v_scale = tl.load(VScale + hk * stride_vsh + vs_off, mask=n_in, other=0.0)
+            k_scale = tl.load(ks_base + ks_off, mask=n_in, other=0.0)
+            v_scale = tl.load(vs_base + vs_off, mask=n_in, other=0.0)
             k = k.to(q.dtype)
             v = v.to(q.dtype)
         qk = tl.dot(q, k, input_precision=INPUT_PRECISION)                          # [BLOCK_M, BLOCK_N]
@@ -1187,6 +1211,12 @@ def flash_attn_kvcache(
         o_strides, l_strides = (0, *out.stride()), (0, *lse.stride())
     quantized = k_cache_scale is not None
     scale_strides = (*k_cache_scale.stride(), *v_cache_scale.stride()) if quantized else (0,) * 6
+    if block_table.shape[1] == 1:
+        pages = 0   # one page per sequence: a contiguous cache (or a single page)
+    elif k_cache.shape[1] % cfg.block_n == 0 and leftpad is None:
+        pages = 1
+    else:
+        pages = 2
     with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
         _flash_attn_kvcache_kernel[(m_blocks * num_splits, Hkv, B)](
             q, k_cache, v_cache,
@@ -1203,7 +1233,7 @@ def flash_attn_kvcache(
             BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, BLOCK_DV=block_dv,
             HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0, HAS_SOFTCAP=softcap > 0,
             HAS_ALIBI=alibi_slopes is not None, HAS_LEFTPAD=leftpad is not None, QUANTIZED=quantized,
-            INPUT_PRECISION="ieee" if q.dtype == torch.float32 else None,
+            INPUT_PRECISION="ieee" if q.dtype == torch.float32 else None, PAGES=pages,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
         if num_splits > 1:
