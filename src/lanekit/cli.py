@@ -4,6 +4,10 @@
         every registered op on every lane this machine has, against its oracle (lanekit.check)
     lanekit matrix [--check]
         regenerate docs/execution-matrix.md from the registry and docs/checks/*.json
+    lanekit export --target T [--target T ...] [--op NAME ...] --out DIR [--jobs N]
+        compile every kernel's canonical specializations for GPU targets with no GPU (lanekit.export)
+    lanekit targets [--check] [--jobs N]
+        compile for every target and regenerate docs/targets.json and docs/targets.md
     lanekit demo [ARGS ...]
         lanekit.demo.main(ARGS)
 
@@ -51,6 +55,31 @@ def _parser() -> argparse.ArgumentParser:
                         help="write nothing; exit 1 if the file differs from what would be written")
     matrix.add_argument("--docs", metavar="DIR", help="the docs folder (default: the checkout's docs/)")
     matrix.set_defaults(run=_matrix)
+
+    from lanekit.runtime.targets import TARGETS
+
+    export = sub.add_parser("export", help="compile the kernels for GPU targets, with no GPU needed",
+                            description="Compile each kernel's canonical specializations (the launches the "
+                            "registered samples of its ops make) for each target, and write OUT/<target>/ "
+                            "<key>.cubin or .hsaco and a manifest OUT/<target>/<kernel>.json. Exits 1 when a "
+                            "specialization fails a target (it does not compile, misses the target's matrix "
+                            "instructions, overflows shared memory or spills), saying why.")
+    export.add_argument("--target", action="append", required=True, choices=TARGETS,
+                        help="a GPU architecture (repeatable)")
+    export.add_argument("--op", action="append", metavar="NAME",
+                        help="only the kernels this op launches (repeatable; default: every op)")
+    export.add_argument("--out", required=True, metavar="DIR", help="the folder to write into")
+    export.add_argument("--jobs", type=int, metavar="N", help="compiling processes (default: one per CPU)")
+    export.set_defaults(run=_export)
+
+    targets = sub.add_parser("targets", help="compile for every target; regenerate docs/targets.md",
+                             description="Compile every kernel for every target and write the compiler's "
+                             "report to docs/targets.json and docs/targets.md.")
+    targets.add_argument("--check", action="store_true",
+                         help="write nothing; exit 1 if either file differs from what would be written")
+    targets.add_argument("--jobs", type=int, metavar="N", help="compiling processes (default: one per CPU)")
+    targets.add_argument("--docs", metavar="DIR", help="the docs folder (default: the checkout's docs/)")
+    targets.set_defaults(run=_targets)
 
     sub.add_parser("demo", help="run lanekit's demo (lanekit demo --help for its arguments)")
     return parser
@@ -173,6 +202,72 @@ def _matrix(args) -> int:
         return 1
     path.write_text(generated)
     print(f"wrote {path}")
+    return 0
+
+
+def _compiled_process() -> None:
+    """Export compiles kernels for absent GPUs: they must be imported compiled, not interpreted."""
+    os.environ.pop("TRITON_INTERPRET", None)
+
+
+def _progress(what):
+    started = time.perf_counter()
+
+    def show(done, total):
+        if done == total or done % 50 == 0:
+            print(f"{what}: {done}/{total} compiled ({time.perf_counter() - started:.0f} s)", file=sys.stderr)
+    return show
+
+
+def _export(args) -> int:
+    from pathlib import Path
+
+    _compiled_process()
+    from lanekit import export
+
+    try:
+        results = export.export(args.target, args.op, Path(args.out), jobs=args.jobs,
+                                progress=_progress("lanekit export"))
+    except ValueError as e:
+        print(f"lanekit export: {e}", file=sys.stderr)
+        return 2
+    failing = [(s, r) for s, r in results if r.problems]
+    for spec, report in failing:
+        print(f"{spec.target} · {spec.kernel} ({spec.key}; {spec.samples[0]}): {'; '.join(report.problems)}")
+    print(f"{len(results) - len(failing)} of {len(results)} specializations compiled and passed "
+          f"for {', '.join(args.target)}; wrote {args.out}")
+    return 1 if failing else 0
+
+
+def _targets(args) -> int:
+    import json
+    from pathlib import Path
+
+    _compiled_process()
+    from lanekit import export
+    from lanekit.matrix import docs_dir
+    from lanekit.runtime.targets import TARGETS
+
+    docs = Path(args.docs) if args.docs else docs_dir()
+    results = export.compile_all(TARGETS, jobs=args.jobs, progress=_progress("lanekit targets"))
+    data = export.record(results)
+    files = {docs / export.RECORD_FILE: json.dumps(data, indent=1) + "\n",
+             docs / export.DOC_FILE: export.render(data)}
+    if args.check:
+        stale = 0
+        for path, generated in files.items():
+            committed = path.read_text() if path.exists() else ""
+            if committed != generated:
+                sys.stdout.write(export.diff(committed, generated, path.name))
+                print(f"{path} is out of date: {export.REGENERATE}")
+                stale += 1
+        if not stale:
+            print(f"{len(data['specializations'])} specializations: docs/{export.RECORD_FILE} and "
+                  f"docs/{export.DOC_FILE} are up to date")
+        return 1 if stale else 0
+    for path, text in files.items():
+        path.write_text(text)
+        print(f"wrote {path}")
     return 0
 
 

@@ -7,6 +7,8 @@ id is ``sm<major><minor>`` on NVIDIA (``sm80``, ``sm90``) and the gfx name on AM
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 from dataclasses import dataclass
 
@@ -133,8 +135,27 @@ FLASH_ATTN_BWD_DQ_FP32: dict[str, dict[int, TileConfig]] = {
 INTERPRETER = TileConfig(32, 32, 1, 1)
 
 
+_COMPILING_FOR: contextvars.ContextVar[str | None] = contextvars.ContextVar("compiling_for", default=None)
+
+
+@contextlib.contextmanager
+def compiling_for(arch: str):
+    """Within this block :func:`arch_id` answers ``arch`` for every device, so that launchers pick
+    that architecture's rows: ``lanekit export`` captures a target's launches this way on a machine
+    without that GPU (``lanekit.runtime.targets.capture``)."""
+    token = _COMPILING_FOR.set(arch)
+    try:
+        yield
+    finally:
+        _COMPILING_FOR.reset(token)
+
+
 def arch_id(device: torch.device) -> str:
-    """``sm90``, ``gfx942``, ... for a GPU device; ``generic`` for anything else."""
+    """``sm90``, ``gfx942``, ... for a GPU device; ``generic`` for anything else; the target arch
+    inside :func:`compiling_for`."""
+    compiling = _COMPILING_FOR.get()
+    if compiling is not None:
+        return compiling
     if device.type != "cuda" or not torch.cuda.is_available():
         return "generic"
     return _cuda_arch_id(device.index if device.index is not None else torch.cuda.current_device())
@@ -223,7 +244,7 @@ def norm_config(device: torch.device, N: int) -> NormConfig:
 
 
 def norm_bwd_programs(device: torch.device) -> int:
-    if device.type != "cuda":
+    if device.type != "cuda" and _COMPILING_FOR.get() is None:
         return INTERPRETER_NORM_BWD_PROGRAMS
     return _arch_row(NORM_BWD_PROGRAMS, device)
 

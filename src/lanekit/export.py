@@ -1,0 +1,251 @@
+"""Ahead-of-time export for GPU targets, and the compile record behind docs/targets.md.
+
+``lanekit export --target T --out DIR`` compiles every canonical specialization of every kernel
+(``lanekit.runtime.targets.capture``) for T, with no GPU, and writes per kernel its binaries
+(``<key>.cubin`` or ``<key>.hsaco``) and a manifest ``<kernel>.json``. ``lanekit targets`` does
+the same for every target without writing binaries, and records the compiler's report in
+docs/targets.json, from which docs/targets.md is rendered; ``lanekit targets --check`` (run by CI)
+compiles again and fails when a kernel no longer compiles, or when anything in the report moved.
+
+Compiling runs in parallel processes (forked after the capture, so they share the captured
+kernels); Triton's cache ($TRITON_CACHE_DIR, by default ~/.triton/cache) makes a second run fast.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import difflib
+import json
+import multiprocessing
+import os
+from importlib import metadata
+from pathlib import Path
+from typing import Callable, Iterable
+
+from lanekit.runtime.targets import GPU_TARGETS, SPILL_ALLOWANCES, SPILL_BUDGET, TARGETS, Report, Specialization
+
+RECORD_VERSION = 1
+RECORD_FILE = "targets.json"
+DOC_FILE = "targets.md"
+REGENERATE = "run `lanekit targets` (in a checkout, `python3 dev.py lanekit targets`)"
+
+_SPECS: list[Specialization] = []   # what the forked workers compile, by index
+
+
+def _compile_one(index: int, want_binary: bool):
+    from lanekit.runtime.targets import compile_spec
+
+    spec = _SPECS[index]
+    kernel, report = compile_spec(spec)
+    binary = kernel.asm[GPU_TARGETS[spec.target].binary] if (kernel is not None and want_binary) else None
+    return index, dataclasses.asdict(report), binary
+
+
+def compile_all(targets: Iterable[str], ops: Iterable[str] | None = None, *, jobs: int | None = None,
+                binaries: bool = False, progress: Callable[[int, int], None] | None = None):
+    """Capture and compile for each target: a list of (Specialization, Report, binary or None)."""
+    from lanekit.runtime.targets import capture
+
+    global _SPECS
+    ops = list(ops) if ops is not None else None
+    specs = [spec for target in targets for spec in capture(target, ops)]
+    _SPECS = specs
+    results: list = [None] * len(specs)
+    jobs = max(1, jobs or os.cpu_count() or 1)
+    done = 0
+    try:
+        if jobs == 1:
+            outcomes = (_compile_one(i, binaries) for i in range(len(specs)))
+            pool = None
+        else:
+            pool = concurrent.futures.ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("fork"))
+            futures = [pool.submit(_compile_one, i, binaries) for i in range(len(specs))]
+            outcomes = (f.result() for f in concurrent.futures.as_completed(futures))
+        for index, report, binary in outcomes:
+            results[index] = (specs[index], Report(**report), binary)
+            done += 1
+            if progress:
+                progress(done, len(specs))
+    finally:
+        if pool is not None:
+            pool.shutdown(cancel_futures=True)
+        _SPECS = []
+    return results
+
+
+def triton_version() -> str:
+    return metadata.version("triton")
+
+
+def export(targets: Iterable[str], ops: Iterable[str] | None, out: Path, *, jobs: int | None = None,
+           progress=None) -> list[tuple[Specialization, Report]]:
+    """Compile and write OUT/<target>/<kernel>.json and OUT/<target>/<key>.<cubin|hsaco>."""
+    results = compile_all(targets, ops, jobs=jobs, binaries=True, progress=progress)
+    manifests: dict[tuple[str, str], list] = {}
+    for spec, report, binary in results:
+        folder = out / spec.target
+        folder.mkdir(parents=True, exist_ok=True)
+        entry = spec.manifest()
+        entry.update(_report_fields(report))
+        if binary is not None:
+            name = f"{spec.key}.{GPU_TARGETS[spec.target].binary}"
+            (folder / name).write_bytes(binary)
+            entry["binary"] = name
+        manifests.setdefault((spec.target, spec.kernel), []).append(entry)
+    for (target, kernel), entries in manifests.items():
+        doc = {"kernel": kernel, "target": target, "triton": triton_version(), "specializations": entries}
+        (out / target / f"{kernel}.json").write_text(json.dumps(doc, indent=1) + "\n")
+    return [(spec, report) for spec, report, _ in results]
+
+
+def _report_fields(report: Report) -> dict:
+    fields = dataclasses.asdict(report)
+    for name in ("key", "kernel", "target"):
+        fields.pop(name)
+    return fields
+
+
+# ---- the record (docs/targets.json) and docs/targets.md ----
+
+def record(results) -> dict:
+    """The compile record: the Triton version, and per specialization its launch and its report."""
+    entries = []
+    for spec, report, *_ in results:
+        entry = {"target": spec.target, "kernel": spec.kernel, "key": spec.key,
+                 "num_warps": spec.options["num_warps"], "num_stages": spec.options["num_stages"],
+                 "samples": spec.samples}
+        entry.update(_report_fields(report))
+        entries.append(entry)
+    entries.sort(key=lambda e: (TARGETS.index(e["target"]), e["kernel"], e["key"]))
+    return {"version": RECORD_VERSION, "triton": triton_version(), "specializations": entries}
+
+
+def read_record(path: Path) -> dict:
+    data = json.loads(path.read_text())
+    if data.get("version") != RECORD_VERSION:
+        raise ValueError(f"{path}: expected version {RECORD_VERSION}, got {data.get('version')!r}")
+    return data
+
+
+def _kib(n: int) -> str:
+    return f"{n / 1024:.0f} KiB" if n >= 1024 else f"{n} B"
+
+
+def render(data: dict) -> str:
+    """The text of docs/targets.md, from a compile record."""
+    specs = data["specializations"]
+    kernels = sorted({s["kernel"] for s in specs})
+    by = {}
+    for s in specs:
+        by.setdefault((s["kernel"], s["target"]), []).append(s)
+    lines = [
+        "# Targets",
+        "",
+        "<!-- Generated by `lanekit targets`: do not edit by hand. -->",
+        "",
+        f"Every kernel compiled ahead of time for each GPU target, on a machine with no GPU, by Triton "
+        f"{data['triton']}: the canonical specializations are the launches that the registered samples "
+        "of every op make (`lanekit.runtime.targets.capture`), configured with that target's tuning rows. "
+        f"Generated from `docs/{RECORD_FILE}`; to refresh both, {REGENERATE}. "
+        "`tests/test_targets.py` fails when either is out of date, and CI (`lanekit targets --check`) "
+        "compiles everything again and fails when a kernel stops compiling or its report moves. "
+        "`lanekit export --target T --out DIR` writes the binaries and a manifest per kernel.",
+        "",
+        "## Kernels and targets",
+        "",
+        _row(["kernel"] + list(TARGETS)),
+        _row(["---"] * (len(TARGETS) + 1)),
+    ]
+    for kernel in kernels:
+        cells = [f"`{kernel}`"]
+        for target in TARGETS:
+            group = by.get((kernel, target), [])
+            bad = [s for s in group if s["problems"]]
+            if not group:
+                cells.append("—")
+            elif bad:
+                cells.append(f"**failing** ({len(bad)} of {len(group)})")
+            else:
+                cells.append(f"compiled ({len(group)})")
+        lines.append(_row(cells))
+    lines += [
+        "",
+        "compiled (n): its n specializations compiled, and each passed the checks below. "
+        "**failing** (a of n): a of them did not (listed under Failures).",
+        "",
+        "Checks: a kernel whose `tl.dot` takes 16-bit (or 8-bit) operands uses the target's matrix "
+        "instructions (`wgmma` on sm90, `mma` on sm80, in the PTX; `v_mfma` on gfx942, wave64; "
+        "`v_wmma` on gfx1151 and gfx1201, wave32, in the AMDGCN); its shared memory (LDS) fits the "
+        "target (" + ", ".join(f"{t.name} {_kib(t.max_shared)}" for t in GPU_TARGETS.values()) + "); "
+        f"it spills no more than {SPILL_BUDGET} bytes per thread to scratch"
+        + ("" if not SPILL_ALLOWANCES else ", except: " + "; ".join(
+            f"`{k}` on {t}: {b} bytes ({why})" for (k, t), (b, why) in sorted(SPILL_ALLOWANCES.items())))
+        + ". An fp32 `tl.dot` is not held to the matrix check (RDNA has no fp32 WMMA; fp32 is chosen "
+        "for accuracy).",
+    ]
+    for target in TARGETS:
+        t = GPU_TARGETS[target]
+        regs = "VGPRs + AGPRs" if t.backend == "hip" else "registers"
+        lines += ["", f"## {target}", "",
+                  _row(["kernel", "specializations", "warps × stages", "matrix instructions",
+                        f"{regs} (max)", "shared memory (max)", "scratch bytes (max)"]),
+                  _row(["---"] * 7)]
+        for kernel in kernels:
+            group = by.get((kernel, target), [])
+            if not group:
+                continue
+            done = [s for s in group if s["compiled"]]
+            dots = sorted({s["dot"] for s in done if s["dot"]})
+            found = sorted({m for s in done for m in s["matrix"]})
+            if found:
+                matrix = ", ".join(f"`{m}`" for m in _short(found))
+            elif dots:
+                matrix = f"none ({', '.join(dots)} dot)"
+            else:
+                matrix = "— (no 16-bit dot)"
+            shapes = sorted({(s["num_warps"], s["num_stages"]) for s in group})
+            lines.append(_row([
+                f"`{kernel}`", f"{len(done)} of {len(group)} compiled",
+                ", ".join(f"{w}×{st}" for w, st in shapes), matrix,
+                max((s["registers"] for s in done), default="—"),
+                _kib(max((s["shared"] for s in done), default=0)),
+                max((s["scratch"] for s in done), default="—"),
+            ]))
+    failing = [s for s in specs if s["problems"]]
+    if failing:
+        lines += ["", "## Failures", ""]
+        for s in failing:
+            samples = "; ".join(s["samples"][:3]) + (f"; and {len(s['samples']) - 3} more" if len(s["samples"]) > 3 else "")
+            lines.append(f"- {s['target']} · `{s['kernel']}` ({s['key']}; {samples}): " + "; ".join(s["problems"]))
+    return "\n".join(lines) + "\n"
+
+
+def _short(instructions: list[str], limit: int = 4) -> list[str]:
+    """At most ``limit`` distinct instructions, the PTX ones without their operand-type suffixes."""
+    names = sorted({i if i.startswith("v_") else ".".join(i.split(".")[:3]) for i in instructions})
+    return names[:limit] + ([f"+{len(names) - limit} more"] if len(names) > limit else [])
+
+
+def _row(cells) -> str:
+    text = ["" if c is None else str(c).replace("|", "\\|").replace("\n", " ") for c in cells]
+    return "| " + " | ".join(text) + " |"
+
+
+def diff(committed: str, generated: str, name: str) -> str:
+    return "".join(difflib.unified_diff(committed.splitlines(True), generated.splitlines(True),
+                                        f"{name} (committed)", f"{name} (generated)"))
+
+
+def compiled_status(data: dict) -> dict[tuple[str, str], str]:
+    """For the execution matrix: (op, target) -> "compiled" when every specialization the op's
+    samples launch compiled and passed on that target, else "failing"."""
+    status: dict[tuple[str, str], str] = {}
+    for s in data["specializations"]:
+        for sample in s["samples"]:
+            key = (sample.split(": ", 1)[0], s["target"])
+            if s["problems"]:
+                status[key] = "failing"
+            else:
+                status.setdefault(key, "compiled")
+    return status
