@@ -23,7 +23,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Callable, Iterable
 
-from lanekit.runtime.targets import GPU_TARGETS, SPILL_ALLOWANCES, SPILL_BUDGET, TARGETS, Report, Specialization
+from lanekit.runtime.targets import (GPU_TARGETS, MATRIX_ALLOWANCES, SPILL_ALLOWANCES, SPILL_BUDGET, TARGETS,
+                                     UNSUPPORTED, Report, Specialization)
 
 RECORD_VERSION = 1
 RECORD_FILE = "targets.json"
@@ -43,13 +44,15 @@ def _compile_one(index: int, want_binary: bool):
 
 
 def compile_all(targets: Iterable[str], ops: Iterable[str] | None = None, *, jobs: int | None = None,
-                binaries: bool = False, progress: Callable[[int, int], None] | None = None):
-    """Capture and compile for each target: a list of (Specialization, Report, binary or None)."""
+                binaries: bool = False, progress: Callable[[int, int], None] | None = None,
+                keep: Callable[[Specialization], bool] | None = None):
+    """Capture and compile for each target: a list of (Specialization, Report, binary or None).
+    ``keep``: compile only the specializations it accepts."""
     from lanekit.runtime.targets import capture
 
     global _SPECS
     ops = list(ops) if ops is not None else None
-    specs = [spec for target in targets for spec in capture(target, ops)]
+    specs = [spec for target in targets for spec in capture(target, ops) if keep is None or keep(spec)]
     _SPECS = specs
     results: list = [None] * len(specs)
     jobs = max(1, jobs or os.cpu_count() or 1)
@@ -162,16 +165,20 @@ def render(data: dict) -> str:
         for target in TARGETS:
             group = by.get((kernel, target), [])
             bad = [s for s in group if s["problems"]]
+            lacking = [s for s in group if s["unsupported"]]
             if not group:
                 cells.append("—")
             elif bad:
                 cells.append(f"**failing** ({len(bad)} of {len(group)})")
             else:
-                cells.append(f"compiled ({len(group)})")
+                cells.append(f"compiled ({len(group) - len(lacking)})"
+                             + (f", unsupported ({len(lacking)})" if lacking else ""))
         lines.append(_row(cells))
     lines += [
         "",
         "compiled (n): its n specializations compiled, and each passed the checks below. "
+        "unsupported (m): m need a data type the target does not have (" + "; ".join(
+            f"{t}: {why}" for t, (_, why) in UNSUPPORTED.items()) + "). "
         "**failing** (a of n): a of them did not (listed under Failures).",
         "",
         "Checks: a kernel whose `tl.dot` takes 16-bit (or 8-bit) operands uses the target's matrix "
@@ -182,7 +189,8 @@ def render(data: dict) -> str:
         + ("" if not SPILL_ALLOWANCES else ", except: " + "; ".join(
             f"`{k}` on {t}: {b} bytes ({why})" for (k, t), (b, why) in sorted(SPILL_ALLOWANCES.items())))
         + ". An fp32 `tl.dot` is not held to the matrix check (RDNA has no fp32 WMMA; fp32 is chosen "
-        "for accuracy).",
+        "for accuracy). Other matrix instructions accepted: " + "; ".join(
+            f"`{k}` on {t}: {why}" for (k, t), (_, why) in sorted(MATRIX_ALLOWANCES.items())) + ".",
     ]
     for target in TARGETS:
         t = GPU_TARGETS[target]
@@ -196,6 +204,7 @@ def render(data: dict) -> str:
             if not group:
                 continue
             done = [s for s in group if s["compiled"]]
+            lacking = sum(1 for s in group if s["unsupported"])
             dots = sorted({s["dot"] for s in done if s["dot"]})
             found = sorted({m for s in done for m in s["matrix"]})
             if found:
@@ -206,7 +215,8 @@ def render(data: dict) -> str:
                 matrix = "— (no 16-bit dot)"
             shapes = sorted({(s["num_warps"], s["num_stages"]) for s in group})
             lines.append(_row([
-                f"`{kernel}`", f"{len(done)} of {len(group)} compiled",
+                f"`{kernel}`", f"{len(done)} of {len(group)} compiled"
+                + (f" ({lacking} unsupported)" if lacking else ""),
                 ", ".join(f"{w}×{st}" for w, st in shapes), matrix,
                 max((s["registers"] for s in done), default="—"),
                 _kib(max((s["shared"] for s in done), default=0)),
@@ -239,13 +249,13 @@ def diff(committed: str, generated: str, name: str) -> str:
 
 def compiled_status(data: dict) -> dict[tuple[str, str], str]:
     """For the execution matrix: (op, target) -> "compiled" when every specialization the op's
-    samples launch compiled and passed on that target, else "failing"."""
+    samples launch compiled and passed on that target, "partly" when the others need a data type
+    the target lacks (UNSUPPORTED), else "failing"."""
     status: dict[tuple[str, str], str] = {}
     for s in data["specializations"]:
         for sample in s["samples"]:
             key = (sample.split(": ", 1)[0], s["target"])
-            if s["problems"]:
-                status[key] = "failing"
-            else:
-                status.setdefault(key, "compiled")
+            rank = 2 if s["problems"] else 1 if s.get("unsupported") else 0
+            status[key] = max(status.get(key, "compiled"), ("compiled", "partly", "failing")[rank],
+                              key=("compiled", "partly", "failing").index)
     return status

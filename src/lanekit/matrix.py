@@ -3,7 +3,9 @@
 A check record is what ``lanekit check --json docs/checks/<machine>.json`` wrote on one machine
 (:class:`lanekit.check.CheckRun`). The matrix has a row per registered op and lane, and a column
 per record (named after its file) saying how that lane fared there, plus a column for each GPU
-target (``lanekit.runtime.targets.TARGETS``) that no record covers, where "compiled" will go.
+target (``lanekit.runtime.targets.TARGETS``) that no record covers: "compiled" when every kernel
+launch of the op's samples compiled for that target and passed its checks, as the compile record
+docs/targets.json (``lanekit targets``) says.
 ``lanekit matrix`` writes it; tests/test_execution_matrix.py fails when the committed file differs
 from what :func:`render` makes of the committed records.
 """
@@ -42,8 +44,10 @@ def load_records(checks: Path) -> dict[str, CheckRun]:
     return records
 
 
-def render(ops: dict[str, Op], records: dict[str, CheckRun]) -> str:
-    """The text of docs/execution-matrix.md."""
+def render(ops: dict[str, Op], records: dict[str, CheckRun], compiled: dict | None = None) -> str:
+    """The text of docs/execution-matrix.md. ``compiled``: (op, target) -> "compiled" or "failing",
+    from the compile record (``lanekit.export.compiled_status``)."""
+    compiled = compiled or {}
     names = sorted(ops, key=lambda n: (ops[n].family, n))
     found = {m: {(r.op, r.lane): r for r in run.results} for m, run in records.items()}
     covered = {run.machine.get("arch") for run in records.values()}
@@ -78,7 +82,7 @@ def render(ops: dict[str, Op], records: dict[str, CheckRun]) -> str:
         for lane in (lane for lane in LANES if lane in op.lanes):
             cells = [op.family, f"`{name}`", lane]
             cells += [_cell(found[m].get((name, lane))) for m in records]
-            cells += ["—"] * len(targets)
+            cells += [_compiled_cell(compiled.get((name, t))) if lane == "triton" else "—" for t in targets]
             lines.append(_row(cells))
 
     lines += [
@@ -88,8 +92,11 @@ def render(ops: dict[str, Op], records: dict[str, CheckRun]) -> str:
         "**reference**: the plain-PyTorch oracle as a lane (float64, rounded to the output dtype) matched. "
         "**failing**: a sample did not match or raised (listed below). "
         "**not run**: the record has no result for this op and lane. "
-        "**compiled** (to come, from `lanekit export`): compiled for a target with no device in the records; "
-        "until then those columns hold —.",
+        "**compiled**: every kernel launch of the op's samples compiled for a target with no device in the "
+        "records, with the target's matrix instructions where it multiplies matrices, and no spills "
+        "(docs/targets.md, from `lanekit targets`); some samples unsupported: the others need a data type the "
+        "target lacks; **failing** there: a launch did not (see docs/targets.md); "
+        "— : not in the compile record.",
         "",
         "(a of b): the comparison closest to its limit, over all samples and outputs: its largest error is a "
         "steps of the output format at the output's magnitude (one ulp at max |oracle|), and its tolerance "
@@ -115,8 +122,12 @@ def render(ops: dict[str, Op], records: dict[str, CheckRun]) -> str:
 
 def render_repo(docs: Path | None = None) -> tuple[Path, str]:
     """(path of the matrix, its text as generated from the registry and docs/checks/)."""
+    from lanekit import export
+
     docs = docs or docs_dir()
-    return docs / MATRIX_FILE, render(registry(), load_records(docs / CHECKS_DIR))
+    record = docs / export.RECORD_FILE
+    compiled = export.compiled_status(export.read_record(record)) if record.exists() else {}
+    return docs / MATRIX_FILE, render(registry(), load_records(docs / CHECKS_DIR), compiled)
 
 
 def diff(committed: str, generated: str) -> str:
@@ -132,6 +143,13 @@ def _cell(r: LaneResult | None) -> str:
         return f"**failing** ({r.passed}/{r.total} passed)"
     worst = r.worst()
     return f"{r.status} ({worst[1].steps:.2f} of {worst[1].allowed:g})" if worst else r.status
+
+
+def _compiled_cell(status: str | None) -> str:
+    if status is None:
+        return "—"
+    return {"compiled": "compiled", "partly": "compiled (some samples unsupported: docs/targets.md)"}.get(
+        status, "**failing** (docs/targets.md)")
 
 
 def _tolerance(name: str) -> str:

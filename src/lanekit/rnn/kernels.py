@@ -394,7 +394,7 @@ def _fwd_config(dtype: torch.dtype, device: torch.device, B: int) -> tuning.RnnT
 def _bwd_config(device: torch.device, B: int) -> TileConfig:
     if triton_interpreted():
         cfg = tuning.RNN_CELL_INTERPRETER
-        return TileConfig(cfg.block_b, cfg.block_h, cfg.num_warps, cfg.num_stages)
+        return TileConfig(cfg.block_b, cfg.block_h, cfg.num_warps, cfg.num_stages, cfg.waves_per_eu)
     return tuning.lookup(tuning.RNN_CELL_BWD, device, _batch_bucket(B))
 
 
@@ -454,7 +454,7 @@ def lstm_cell_fwd(*, input, h, c, w_ih, w_hh, b_ih, b_hh, save: bool):
             *s_x, *s_h, *_strides2(c), *s_wih, *s_whh, *s_b,
             B, In, H,
             BLOCK_B=cfg.block_b, BLOCK_H=cfg.block_h, BLOCK_K=cfg.block_k, SAVE=save, **flags,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            **cfg.options(),
         )
     return h_next, c_next, saved
 
@@ -476,7 +476,7 @@ def gru_cell_fwd(*, input, h, w_ih, w_hh, b_ih, b_hh, save: bool):
         _gru_cell_fwd_kernel[grid](
             *operands, h_next, saved if save else h_next, *strides, B, In, H,
             BLOCK_B=cfg.block_b, BLOCK_H=cfg.block_h, BLOCK_K=cfg.block_k, SAVE=save, **flags,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            **cfg.options(),
         )
     return h_next, saved
 
@@ -498,7 +498,7 @@ def rnn_cell_fwd(*, input, h, w_ih, w_hh, b_ih, b_hh, relu: bool, save: bool):
         _rnn_cell_fwd_kernel[grid](
             *operands, h_next, saved if save else h_next, *strides, B, In, H,
             BLOCK_B=cfg.block_b, BLOCK_H=cfg.block_h, BLOCK_K=cfg.block_k, SAVE=save, RELU=relu, **flags,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            **cfg.options(),
         )
     return h_next, saved
 
@@ -521,7 +521,7 @@ def lstm_cell_bwd(*, dh_next, dc_next, c, saved, dtype: torch.dtype):
             *_strides2(dh_next), *_strides2(dc_next), *_strides2(c), B, H,
             BLOCK_B=cfg.block_m, BLOCK_H=cfg.block_n,
             HAS_DH=dh_next is not None, HAS_DC=dc_next is not None, HAS_CX=c is not None,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            **cfg.options(),
         )
     return dgates, dc
 
@@ -543,7 +543,7 @@ def gru_cell_bwd(*, dh_next, h, saved, dtype: torch.dtype):
             dh_next, h if h is not None else saved, saved, dgi, dgh, dh_direct,
             *dh_next.stride(), *_strides2(h), B, H,
             BLOCK_B=cfg.block_m, BLOCK_H=cfg.block_n, HAS_HX=h is not None,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            **cfg.options(),
         )
     return dgi, dgh, dh_direct
 
@@ -561,6 +561,6 @@ def rnn_cell_bwd(*, dh_next, saved, relu: bool, dtype: torch.dtype):
         _rnn_cell_bwd_kernel[_grid(B, H, cfg.block_m, cfg.block_n)](
             dh_next, saved, dpre, *dh_next.stride(), B, H,
             BLOCK_B=cfg.block_m, BLOCK_H=cfg.block_n, RELU=relu,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            **cfg.options(),
         )
     return dpre

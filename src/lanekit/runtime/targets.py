@@ -37,6 +37,23 @@ TARGETS: tuple[str, ...] = ("sm80", "sm90", "gfx942", "gfx1151", "gfx1201")
 SPILL_BUDGET = 0
 SPILL_ALLOWANCES: dict[tuple[str, str], tuple[int, str]] = {}
 
+# Where a kernel may use another matrix instruction than the target's own: (kernel, target) ->
+# (a regular expression for it, the reason).
+_SMALL_BATCH = ("its batch tiles for B <= 32 (16 and 32 rows) are under wgmma's 64 rows per warpgroup, "
+                "so Triton uses Ampere's mma.sync there, still on the tensor cores")
+MATRIX_ALLOWANCES: dict[tuple[str, str], tuple[str, str]] = {
+    (kernel, "sm90"): (r"\bmma\.sync\.aligned\.\S+", _SMALL_BATCH)
+    for kernel in ("_lstm_cell_fwd_kernel", "_gru_cell_fwd_kernel", "_rnn_cell_fwd_kernel")
+}
+
+# Data types a target does not have: a specialization that needs one is "unsupported" there, not
+# failing. target -> (text of the compiler's error, the reason).
+UNSUPPORTED: dict[str, tuple[str, str]] = {
+    "sm80": ("type fp8e4nv not supported in this architecture",
+             "Ampere has no e4m3 type (Triton's fp8e4nv needs sm89 or newer): the e4m3 KV cache and "
+             "quantization paths are for sm89+ and AMD"),
+}
+
 
 @dataclass(frozen=True)
 class Target:
@@ -213,8 +230,8 @@ class Report:
     ``registers``: per thread (VGPRs on AMD, AGPRs included); ``shared``: bytes of shared memory
     (LDS) per program; ``scratch``: bytes of spill (local / private) memory per thread; ``dot``:
     the kernel multiplies matrices with operands of a type the target's matrix unit takes;
-    ``matrix``: the distinct matrix instructions found. ``problems``: why the target fails, empty
-    when it passes.
+    ``matrix``: the distinct matrix instructions found (the target's, or those an entry of
+    MATRIX_ALLOWANCES accepts). ``problems``: why the target fails, empty when it passes.
     """
 
     key: str
@@ -228,6 +245,7 @@ class Report:
     dot: str = ""            # the dot's operand type when it needs the matrix unit, else ""
     matrix: list[str] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
+    unsupported: str = ""    # why the target cannot run it (UNSUPPORTED), when it cannot
 
     @property
     def ok(self) -> bool:
@@ -245,19 +263,30 @@ def compile_spec(spec: Specialization):
         kernel = triton.compile(ASTSource(spec.fn, signature, constexprs, attrs),
                                 target=target.gpu_target(), options=spec._compile_options)
     except Exception as e:  # the compiler's own message is the report
-        message = " ".join(str(e).split())[:300]
+        message = " ".join(str(e).split())
+        lacking, reason = UNSUPPORTED.get(spec.target, (None, ""))
+        if lacking is not None and lacking in message:
+            return None, Report(spec.key, spec.kernel, spec.target, False, unsupported=reason)
         return None, Report(spec.key, spec.kernel, spec.target, False,
-                            problems=[f"does not compile: {type(e).__name__}: {message}"])
-    report = Report(spec.key, spec.kernel, spec.target, True, shared=kernel.metadata.shared)
+                            problems=[f"does not compile: {type(e).__name__}: {message[:300]}"])
+    return kernel, read_report(kernel, target, spec.key, spec.kernel)
+
+
+def read_report(kernel, target: Target, key: str, name: str) -> Report:
+    """The :class:`Report` of a CompiledKernel, its assembly read as ``target``'s."""
+    report = Report(key, name, target.name, True, shared=kernel.metadata.shared)
     isa = kernel.asm[target.isa]
-    if target.backend == "cuda":
+    if "cubin" in kernel.asm:
         report.registers, report.scratch = _cubin_resources(kernel.asm["cubin"])
     else:
         report.registers, report.sgprs, report.scratch = _amdgcn_resources(isa)
     report.dot = _matrix_operand(kernel.asm["ttir"])
-    report.matrix = sorted(set(re.findall(target.matrix, isa)))
+    patterns = [target.matrix]
+    if (name, target.name) in MATRIX_ALLOWANCES:
+        patterns.append(MATRIX_ALLOWANCES[name, target.name][0])
+    report.matrix = sorted({m for p in patterns for m in re.findall(p, isa)})
     report.problems = judge(report, target)
-    return kernel, report
+    return report
 
 
 def judge(report: Report, target: Target) -> list[str]:

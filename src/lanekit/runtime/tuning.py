@@ -3,6 +3,13 @@
 Launchers read these tables; no block size or warp count is written in host code. An architecture
 id is ``sm<major><minor>`` on NVIDIA (``sm80``, ``sm90``) and the gfx name on AMD (``gfx942``,
 ``gfx1201``); ``generic`` is the fallback for any other, and for Triton's interpreter.
+
+AMD rows (``gfx942``: CDNA 3, wave64; ``gfx1151``, ``gfx1201``: RDNA 3.5 and 4, wave32; all with
+64 KiB of LDS) were chosen with ``python -m benchmarks.tune_targets --target T`` from the compiler's
+resource report (the largest tile that compiles with the target's matrix instructions, fits its
+LDS and spills no register), not copied from NVIDIA's; ``docs/targets.md`` shows what they compile
+to. ``waves_per_eu`` (AMD only; 0 leaves it to the compiler) asks the compiler to keep registers
+low enough for that many waves per SIMD.
 """
 
 from __future__ import annotations
@@ -21,6 +28,18 @@ class TileConfig:
     block_n: int
     num_warps: int
     num_stages: int
+    waves_per_eu: int = 0
+
+    def options(self) -> dict:
+        """The launch's compile options: warps, stages, and waves per EU where one is set (AMD)."""
+        return _options(self)
+
+
+def _options(cfg) -> dict:
+    opts = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+    if cfg.waves_per_eu:
+        opts["waves_per_eu"] = cfg.waves_per_eu
+    return opts
 
 
 # flash_attn_fwd: keyed by the padded head dim (max of Dqk and Dv, rounded up to a power of two, at
@@ -273,6 +292,10 @@ class RnnTileConfig:
     block_k: int
     num_warps: int
     num_stages: int
+    waves_per_eu: int = 0
+
+    def options(self) -> dict:
+        return _options(self)
 
 
 RNN_CELL_FWD: dict[str, dict[int, RnnTileConfig]] = {
