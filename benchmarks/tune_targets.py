@@ -41,12 +41,15 @@ def _attn_bucket(c):
     return max(16, c["BLOCK_D"], c["BLOCK_DV"])
 
 
-def _attn_candidates(fp32: bool):
+def _attn_candidates(fp32: bool, backward: bool = False):
     """Tiles for the attention kernels. Each warp holds the whole k (and v) tile of a step as the
     dot's B operand, D x block_n values over its lanes, so wave32 (RDNA) needs narrower key blocks
-    than wave64 (CDNA) at the same head dim: hence block_n down to 16."""
+    than wave64 (CDNA) at the same head dim: hence block_n down to 16. The backward kernels keep
+    two more tiles in registers (dK and dV, or dQ), so their largest candidates are smaller."""
     def make(target):
         shapes = [(128, 64), (64, 64), (128, 32), (64, 32), (128, 16), (32, 32), (64, 16), (32, 16), (16, 16)]
+        if backward:
+            shapes = [(64, 64), (32, 64), (64, 32), (16, 64), (32, 32), (64, 16), (16, 32), (32, 16), (16, 16)]
         if fp32:
             shapes = shapes[3:]
         warps = (4,) if target == "gfx942" else (4, 8)
@@ -76,14 +79,14 @@ SWEEPS: dict[str, Sweep] = {
     "attn_fwd_fp32": Sweep("FLASH_ATTN_FWD_FP32", ("flash_attn_func",), ("_flash_attn_fwd_kernel",), _attn_bucket,
                            True, _attn_candidates(True), lambda c: c.block_m * c.block_n),
     "attn_bwd_dkdv": Sweep("FLASH_ATTN_BWD_DKDV", ("flash_attn_func.backward",), ("_flash_attn_bwd_dkdv_kernel",),
-                           _attn_bucket, False, _attn_candidates(False), lambda c: c.block_m * c.block_n),
+                           _attn_bucket, False, _attn_candidates(False, True), lambda c: c.block_m * c.block_n),
     "attn_bwd_dkdv_fp32": Sweep("FLASH_ATTN_BWD_DKDV_FP32", ("flash_attn_func.backward",),
-                                ("_flash_attn_bwd_dkdv_kernel",), _attn_bucket, True, _attn_candidates(True),
+                                ("_flash_attn_bwd_dkdv_kernel",), _attn_bucket, True, _attn_candidates(True, True),
                                 lambda c: c.block_m * c.block_n),
     "attn_bwd_dq": Sweep("FLASH_ATTN_BWD_DQ", ("flash_attn_func.backward",), ("_flash_attn_bwd_dq_kernel",),
-                         _attn_bucket, False, _attn_candidates(False), lambda c: c.block_m * c.block_n),
+                         _attn_bucket, False, _attn_candidates(False, True), lambda c: c.block_m * c.block_n),
     "attn_bwd_dq_fp32": Sweep("FLASH_ATTN_BWD_DQ_FP32", ("flash_attn_func.backward",), ("_flash_attn_bwd_dq_kernel",),
-                              _attn_bucket, True, _attn_candidates(True), lambda c: c.block_m * c.block_n),
+                              _attn_bucket, True, _attn_candidates(True, True), lambda c: c.block_m * c.block_n),
     "lstm_fwd": Sweep("RNN_CELL_FWD", ("lstm_cell", "gru_cell", "rnn_cell"), _RNN_FWD, _rnn_bucket,
                       False, _rnn_candidates(False), lambda c: c.block_b * c.block_h * c.block_k, False),
     "lstm_fwd_fp32": Sweep("RNN_CELL_FWD_FP32", ("lstm_cell", "gru_cell", "rnn_cell"), _RNN_FWD,

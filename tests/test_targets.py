@@ -76,13 +76,13 @@ def test_a_16_bit_dot_uses_each_targets_matrix_instructions_and_the_check_names_
         found = {}
         for target in TARGETS:
             spec = Specialization("_toy_dot_kernel", "toy", target, sig, {"BLOCK": 64}, {}, {"num_warps": 4, "num_stages": 2},
-                                  fn=_toy_dot_kernel, _source=(sig, {(3,): 64}, attrs),
-                                  _compile_options={"num_warps": 4, "num_stages": 2})
+                                  fn=_toy_dot_kernel, triton_args=(sig, {(3,): 64}, attrs),
+                                  compile_options={"num_warps": 4, "num_stages": 2})
             kernel, report = compile_spec(spec)
             found[target] = [report.dot, report.matrix, report.problems]
         ampere = compile_spec(Specialization("_toy_dot_kernel", "toy", "sm80", sig, {}, {}, {},
-                                             fn=_toy_dot_kernel, _source=(sig, {(3,): 64}, attrs),
-                                             _compile_options={"num_warps": 4, "num_stages": 2}))[0]
+                                             fn=_toy_dot_kernel, triton_args=(sig, {(3,): 64}, attrs),
+                                             compile_options={"num_warps": 4, "num_stages": 2}))[0]
         as_hopper = read_report(ampere, GPU_TARGETS["sm90"], "k", "_toy_dot_kernel")  # mma.sync, no wgmma
         found["sm80 as sm90"] = [as_hopper.dot, as_hopper.matrix, as_hopper.problems]
         print(json.dumps(found))
@@ -166,3 +166,26 @@ def test_the_execution_matrix_says_compiled_per_target_from_the_record():
     assert cells == {"sm80": "—", "sm90": "—", "gfx942": "compiled",
                      "gfx1151": "—", "gfx1201": "**failing** (docs/targets.md)"}
     assert reference_row.endswith("| — | — | — | — | — |")
+
+
+def test_compiling_for_makes_the_launchers_read_the_targets_rows():
+    import torch
+
+    from lanekit.runtime import tuning
+
+    cpu = torch.device("cpu")
+    assert tuning.arch_id(cpu) == "generic"
+    with tuning.compiling_for("gfx1201"):
+        assert tuning.arch_id(cpu) == "gfx1201"
+        assert tuning.lookup(tuning.FLASH_ATTN_FWD, cpu, 128) == tuning.FLASH_ATTN_FWD["gfx1201"][128]
+        assert tuning.norm_bwd_programs(cpu) == tuning.NORM_BWD_PROGRAMS["generic"]
+    assert tuning.arch_id(cpu) == "generic"
+    assert tuning.norm_bwd_programs(cpu) == tuning.INTERPRETER_NORM_BWD_PROGRAMS
+
+
+def test_waves_per_eu_reaches_the_launch_only_where_a_row_sets_it():
+    from lanekit.runtime.tuning import RnnTileConfig, TileConfig
+
+    assert TileConfig(64, 32, 4, 1).options() == {"num_warps": 4, "num_stages": 1}
+    assert RnnTileConfig(16, 32, 32, 4, 1, waves_per_eu=2).options() == {
+        "num_warps": 4, "num_stages": 1, "waves_per_eu": 2}

@@ -269,7 +269,6 @@ def _export(args) -> int:
 
 
 def _targets(args) -> int:
-    import json
     from pathlib import Path
 
     from lanekit import export
@@ -279,7 +278,7 @@ def _targets(args) -> int:
     docs = Path(args.docs) if args.docs else docs_dir()
     results = export.compile_all(TARGETS, jobs=args.jobs, progress=_progress("lanekit targets"))
     data = export.record(results)
-    files = {docs / export.RECORD_FILE: json.dumps(data, indent=1) + "\n",
+    files = {docs / export.RECORD_FILE: export.dumps_record(data),
              docs / export.DOC_FILE: export.render(data)}
     if args.check:
         stale = 0

@@ -124,6 +124,13 @@ def record(results) -> dict:
     return {"version": RECORD_VERSION, "triton": triton_version(), "specializations": entries}
 
 
+def dumps_record(data: dict) -> str:
+    """The record as text: one specialization a line, so that a change reads as a short diff."""
+    head = json.dumps({k: v for k, v in data.items() if k != "specializations"})[:-1]
+    lines = ",\n".join(json.dumps(entry) for entry in data["specializations"])
+    return f'{head}, "specializations": [\n{lines}\n]}}\n'
+
+
 def read_record(path: Path) -> dict:
     data = json.loads(path.read_text())
     if data.get("version") != RECORD_VERSION:

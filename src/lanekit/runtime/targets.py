@@ -125,8 +125,9 @@ class Specialization:
     options: dict
     samples: list[str] = field(default_factory=list)
     fn: object = field(default=None, repr=False, compare=False)
-    _source: tuple = field(default=(), repr=False, compare=False)   # (signature, constexprs, attrs) as Triton keys them
-    _compile_options: dict = field(default_factory=dict, repr=False, compare=False)
+    # (signature, constexprs, attrs) keyed as Triton keys them, and Triton's compile options
+    triton_args: tuple = field(default=(), repr=False, compare=False)
+    compile_options: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def key(self) -> str:
@@ -206,7 +207,7 @@ def capture(target: str, ops: Iterable[str] | None = None) -> list[Specializatio
             attrs={names[path[0]]: _jsonable(v) for path, v in attrs.items()},
             options={"num_warps": options.num_warps, "num_stages": options.num_stages,
                      **{k: kwargs[k] for k in _RECORDED_OPTIONS if k in kwargs}},
-            fn=fn, _source=(signature, constexprs, attrs), _compile_options=dict(options.__dict__),
+            fn=fn, triton_args=(signature, constexprs, attrs), compile_options=dict(options.__dict__),
         )
         spec = found.setdefault(spec.key, spec)
         if current[0] not in spec.samples:
@@ -258,10 +259,10 @@ def compile_spec(spec: Specialization):
     from triton.compiler import ASTSource
 
     target = get_target(spec.target)
-    signature, constexprs, attrs = spec._source
+    signature, constexprs, attrs = spec.triton_args
     try:
         kernel = triton.compile(ASTSource(spec.fn, signature, constexprs, attrs),
-                                target=target.gpu_target(), options=spec._compile_options)
+                                target=target.gpu_target(), options=spec.compile_options)
     except Exception as e:  # the compiler's own message is the report
         message = " ".join(str(e).split())
         lacking, reason = UNSUPPORTED.get(spec.target, (None, ""))
