@@ -8,7 +8,9 @@ compiled for the target (lanekit.runtime.targets), and the compiler's report is 
 VGPRs (registers), shared memory / LDS, scratch spill bytes, matrix instructions. The choice per
 bucket is the largest tile (rows x columns) whose every specialization passes the target's checks
 (compiles, uses the matrix instructions, fits in shared memory, spills nothing), then the one with
-more stages, then fewer registers. It is printed as the row to write in runtime/tuning.py.
+more stages, then fewer warps; where none passes, the one that spills least (which then needs an
+allowance, with its reason, in lanekit.runtime.targets.SPILL_ALLOWANCES). It is printed as the row
+to write in runtime/tuning.py.
 
 This chooses what compiles and fits; speed is for benchmarks on the GPU itself (tune_attention.py).
 """
@@ -112,6 +114,7 @@ def sweep(name: str, target: str, jobs: int) -> dict:
     buckets = set(table["generic"]) if s.bucketed and bucketed else {0}
     order = sorted(s.candidates(target), key=lambda c: (-s.area(c), -getattr(c, "num_stages", 0), c.num_warps))
     choice: dict = {}
+    least_spill: dict = {}   # bucket -> (scratch bytes, candidate): the fallback when none passes
     try:
         for cand in order:
             open_ = buckets - set(choice)
@@ -134,6 +137,10 @@ def sweep(name: str, target: str, jobs: int) -> dict:
                       flush=True)
                 if ok:
                     choice[bucket] = cand
+                elif all(p.startswith("spills") for r in reps for p in r.problems):
+                    scratch = max(r.scratch for r in reps)
+                    if bucket not in least_spill or scratch < least_spill[bucket][0]:
+                        least_spill[bucket] = (scratch, cand)
             for bucket in open_ - set(reports):   # no sample launches this bucket: nothing to learn
                 choice.setdefault(bucket, None)
     finally:
@@ -142,7 +149,15 @@ def sweep(name: str, target: str, jobs: int) -> dict:
         else:
             table[target] = saved
     for bucket in sorted(buckets):
-        print(f"CHOICE {target} {s.table}[{bucket}]: {choice.get(bucket, 'no candidate passes')}", flush=True)
+        if bucket in choice:
+            print(f"CHOICE {target} {s.table}[{bucket}]: {choice[bucket]}", flush=True)
+        elif bucket in least_spill:
+            scratch, cand = least_spill[bucket]
+            choice[bucket] = cand
+            print(f"CHOICE {target} {s.table}[{bucket}]: {cand}: none passes; this one spills least "
+                  f"({scratch} bytes per thread: needs an entry in targets.SPILL_ALLOWANCES)", flush=True)
+        else:
+            print(f"CHOICE {target} {s.table}[{bucket}]: no candidate compiles and fits", flush=True)
     return choice
 
 

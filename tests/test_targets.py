@@ -12,13 +12,17 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
+import triton
 
 from lanekit import export, matrix
 from lanekit.cli import main
+from lanekit.runtime.lanes import get_op
 from lanekit.runtime.targets import GPU_TARGETS, TARGETS, Report, judge
 
 REPO = Path(__file__).resolve().parents[1]
 DOCS = REPO / "docs"
+TRITON_TYPE = {torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.float32: "*fp32"}
 HOW = "To regenerate: " + export.REGENERATE + "."
 
 
@@ -39,14 +43,17 @@ def test_export_writes_a_binary_and_a_manifest_per_kernel_for_every_target(tmp_p
     for target in TARGETS:
         argv += ["--target", target]
     assert main(argv) == 0
+    [sample] = get_op("adaln").samples("cpu")
+    N = sample.kwargs["x"].shape[-1]
     for target in TARGETS:
         manifest = json.loads((out / target / "_norm_fwd_kernel.json").read_text())
         assert manifest["kernel"] == "_norm_fwd_kernel" and manifest["target"] == target
         assert manifest["triton"] == export.triton_version()
         [spec] = manifest["specializations"]   # adaln has one sample: one launch
-        assert len(spec["samples"]) == 1 and spec["samples"][0].startswith("adaln: ")
-        assert spec["signature"]["X"].startswith("*") and spec["signature"]["IS_RMS"] == "constexpr"
-        assert spec["constexprs"]["HAS_MOD"] is True and spec["constexprs"]["BLOCK_N"] == 64
+        assert spec["samples"] == [f"adaln: {sample.name}"]
+        assert spec["signature"]["X"] == TRITON_TYPE[sample.kwargs["x"].dtype]
+        assert spec["signature"]["IS_RMS"] == "constexpr"
+        assert spec["constexprs"]["HAS_MOD"] is True and spec["constexprs"]["BLOCK_N"] == triton.next_power_of_2(N)
         assert spec["num_warps"] == 4 and spec["num_stages"] >= 1 and spec["compiled"] is True
         assert spec["problems"] == [] and spec["scratch"] == 0 and spec["registers"] > 0
         assert spec["dot"] == "" and spec["matrix"] == []
@@ -169,10 +176,7 @@ def test_the_execution_matrix_says_compiled_per_target_from_the_record():
 
 
 def test_compiling_for_makes_the_launchers_read_the_targets_rows():
-    import torch
-
     from lanekit.runtime import tuning
-
     cpu = torch.device("cpu")
     assert tuning.arch_id(cpu) == "generic"
     with tuning.compiling_for("gfx1201"):

@@ -69,7 +69,19 @@ FLASH_ATTN_FWD: dict[str, dict[int, TileConfig]] = {
         128: TileConfig(128, 64, 8, 3),
         256: TileConfig(64, 32, 4, 2),
     },
+    # RDNA (wave32): `benchmarks.tune_targets --target gfx1201 --sweep attn_fwd`. Every warp holds
+    # the whole k and v tiles of a step as WMMA operands (D x block_n over 32 lanes), so the
+    # generic 64x64 with 4 warps spilled up to 4 KB per thread at D=128; narrower key blocks and
+    # 8 warps do not spill. gfx1151 (RDNA 3.5) takes the same rows: same wave size and LDS.
+    "gfx1201": {
+        16: TileConfig(128, 64, 4, 2),
+        32: TileConfig(128, 64, 8, 2),
+        64: TileConfig(128, 32, 8, 2),
+        128: TileConfig(32, 32, 8, 1),
+        256: TileConfig(128, 16, 8, 2),
+    },
 }
+FLASH_ATTN_FWD["gfx1151"] = FLASH_ATTN_FWD["gfx1201"]
 
 # flash_attn_with_kvcache (decode and chunked prefill over a paged cache): block_m rows of (query,
 # head) pairs (decode uses 16, the least tl.dot takes, when Sq * group <= 16), block_n keys per step.
@@ -96,7 +108,14 @@ FLASH_ATTN_FWD_FP32: dict[str, dict[int, TileConfig]] = {
         128: TileConfig(64, 32, 4, 2),
         256: TileConfig(32, 32, 4, 1),
     },
+    # RDNA: the same sweep (attn_fwd_fp32); the samples exercise D=1 and D=256. At D=256 every
+    # candidate spills on RDNA, 16x16 with 8 warps least (targets.SPILL_ALLOWANCES says why).
+    "gfx1201": {
+        16: TileConfig(64, 32, 4, 2),
+        256: TileConfig(16, 16, 8, 1),
+    },
 }
+FLASH_ATTN_FWD_FP32["gfx1151"] = FLASH_ATTN_FWD_FP32["gfx1201"]
 
 # flash_attn backward: one table for the dK/dV kernel (block_m: query rows per step, block_n: the
 # program's keys, whose dK and dV accumulate in registers) and one for the dQ kernel (block_m: the
@@ -119,7 +138,18 @@ FLASH_ATTN_BWD_DKDV: dict[str, dict[int, TileConfig]] = {
         128: TileConfig(64, 128, 8, 2),
         256: TileConfig(16, 64, 8, 2),
     },
+    # RDNA (attn_bwd_dkdv sweep): dK and dV (block_n x D fp32 each) stay in registers beside the k
+    # and v operands; above D=64 every candidate down to 16x16 spills on wave32, 16x16 with 8
+    # warps least (targets.SPILL_ALLOWANCES).
+    "gfx1201": {
+        16: TileConfig(64, 64, 4, 1),
+        32: TileConfig(32, 64, 4, 1),
+        64: TileConfig(16, 64, 8, 2),
+        128: TileConfig(16, 16, 8, 1),
+        256: TileConfig(16, 16, 8, 1),
+    },
 }
+FLASH_ATTN_BWD_DKDV["gfx1151"] = FLASH_ATTN_BWD_DKDV["gfx1201"]
 FLASH_ATTN_BWD_DQ: dict[str, dict[int, TileConfig]] = {
     "generic": {
         16: TileConfig(64, 32, 4, 2),
@@ -137,7 +167,16 @@ FLASH_ATTN_BWD_DQ: dict[str, dict[int, TileConfig]] = {
         128: TileConfig(128, 64, 8, 3),
         256: TileConfig(64, 32, 8, 1),
     },
+    # RDNA (attn_bwd_dq sweep): the largest tiles that do not spill.
+    "gfx1201": {
+        16: TileConfig(64, 64, 4, 2),
+        32: TileConfig(64, 64, 4, 1),
+        64: TileConfig(64, 32, 8, 2),
+        128: TileConfig(32, 16, 8, 2),
+        256: TileConfig(64, 16, 8, 1),
+    },
 }
+FLASH_ATTN_BWD_DQ["gfx1151"] = FLASH_ATTN_BWD_DQ["gfx1201"]
 # fp32 backward: small tiles everywhere (see the fp32 forward above).
 FLASH_ATTN_BWD_DKDV_FP32: dict[str, dict[int, TileConfig]] = {
     "generic": {16: TileConfig(32, 32, 4, 1), 32: TileConfig(32, 32, 4, 1), 64: TileConfig(32, 32, 4, 1),
