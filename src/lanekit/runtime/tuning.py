@@ -80,6 +80,16 @@ FLASH_ATTN_FWD: dict[str, dict[int, TileConfig]] = {
         128: TileConfig(32, 32, 8, 1),
         256: TileConfig(128, 16, 8, 2),
     },
+    # CDNA 3 (wave64, MFMA): `benchmarks.tune_targets --target gfx942 --sweep attn_fwd`: the
+    # generic 64x64 spilled with bias + mask (D=111) and with dropout (D=32); 128-row tiles with 4
+    # warps fit in 512 VGPRs + AGPRs and 64 KiB of LDS, with 32 keys a step at D=128.
+    "gfx942": {
+        16: TileConfig(128, 64, 4, 2),
+        32: TileConfig(128, 64, 4, 2),
+        64: TileConfig(128, 64, 4, 2),
+        128: TileConfig(128, 32, 4, 2),
+        256: TileConfig(128, 64, 4, 2),
+    },
 }
 FLASH_ATTN_FWD["gfx1151"] = FLASH_ATTN_FWD["gfx1201"]
 
@@ -148,6 +158,15 @@ FLASH_ATTN_BWD_DKDV: dict[str, dict[int, TileConfig]] = {
         128: TileConfig(16, 16, 8, 1),
         256: TileConfig(16, 16, 8, 1),
     },
+    # CDNA 3 (attn_bwd_dkdv sweep): the generic 32x64 spilled with ALiBi (D=128) and with bias +
+    # mask (D=111); these are the largest tiles that fit in 512 VGPRs + AGPRs without spilling.
+    "gfx942": {
+        16: TileConfig(64, 64, 4, 2),
+        32: TileConfig(64, 64, 4, 1),
+        64: TileConfig(64, 64, 4, 1),
+        128: TileConfig(32, 64, 4, 1),
+        256: TileConfig(16, 64, 4, 2),
+    },
 }
 FLASH_ATTN_BWD_DKDV["gfx1151"] = FLASH_ATTN_BWD_DKDV["gfx1201"]
 FLASH_ATTN_BWD_DQ: dict[str, dict[int, TileConfig]] = {
@@ -175,9 +194,18 @@ FLASH_ATTN_BWD_DQ: dict[str, dict[int, TileConfig]] = {
         128: TileConfig(32, 16, 8, 2),
         256: TileConfig(64, 16, 8, 1),
     },
+    # CDNA 3 (attn_bwd_dq sweep): the largest tiles that do not spill.
+    "gfx942": {
+        16: TileConfig(64, 64, 4, 2),
+        32: TileConfig(64, 64, 4, 2),
+        64: TileConfig(64, 64, 4, 2),
+        128: TileConfig(32, 64, 4, 2),
+        256: TileConfig(64, 32, 4, 2),
+    },
 }
 FLASH_ATTN_BWD_DQ["gfx1151"] = FLASH_ATTN_BWD_DQ["gfx1201"]
-# fp32 backward: small tiles everywhere (see the fp32 forward above).
+# fp32 backward: small tiles everywhere (see the fp32 forward above). On gfx942 the generic fp32
+# rows compile and fit (docs/targets.md), so CDNA has no fp32 rows of its own.
 FLASH_ATTN_BWD_DKDV_FP32: dict[str, dict[int, TileConfig]] = {
     "generic": {16: TileConfig(32, 32, 4, 1), 32: TileConfig(32, 32, 4, 1), 64: TileConfig(32, 32, 4, 1),
                 128: TileConfig(16, 32, 4, 1), 256: TileConfig(16, 16, 4, 1)},
@@ -273,7 +301,11 @@ class RotaryConfig:
 # sm90: `python -m benchmarks.tune_layers` on the H200 (CUDA-graph timing, Llama-3-8B shapes):
 # RoPE of q 3844 GB/s at 32 rows and 4 warps (3848 with 8); RMSNorm + RoPE of q and k 3334 at 16
 # rows (32 rows: below 3215); the quantized form 1957 at 32 rows.
-ROTARY: dict[str, RotaryConfig] = {"generic": RotaryConfig(32, 4, 16)}
+# RDNA (`benchmarks.tune_targets --sweep rope_bwd`): the backward of RMSNorm + RoPE spilled with 16
+# tokens a program on wave32 at D=80; 8 do not.
+ROTARY: dict[str, RotaryConfig] = {"generic": RotaryConfig(32, 4, 16),
+                                   "gfx1201": RotaryConfig(32, 4, 16, bwd_block_s=8)}
+ROTARY["gfx1151"] = ROTARY["gfx1201"]
 
 
 @dataclass(frozen=True)
@@ -351,7 +383,14 @@ RNN_CELL_FWD: dict[str, dict[int, RnnTileConfig]] = {
         128: RnnTileConfig(64, 64, 64, 8, 3),
     },
 }
-# fp32: twice the bytes per tile; fp32 is chosen for accuracy, so small tiles everywhere.
+# RDNA (`benchmarks.tune_targets --sweep lstm_fwd`, one row for every batch bucket: B is not
+# specialized): the generic 16-row tile spilled on gfx1151 (B=1, fp16); 64x64x32 with 8 warps is
+# the largest that fits wave32's 256 VGPRs for the LSTM's four gate accumulators.
+RNN_CELL_FWD["gfx1201"] = RNN_CELL_FWD["gfx1151"] = {
+    b: RnnTileConfig(64, 64, 32, 8, 2) for b in RNN_CELL_FWD["generic"]}
+# fp32: twice the bytes per tile; fp32 is chosen for accuracy, so small tiles everywhere. RDNA
+# (lstm_fwd_fp32 sweep): the generic 32-row tiles spilled about 1 KB per thread with 4 warps;
+# 16 rows with 8 warps do not.
 RNN_CELL_FWD_FP32: dict[str, dict[int, RnnTileConfig]] = {
     "generic": {
         16: RnnTileConfig(16, 32, 32, 4, 2),
@@ -360,6 +399,8 @@ RNN_CELL_FWD_FP32: dict[str, dict[int, RnnTileConfig]] = {
         128: RnnTileConfig(32, 32, 32, 4, 2),
     },
 }
+RNN_CELL_FWD_FP32["gfx1201"] = RNN_CELL_FWD_FP32["gfx1151"] = {
+    b: RnnTileConfig(16, 32, 32, 8, 2) for b in RNN_CELL_FWD_FP32["generic"]}
 # The backward's pointwise kernel (gate gradients): block_m batch rows by block_n hidden units.
 RNN_CELL_BWD: dict[str, dict[int, TileConfig]] = {
     "generic": {
