@@ -194,14 +194,15 @@ def render(data: dict) -> str:
         "target (" + ", ".join(f"{t.name} {_kib(t.max_shared)}" for t in GPU_TARGETS.values()) + "); "
         f"it spills no more than {SPILL_BUDGET} bytes per thread to scratch"
         + ("" if not SPILL_ALLOWANCES else ", except: " + "; ".join(
-            f"`{k}` on {t}: {b} bytes ({why})" for (k, t), (b, why) in sorted(SPILL_ALLOWANCES.items())))
+            f"`{k}` on {' and '.join(ts)}: {b} bytes ({why})" for (k, b, why), ts in _grouped(SPILL_ALLOWANCES)))
         + ". An fp32 `tl.dot` is not held to the matrix check (RDNA has no fp32 WMMA; fp32 is chosen "
         "for accuracy). Other matrix instructions accepted: " + "; ".join(
-            f"`{k}` on {t}: {why}" for (k, t), (_, why) in sorted(MATRIX_ALLOWANCES.items())) + ".",
+            f"{', '.join(f'`{k}`' for k in ks)} on {t}: {why}" for (t, why), ks in _by_reason(MATRIX_ALLOWANCES))
+        + ".",
     ]
     for target in TARGETS:
         t = GPU_TARGETS[target]
-        regs = "VGPRs + AGPRs" if t.backend == "hip" else "registers"
+        regs = "registers" if t.backend == "cuda" else "VGPRs + AGPRs" if t.warp_size == 64 else "VGPRs"
         lines += ["", f"## {target}", "",
                   _row(["kernel", "specializations", "warps × stages", "matrix instructions",
                         f"{regs} (max)", "shared memory (max)", "scratch bytes (max)"]),
@@ -236,6 +237,23 @@ def render(data: dict) -> str:
             samples = "; ".join(s["samples"][:3]) + (f"; and {len(s['samples']) - 3} more" if len(s["samples"]) > 3 else "")
             lines.append(f"- {s['target']} · `{s['kernel']}` ({s['key']}; {samples}): " + "; ".join(s["problems"]))
     return "\n".join(lines) + "\n"
+
+
+def _grouped(allowances: dict) -> list:
+    """{(kernel, target): (value, reason)} as [((kernel, value, reason), [targets])], in order."""
+    groups: dict = {}
+    for (kernel, target), (value, why) in sorted(allowances.items(),
+                                                 key=lambda kv: (kv[0][0], TARGETS.index(kv[0][1]))):
+        groups.setdefault((kernel, value, why), []).append(target)
+    return list(groups.items())
+
+
+def _by_reason(allowances: dict) -> list:
+    """{(kernel, target): (value, reason)} as [((target, reason), [kernels])], in order."""
+    groups: dict = {}
+    for (kernel, target), (_, why) in sorted(allowances.items()):
+        groups.setdefault((target, why), []).append(kernel)
+    return list(groups.items())
 
 
 def _short(instructions: list[str], limit: int = 4) -> list[str]:
