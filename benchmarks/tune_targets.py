@@ -33,10 +33,14 @@ class Sweep:
     ops: tuple[str, ...]             # whose samples launch the kernel
     kernels: tuple[str, ...]
     bucket: Callable[[dict], int]    # a specialization's constexprs -> the table's key
-    fp32: bool                       # the table of fp32 inputs, or of 16-bit ones
+    fp32: bool | None                # the table of fp32 inputs, or of 16-bit ones; None: of both
     candidates: Callable[[str], list]   # target -> candidate rows
     area: Callable[[object], int]    # the size of a candidate's tile, bigger preferred
     bucketed: bool = True            # a row per bucket (head dim); else one row for every bucket
+
+
+_ATTN_FWD_OPS = ("flash_attn_func", "flash_attn_varlen_func")
+_ATTN_BWD_OPS = ("flash_attn_func.backward", "flash_attn_varlen_func.backward")
 
 
 def _attn_bucket(c):
@@ -76,19 +80,21 @@ def _rnn_candidates(fp32: bool):
 
 
 SWEEPS: dict[str, Sweep] = {
-    "attn_fwd": Sweep("FLASH_ATTN_FWD", ("flash_attn_func",), ("_flash_attn_fwd_kernel",), _attn_bucket, False,
+    "attn_fwd": Sweep("FLASH_ATTN_FWD", _ATTN_FWD_OPS, ("_flash_attn_fwd_kernel",), _attn_bucket, False,
                       _attn_candidates(False), lambda c: c.block_m * c.block_n),
-    "attn_fwd_fp32": Sweep("FLASH_ATTN_FWD_FP32", ("flash_attn_func",), ("_flash_attn_fwd_kernel",), _attn_bucket,
+    "attn_fwd_fp32": Sweep("FLASH_ATTN_FWD_FP32", _ATTN_FWD_OPS, ("_flash_attn_fwd_kernel",), _attn_bucket,
                            True, _attn_candidates(True), lambda c: c.block_m * c.block_n),
-    "attn_bwd_dkdv": Sweep("FLASH_ATTN_BWD_DKDV", ("flash_attn_func.backward",), ("_flash_attn_bwd_dkdv_kernel",),
+    "attn_bwd_dkdv": Sweep("FLASH_ATTN_BWD_DKDV", _ATTN_BWD_OPS, ("_flash_attn_bwd_dkdv_kernel",),
                            _attn_bucket, False, _attn_candidates(False, True), lambda c: c.block_m * c.block_n),
-    "attn_bwd_dkdv_fp32": Sweep("FLASH_ATTN_BWD_DKDV_FP32", ("flash_attn_func.backward",),
+    "attn_bwd_dkdv_fp32": Sweep("FLASH_ATTN_BWD_DKDV_FP32", _ATTN_BWD_OPS,
                                 ("_flash_attn_bwd_dkdv_kernel",), _attn_bucket, True, _attn_candidates(True, True),
                                 lambda c: c.block_m * c.block_n),
-    "attn_bwd_dq": Sweep("FLASH_ATTN_BWD_DQ", ("flash_attn_func.backward",), ("_flash_attn_bwd_dq_kernel",),
+    "attn_bwd_dq": Sweep("FLASH_ATTN_BWD_DQ", _ATTN_BWD_OPS, ("_flash_attn_bwd_dq_kernel",),
                          _attn_bucket, False, _attn_candidates(False, True), lambda c: c.block_m * c.block_n),
-    "attn_bwd_dq_fp32": Sweep("FLASH_ATTN_BWD_DQ_FP32", ("flash_attn_func.backward",), ("_flash_attn_bwd_dq_kernel",),
+    "attn_bwd_dq_fp32": Sweep("FLASH_ATTN_BWD_DQ_FP32", _ATTN_BWD_OPS, ("_flash_attn_bwd_dq_kernel",),
                               _attn_bucket, True, _attn_candidates(True, True), lambda c: c.block_m * c.block_n),
+    "attn_kvcache": Sweep("FLASH_ATTN_KVCACHE", ("flash_attn_with_kvcache",), ("_flash_attn_kvcache_kernel",),
+                          _attn_bucket, None, _attn_candidates(False), lambda c: c.block_m * c.block_n),
     "lstm_fwd": Sweep("RNN_CELL_FWD", ("lstm_cell", "gru_cell", "rnn_cell"), _RNN_FWD, _rnn_bucket,
                       False, _rnn_candidates(False), lambda c: c.block_b * c.block_h * c.block_k, False),
     "lstm_fwd_fp32": Sweep("RNN_CELL_FWD_FP32", ("lstm_cell", "gru_cell", "rnn_cell"), _RNN_FWD,
@@ -123,7 +129,7 @@ def sweep(name: str, target: str, jobs: int) -> dict:
             table[target] = {b: cand for b in table["generic"]} if bucketed else cand
 
             def keep(spec):
-                return (spec.kernel in s.kernels and _is_fp32(spec) == s.fp32
+                return (spec.kernel in s.kernels and s.fp32 in (None, _is_fp32(spec))
                         and s.bucket(spec.constexprs) in open_)
             reports: dict[int, list] = {}
             for spec, rep, _ in compile_all([target], s.ops, jobs=jobs, keep=keep):

@@ -37,28 +37,36 @@ TARGETS: tuple[str, ...] = ("sm80", "sm90", "gfx942", "gfx1151", "gfx1201")
 SPILL_BUDGET = 0
 _RDNA_FP32_D256 = ("fp32 at D=256: the q tile and the accumulator (block_m x 256 fp32 each) beside the k "
                    "and v operands exceed wave32's 256 VGPRs at every tile down to 16x16 "
-                   "(benchmarks.tune_targets --sweep attn_fwd_fp32); the 16-bit forward does not spill")
+                   "(benchmarks.tune_targets --sweep attn_fwd_fp32); fp32 at D=128 and the 16-bit forward "
+                   "do not spill")
 _RDNA_DKDV = ("dK and dV (block_n x D fp32 each) stay in registers beside the k and v operands: above D=64, "
               "and in fp32, that exceeds wave32's 256 VGPRs at every tile down to 16x16 "
               "(benchmarks.tune_targets --sweep attn_bwd_dkdv); the rows take the tile that spills least")
 _RDNA_DQ_FP32 = ("fp32 at D=256: dQ and the q tile (block_m x 256 fp32 each) beside the k and v operands exceed "
                  "wave32's 256 VGPRs at every tile down to 16x16 (benchmarks.tune_targets --sweep "
                  "attn_bwd_dq_fp32)")
+_RDNA_KVCACHE = ("fp32 at D=128 (its one fp32 sample): every candidate tile spills on wave32, 16 keys a step with "
+                 "8 warps least (benchmarks.tune_targets --sweep attn_kvcache); the 16-bit paths do not spill")
 SPILL_ALLOWANCES: dict[tuple[str, str], tuple[int, str]] = {
-    (kernel, rdna): (limit, why) for rdna in ("gfx1151", "gfx1201") for kernel, limit, why in (
+    **{(kernel, rdna): (limit, why) for rdna in ("gfx1151", "gfx1201") for kernel, limit, why in (
         ("_flash_attn_fwd_kernel", 796, _RDNA_FP32_D256),
-        ("_flash_attn_bwd_dkdv_kernel", 2600, _RDNA_DKDV),
+        ("_flash_attn_bwd_dkdv_kernel", 2608, _RDNA_DKDV),
         ("_flash_attn_bwd_dq_kernel", 2556, _RDNA_DQ_FP32),
-    )
+    )},
+    ("_flash_attn_kvcache_kernel", "gfx1151"): (168, _RDNA_KVCACHE),
+    ("_flash_attn_kvcache_kernel", "gfx1201"): (36, _RDNA_KVCACHE),
 }
 
 # Where a kernel may use another matrix instruction than the target's own: (kernel, target) ->
 # (a regular expression for it, the reason).
 _SMALL_BATCH = ("its batch tiles for B <= 32 (16 and 32 rows) are under wgmma's 64 rows per warpgroup, "
                 "so Triton uses Ampere's mma.sync there, still on the tensor cores")
+_DECODE_ROWS = ("decode and short appends (Sq x group <= 16 rows of (query, head) pairs) take a 16-row tile, "
+                "under wgmma's 64 rows per warpgroup, so Triton uses mma.sync there, still on the tensor cores")
 MATRIX_ALLOWANCES: dict[tuple[str, str], tuple[str, str]] = {
-    (kernel, "sm90"): (r"\bmma\.sync\.aligned\.\S+", _SMALL_BATCH)
-    for kernel in ("_lstm_cell_fwd_kernel", "_gru_cell_fwd_kernel", "_rnn_cell_fwd_kernel")
+    **{(kernel, "sm90"): (r"\bmma\.sync\.aligned\.\S+", _SMALL_BATCH)
+       for kernel in ("_lstm_cell_fwd_kernel", "_gru_cell_fwd_kernel", "_rnn_cell_fwd_kernel")},
+    ("_flash_attn_kvcache_kernel", "sm90"): (r"\bmma\.sync\.aligned\.\S+", _DECODE_ROWS),
 }
 
 # Data types a target does not have: a specialization that needs one is "unsupported" there, not

@@ -104,7 +104,15 @@ FLASH_ATTN_KVCACHE: dict[str, dict[int, TileConfig]] = {
         128: TileConfig(64, 64, 4, 2),
         256: TileConfig(32, 32, 4, 1),
     },
+    # CDNA 3 (`benchmarks.tune_targets --target gfx942 --sweep attn_kvcache`): 64 keys a step
+    # spilled, and at D=128 with 2 stages needed 68 KiB of LDS; 32 keys fit. The samples exercise
+    # D=64 and D=128 only.
+    "gfx942": {64: TileConfig(128, 32, 4, 2), 128: TileConfig(128, 32, 4, 2)},
+    # RDNA (the same sweep, gfx1201): 32 keys a step at D=64; at D=128 every candidate spills (its
+    # fp32 sample), 16 keys with 8 warps least (targets.SPILL_ALLOWANCES).
+    "gfx1201": {64: TileConfig(128, 32, 4, 2), 128: TileConfig(128, 16, 8, 1)},
 }
+FLASH_ATTN_KVCACHE["gfx1151"] = FLASH_ATTN_KVCACHE["gfx1201"]
 
 # fp32 inputs: twice the bytes per tile, and fp32 is chosen for accuracy rather than speed, so
 # small tiles on every architecture. Sized with the compiler's report of shared memory for sm90
@@ -118,10 +126,12 @@ FLASH_ATTN_FWD_FP32: dict[str, dict[int, TileConfig]] = {
         128: TileConfig(64, 32, 4, 2),
         256: TileConfig(32, 32, 4, 1),
     },
-    # RDNA: the same sweep (attn_fwd_fp32); the samples exercise D=1 and D=256. At D=256 every
-    # candidate spills on RDNA, 16x16 with 8 warps least (targets.SPILL_ALLOWANCES says why).
+    # RDNA: the same sweep (attn_fwd_fp32) over flash_attn_func's samples (D=1 and D=256): at
+    # D=256 every candidate spills on RDNA, 16x16 with 8 warps least (targets.SPILL_ALLOWANCES
+    # says why). D=128 (a varlen sample) takes the same tile, not yet swept.
     "gfx1201": {
         16: TileConfig(64, 32, 4, 2),
+        128: TileConfig(16, 16, 8, 1),
         256: TileConfig(16, 16, 8, 1),
     },
 }
@@ -212,7 +222,7 @@ FLASH_ATTN_BWD_DKDV_FP32: dict[str, dict[int, TileConfig]] = {
     # RDNA: the attn_bwd_dkdv_fp32 sweep was not run to its end (each D=256 candidate spills over
     # 10 KB and takes minutes to compile); 16x16 with 8 warps, the 16-bit sweep's least-spilling
     # tile, until it is. docs/targets.md shows what it spills (targets.SPILL_ALLOWANCES).
-    "gfx1201": {16: TileConfig(16, 16, 8, 1), 256: TileConfig(16, 16, 8, 1)},
+    "gfx1201": {16: TileConfig(16, 16, 8, 1), 128: TileConfig(16, 16, 8, 1), 256: TileConfig(16, 16, 8, 1)},
 }
 FLASH_ATTN_BWD_DKDV_FP32["gfx1151"] = FLASH_ATTN_BWD_DKDV_FP32["gfx1201"]
 FLASH_ATTN_BWD_DQ_FP32: dict[str, dict[int, TileConfig]] = {
