@@ -507,6 +507,187 @@ def _quantize(x, qmax, QUANT: tl.constexpr):
     return tl.minimum(tl.maximum(x, -qmax), qmax)
 
 
+# --------------------------------------------------------------------------------------------
+# QK-norm: RMSNorm per head, RoPE, and optionally per-(token, head) quantization, of q and k in
+# one launch
+# --------------------------------------------------------------------------------------------
+
+_TWO_POW_896 = tl.constexpr(2.0 ** 896)
+
+
+@triton.jit
+def _pick(is_k, k_value, q_value):
+    """k's value in a k program, q's in a q program (program-uniform scalars and pointers)."""
+    return tl.where(is_k, k_value, q_value)
+
+
+@triton.jit
+def _load_f32(ptr, mask, EVEN: tl.constexpr):
+    if EVEN:
+        return tl.load(ptr).to(tl.float32)
+    return tl.load(ptr, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _store(ptr, value, mask, EVEN: tl.constexpr):
+    if EVEN:
+        tl.store(ptr, value)
+    else:
+        tl.store(ptr, value, mask=mask)
+
+
+@triton.jit
+def _scaled_f64(p, SQUARES: tl.constexpr):
+    """p * 2^-896 in fp64, exactly, for fp32 p >= 0, without a conversion instruction (F2F.F64 runs
+    16 per clock per SM on sm90; these are one or two shifts). An fp32 bit pattern shifted right by
+    3 into the high word of an fp64 keeps the sign (0), puts the exponent field e in the fp64's and
+    the mantissa in its top: the fp64 read is 2^(e - 1023) * 1.m where p is 2^(e - 127) * 1.m, and
+    for a subnormal p (e = 0) both are the same multiple of their least step; the 3 bits shifted
+    out go to the low word (fp16 squares have 22 significant bits and may use them; bf16 squares,
+    16 bits, leave them 0 whenever p is normal, SQUARES == 3)."""
+    bits = p.to(tl.uint32, bitcast=True)
+    if SQUARES == 3:
+        wide = (bits >> 3).to(tl.uint64) << 32
+    else:
+        wide = bits.to(tl.uint64) << 29
+    return wide.to(tl.float64, bitcast=True)
+
+
+@triton.jit
+def _square_sum(a, bb, rest, HAS_REST: tl.constexpr, SQUARES: tl.constexpr):
+    """The sum over the features (axis 2) of the squares of a, bb [and rest], per row.
+
+    SQUARES 0: in fp32 (the norm without quantization). 1: in fp64 (fp32 inputs: the oracle's
+    float64 sum). 2 (fp16 inputs), 3 (bf16 inputs): the exact sum in fp64, of the squares taken in
+    fp32. The square of an fp16 value is exact in fp32 (at most 22 significant bits, from 2^-48 to
+    below 2^32); so is the square of a bf16 value with 2^-67 <= |x| < 2^64 (16 bits; 2^-149 is the
+    least fp32 step), or 0. Each exact square enters the fp64 sum as p * 2^-896 exactly
+    (_scaled_f64), and the sum is scaled back by 2^896, which is exact: so the result is the fp64
+    sum of the same exact squares that the oracle adds, in another order, and equal to it whenever
+    the oracle's sum is exact (squares spanning fewer than 30 binades: every partial sum of either
+    order is then representable). A bf16 row with a square that is not exact has a sum of 0 or
+    outside [2^-64, 2^126): |x| >= 2^64 makes the sum at least 2^128 (inf, NaN too, read past
+    2^126); a square that lost bits below 2^-149 is under 2^-134, and a row whose squares all lie
+    within the oracle's 30 binades of it sums to under 2^-97. The caller redoes such tiles with
+    SQUARES 1.
+    """
+    if SQUARES == 0:
+        ss = tl.sum(a * a, axis=2) + tl.sum(bb * bb, axis=2)
+        if HAS_REST:
+            ss += tl.sum(rest * rest, axis=2)
+    elif SQUARES == 1:
+        a64, b64 = a.to(tl.float64), bb.to(tl.float64)
+        ss = tl.sum(a64 * a64, axis=2) + tl.sum(b64 * b64, axis=2)
+        if HAS_REST:
+            r64 = rest.to(tl.float64)
+            ss += tl.sum(r64 * r64, axis=2)
+    else:
+        ss = tl.sum(_scaled_f64(a * a, SQUARES), axis=2) + tl.sum(_scaled_f64(bb * bb, SQUARES), axis=2)
+        if HAS_REST:
+            ss += tl.sum(_scaled_f64(rest * rest, SQUARES), axis=2)
+        ss = ss * tl.full([], _TWO_POW_896, tl.float64)
+    return ss
+
+
+@triton.jit
+def _qk_norm_rope_fwd_kernel(
+    Q, K, Q_OUT, K_OUT, Q_W, K_W, Q_SCALE, K_SCALE, COS, SIN, POS, SEQ_OFFSETS,
+    stride_qb, stride_qs, stride_qh, stride_qd, stride_kb, stride_ks, stride_kh, stride_kd,
+    stride_qob, stride_qos, stride_qoh, stride_qod, stride_kob, stride_kos, stride_koh, stride_kod,
+    stride_qsb, stride_qss, stride_qsh, stride_ksb, stride_kss, stride_ksh, stride_qw, stride_kw,
+    stride_cs, stride_cd, stride_ss, stride_sd, stride_pb, stride_ps,
+    S, HQ, HK, D, ROT_START, HALF, q_programs, seq_offset, eps, offset, qmax,
+    BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr,
+    HAS_REST: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+    QUANT: tl.constexpr, SQUARES: tl.constexpr, EVEN: tl.constexpr, HAS_POS_IDS: tl.constexpr,
+    HAS_OFFSET_TENSOR: tl.constexpr,
+):
+    # Programs [0, q_programs) take tiles of q, the rest tiles of k (one launch: the small k part
+    # no longer runs alone at the tail of its own launch). A tile is BLOCK_S tokens x BLOCK_H heads
+    # of one batch entry, each (token, head) row of D features in three pieces: the rotary pairs'
+    # first members a, their second members bb, and the features outside the rotary range (rest).
+    # QUANT: 0 none, 1 int8, 2 fp8 e4m3; then every step is one exactly rounded operation (see
+    # reference.layers.qk_norm_rope_quant; the launcher turns off fused multiply-adds).
+    # EVEN: every row and pair of every tile exists (no masks).
+    pid = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    is_k = pid >= q_programs
+    H = _pick(is_k, HK, HQ)
+    tile = pid - _pick(is_k, q_programs, 0)
+    h_blocks = tl.cdiv(H, BLOCK_H)
+    offs_s = (tile // h_blocks).to(tl.int64) * BLOCK_S + tl.arange(0, BLOCK_S).to(tl.int64)   # [BLOCK_S]
+    h = (tile % h_blocks) * BLOCK_H + tl.arange(0, BLOCK_H)                                   # [BLOCK_H]
+    tok, in_seq, pos = _rotary_tokens(b, offs_s, SEQ_OFFSETS, POS, SEQ_OFFSETS, seq_offset, S,
+                                      stride_pb, stride_ps, False, HAS_POS_IDS, HAS_OFFSET_TENSOR)
+    # row offsets in int64 ([BLOCK_S, BLOCK_H, 1]); offsets within a row in int32 (the launcher
+    # checks that D * stride_d fits)
+    tok3 = tok[:, None, None]
+    h3 = h.to(tl.int64)[None, :, None]
+    x_rows = (_pick(is_k, K, Q) + b * _pick(is_k, stride_kb, stride_qb) + tok3 * _pick(is_k, stride_ks, stride_qs)
+              + h3 * _pick(is_k, stride_kh, stride_qh))
+    o_rows = (_pick(is_k, K_OUT, Q_OUT) + b * _pick(is_k, stride_kob, stride_qob)
+              + tok3 * _pick(is_k, stride_kos, stride_qos) + h3 * _pick(is_k, stride_koh, stride_qoh))
+    stride_xd = _pick(is_k, stride_kd, stride_qd)
+    stride_od = _pick(is_k, stride_kod, stride_qod)
+    row_mask2 = in_seq[:, None] & (h < H)[None, :]                                          # [BS, BH]
+    row_mask = row_mask2[:, :, None]
+    offs_i = tl.arange(0, BLOCK_HALF)
+    da, db = _rotary_pairs(offs_i, ROT_START, HALF, INTERLEAVED)
+    da3, db3 = da[None, None, :], db[None, None, :]
+    pair_mask = row_mask & (offs_i < HALF)[None, None, :]                                    # [BS, BH, BLOCK_HALF]
+    a = _load_f32(x_rows + da3 * stride_xd, pair_mask, EVEN)
+    bb = _load_f32(x_rows + db3 * stride_xd, pair_mask, EVEN)
+    rest = a  # a placeholder when there is no rest
+    if HAS_REST:
+        offs_d = tl.arange(0, BLOCK_D)
+        is_rest = (offs_d < D) & ((offs_d < ROT_START) | (offs_d >= ROT_START + 2 * HALF))
+        rest_mask = row_mask & is_rest[None, None, :]                                       # [BS, BH, BLOCK_D]
+        rest = tl.load(x_rows + offs_d[None, None, :] * stride_xd, mask=rest_mask, other=0.0).to(tl.float32)
+    ss = _square_sum(a, bb, rest, HAS_REST, SQUARES)                                        # [BS, BH]
+    if SQUARES == 3:  # a bf16 square outside fp32's exact range: this tile in fp64
+        inexact = (ss != 0) & ~((ss >= 2.0 ** -64) & (ss < 2.0 ** 126))
+        if tl.max(tl.max(inexact.to(tl.int32), axis=1), axis=0) > 0:
+            ss = _square_sum(a, bb, rest, HAS_REST, 1)
+    rstd = (1.0 / tl.sqrt(ss / D + eps)).to(tl.float32)[:, :, None]  # fp64 when ss is: so is this
+    a = a * rstd
+    bb = bb * rstd
+    W = _pick(is_k, K_W, Q_W)
+    stride_w = _pick(is_k, stride_kw, stride_qw)
+    if HAS_WEIGHT:
+        a = a * (tl.load(W + da * stride_w, mask=offs_i < HALF, other=0.0).to(tl.float32) + offset)[None, None, :]
+        bb = bb * (tl.load(W + db * stride_w, mask=offs_i < HALF, other=0.0).to(tl.float32) + offset)[None, None, :]
+    if HAS_REST:
+        rest = rest * rstd
+        if HAS_WEIGHT:
+            rest = rest * (tl.load(W + offs_d * stride_w, mask=is_rest, other=0.0).to(tl.float32) + offset)[None, None, :]
+    # cos and sin once per token, for all of its heads: [BLOCK_S, 1, BLOCK_HALF]
+    cs_mask = in_seq[:, None] & (offs_i < HALF)[None, :]
+    cos = _load_f32(COS + pos[:, None] * stride_cs + offs_i[None, :] * stride_cd, cs_mask, EVEN)[:, None, :]
+    sin = _load_f32(SIN + pos[:, None] * stride_ss + offs_i[None, :] * stride_sd, cs_mask, EVEN)[:, None, :]
+    ra = a * cos - bb * sin
+    rb = bb * cos + a * sin
+    if QUANT:
+        amax = tl.maximum(tl.max(tl.abs(ra), axis=2), tl.max(tl.abs(rb), axis=2))
+        if HAS_REST:
+            amax = tl.maximum(amax, tl.max(tl.abs(rest), axis=2))
+        scale = tl.where(amax > 0, tl.math.div_rn(amax, qmax), 1.0)                         # [BS, BH]
+        scale_ptr = (_pick(is_k, K_SCALE, Q_SCALE) + b * _pick(is_k, stride_ksb, stride_qsb)
+                     + tok[:, None] * _pick(is_k, stride_kss, stride_qss)
+                     + h.to(tl.int64)[None, :] * _pick(is_k, stride_ksh, stride_qsh))
+        _store(scale_ptr, scale, row_mask2, EVEN)
+        # one correctly rounded division per row; per element a product (an IEEE division per
+        # element made this kernel compute-bound: about 30 instructions each on sm90)
+        inv = tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)[:, :, None]
+        ra = _quantize(ra * inv, qmax, QUANT)
+        rb = _quantize(rb * inv, qmax, QUANT)
+        if HAS_REST:
+            rest = _quantize(rest * inv, qmax, QUANT)
+    _store(o_rows + da3 * stride_od, ra.to(Q_OUT.dtype.element_ty), pair_mask, EVEN)
+    _store(o_rows + db3 * stride_od, rb.to(Q_OUT.dtype.element_ty), pair_mask, EVEN)
+    if HAS_REST:
+        tl.store(o_rows + offs_d[None, None, :] * stride_od, rest.to(Q_OUT.dtype.element_ty), mask=rest_mask)
+
+
 @triton.jit
 def _rms_norm_rope_bwd_kernel(
     DY, X, DX, COS, SIN, POS, SEQ_OFFSETS, W, DW_PART,
@@ -735,6 +916,84 @@ def rotary_fwd(*, x, cos, sin, out, rot_start, rotary_dim, interleaved=False, co
         **({"enable_fp_fusion": False} if quant_dtype is not None else {}),
     )
     return out
+
+
+_SQUARES = {torch.float16: 2, torch.bfloat16: 3}
+
+
+def _one_launch(q, k, q_weight, k_weight) -> bool:
+    """Whether q and k can share a launch: the kernel picks k's pointers in k's programs, so both
+    need the same types (a weight present on one side only, or of another dtype, cannot)."""
+    if (q_weight is None) != (k_weight is None):
+        return False
+    return q_weight is None or q_weight.dtype == k_weight.dtype
+
+
+def _row_strides(t):
+    """t's strides, but its feature stride as D * stride_d must fit int32 (offsets within a row are
+    int32 in the kernel): a layout where it does not is copied (the rows of a > 2^31-element
+    tensor are still addressed in int64)."""
+    if t.shape[-1] * abs(t.stride(-1)) >= 2 ** 31:
+        t = t.contiguous()
+    return t, t.stride()
+
+
+def qk_norm_rope_fwd(*, q, k, q_out, k_out, q_weight, k_weight, cos, sin, rot_start, rotary_dim,
+                     interleaved, position_ids, seqlen_offsets, eps, offset, quant_dtype=None,
+                     q_scale=None, k_scale=None):
+    """RMSNorm of every head vector of q (B, S, Hq, D) and k (B, S, Hkv, D), RoPE of features
+    [rot_start, rot_start + rotary_dim), into q_out and k_out (fresh, contiguous): in one launch
+    (programs of q's tiles, then k's). quant_dtype: int8 or float8_e4m3fn codes into the outs,
+    per-(token, head) fp32 scales into q_scale, k_scale (B, S, H)."""
+    if not _one_launch(q, k, q_weight, k_weight):
+        for x, out, w, scale in ((q, q_out, q_weight, q_scale), (k, k_out, k_weight, k_scale)):
+            qk_norm_rope_fwd(q=x, k=x[:, :, :0], q_out=out, k_out=out[:, :, :0], q_weight=w,
+                             k_weight=w, cos=cos, sin=sin, rot_start=rot_start,
+                             rotary_dim=rotary_dim, interleaved=interleaved,
+                             position_ids=position_ids, seqlen_offsets=seqlen_offsets, eps=eps,
+                             offset=offset, quant_dtype=quant_dtype, q_scale=scale,
+                             k_scale=scale[:, :, :0] if scale is not None else None)
+        return
+    B, S, HQ, D = q.shape
+    HK = k.shape[2]
+    if B == 0 or S == 0 or HQ + HK == 0:
+        return
+    q, q_strides = _row_strides(q)
+    k, k_strides = _row_strides(k)
+    cfg = tuning.rotary_config(q.device)
+    half = rotary_dim // 2
+    rows = cfg.norm_block_rows if quant_dtype is None else cfg.block_rows
+    # one tile shape for both: heads of a token first (up to the smaller head count), then tokens
+    block_h = min(triton.next_power_of_2(max(min(HQ, HK) if HK else HQ, 1)), rows)
+    block_s = max(1, rows // block_h)
+    s_blocks = triton.cdiv(S, block_s)
+    q_programs = s_blocks * triton.cdiv(HQ, block_h)
+    k_programs = s_blocks * triton.cdiv(HK, block_h)
+    block_half = triton.next_power_of_2(max(half, 1))
+    even = S % block_s == 0 and HQ % block_h == 0 and HK % block_h == 0 and half == block_half
+    offsets_tensor = isinstance(seqlen_offsets, torch.Tensor)
+    pos = position_ids
+    pos_strides = (0, 0) if pos is None else pos.stride()
+    quant = quant_dtype is not None
+    # absent tensors: q's own in both slots (never read; the kernel's picks need one type)
+    q_w, k_w = (q_weight, k_weight) if q_weight is not None else (q, q)
+    q_sc, k_sc = (q_scale, k_scale) if quant else (q_out, q_out)
+    _qk_norm_rope_fwd_kernel[(q_programs + k_programs, B)](
+        q, k, q_out, k_out, q_w, k_w, q_sc, k_sc, cos, sin, pos,
+        seqlen_offsets if offsets_tensor else None,
+        *q_strides, *k_strides, *q_out.stride(), *k_out.stride(),
+        *(q_scale.stride() if quant else (0, 0, 0)), *(k_scale.stride() if quant else (0, 0, 0)),
+        _stride(q_weight), _stride(k_weight), *cos.stride(), *sin.stride(), *pos_strides,
+        S, HQ, HK, D, rot_start, half, q_programs, 0 if offsets_tensor else int(seqlen_offsets),
+        eps, offset, float(reference_qmax(quant_dtype)),
+        BLOCK_S=block_s, BLOCK_H=block_h, BLOCK_HALF=block_half,
+        BLOCK_D=triton.next_power_of_2(D), HAS_REST=rotary_dim < D, INTERLEAVED=interleaved,
+        HAS_WEIGHT=q_weight is not None, QUANT=_QUANT_CODES[quant_dtype],
+        SQUARES=_SQUARES.get(q.dtype, 1) if quant else 0, EVEN=even,
+        HAS_POS_IDS=pos is not None, HAS_OFFSET_TENSOR=offsets_tensor, num_warps=cfg.num_warps,
+        # the quantized path is specified as exactly rounded steps: no fused multiply-adds
+        **({"enable_fp_fusion": False} if quant else {}),
+    )
 
 
 def reference_qmax(dtype) -> float:

@@ -231,16 +231,15 @@ def _rms_norm_rope_op(q: Tensor, k: Tensor, q_weight: Tensor | None, k_weight: T
                       interleaved: bool, rotary_dim: int) -> tuple[Tensor, Tensor]:
     from lanekit.runtime.alloc import empty
 
-    outs = []
-    for x, w in ((q, q_weight), (k, k_weight)):
-        out = empty(x.shape, dtype=x.dtype, device=x.device)
-        _kernels().rotary_fwd(
-            x=x, cos=cos, sin=sin, out=out, rot_start=0, rotary_dim=rotary_dim,
-            interleaved=interleaved, position_ids=position_ids,
-            seqlen_offsets=seqlen_offsets if seqlen_offsets is not None else seqlen_offset,
-            weight=w, norm=True, eps=eps, offset=offset)
-        outs.append(out)
-    return outs[0], outs[1]
+    q_out = empty(q.shape, dtype=q.dtype, device=q.device)
+    k_out = empty(k.shape, dtype=k.dtype, device=k.device)
+    _kernels().qk_norm_rope_fwd(
+        q=q, k=k, q_out=q_out, k_out=k_out, q_weight=q_weight, k_weight=k_weight, cos=cos,
+        sin=sin, rot_start=0, rotary_dim=rotary_dim, interleaved=interleaved,
+        position_ids=position_ids,
+        seqlen_offsets=seqlen_offsets if seqlen_offsets is not None else seqlen_offset,
+        eps=eps, offset=offset)
+    return q_out, k_out
 
 
 @_rms_norm_rope_op.register_fake
@@ -312,17 +311,15 @@ def _qk_norm_rope_quant_op(q: Tensor, k: Tensor, q_weight: Tensor | None, k_weig
                            quant_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     from lanekit.runtime.alloc import empty
 
-    outs = []
-    for x, w in ((q, q_weight), (k, k_weight)):
-        codes = empty(x.shape, dtype=quant_dtype, device=x.device)
-        scale = empty(x.shape[:-1], dtype=torch.float32, device=x.device)
-        _kernels().rotary_fwd(
-            x=x, cos=cos, sin=sin, out=codes, rot_start=x.shape[-1] - rotary_dim,
-            rotary_dim=rotary_dim, interleaved=interleaved, position_ids=position_ids,
-            seqlen_offsets=seqlen_offsets if seqlen_offsets is not None else seqlen_offset,
-            weight=w, norm=True, eps=eps, offset=offset, quant_dtype=quant_dtype, scale_out=scale)
-        outs += [codes, scale]
-    return tuple(outs)
+    q_codes, k_codes = (empty(x.shape, dtype=quant_dtype, device=x.device) for x in (q, k))
+    q_scale, k_scale = (empty(x.shape[:-1], dtype=torch.float32, device=x.device) for x in (q, k))
+    _kernels().qk_norm_rope_fwd(
+        q=q, k=k, q_out=q_codes, k_out=k_codes, q_weight=q_weight, k_weight=k_weight, cos=cos,
+        sin=sin, rot_start=q.shape[-1] - rotary_dim, rotary_dim=rotary_dim,
+        interleaved=interleaved, position_ids=position_ids,
+        seqlen_offsets=seqlen_offsets if seqlen_offsets is not None else seqlen_offset,
+        eps=eps, offset=offset, quant_dtype=quant_dtype, q_scale=q_scale, k_scale=k_scale)
+    return q_codes, q_scale, k_codes, k_scale
 
 
 @_qk_norm_rope_quant_op.register_fake
