@@ -46,14 +46,63 @@ def _sass(kernel) -> tuple[str, int]:
     return sass, int(re.search(r"REG:(\d+)", usage).group(1))
 
 
-def _instructions(sass: str) -> list[str]:
-    """The opcodes (with modifiers) of the disassembly, NOPs left out."""
+def _addressed(sass: str) -> list[tuple[int, str]]:
+    """(address, opcode with modifiers) of each instruction of the disassembly, NOPs left out."""
     ops = []
     for line in sass.splitlines():
-        m = re.match(r"\s*/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", line)
-        if m and not m.group(1).startswith("NOP"):
-            ops.append(m.group(1))
+        m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", line)
+        if m and not m.group(2).startswith("NOP"):
+            ops.append((int(m.group(1), 16), m.group(2)))
     return ops
+
+
+def _instructions(sass: str) -> list[str]:
+    return [op for _, op in _addressed(sass)]
+
+
+# Issue cost on sm90 relative to an fp32 add, from the CUDA C Programming Guide's throughput
+# table for compute capability 9.0 (results per clock per SM: fp32 128; fp64, 32-bit integer
+# add, shift, compare, logic and multiply 64; warp shuffle 32; conversions to or from 64-bit types
+# and special functions 16): a crude model of a compute-bound kernel, the fp32 pipe counting 1.
+_WEIGHTS = (("F2F.F64", 8), ("F2F.F32.F64", 8), ("I2F.F64", 8), ("MUFU", 8), ("SHFL", 4),
+            ("DADD", 2), ("DMUL", 2), ("DFMA", 2), ("FADD", 1), ("FMUL", 1), ("FFMA", 1),
+            ("FSEL", 1), ("HFMA2", 1), ("LDG", 1), ("STG", 1), ("LDS", 1), ("STS", 1), ("U", 0),
+            ("BRA", 1), ("EXIT", 1), ("BAR", 1))
+
+
+def _weight(op: str) -> int:
+    """Issue slots of one instruction in fp32-add units (uniform-datapath U* ops are free: they
+    run once per warp beside the vector pipes); integer and other ALU work counts 2."""
+    for prefix, w in _WEIGHTS:
+        if op.startswith(prefix):
+            return w
+    return 2
+
+
+def _cold_ranges(sass: str) -> set[int]:
+    """Addresses of the instructions that real inputs do not reach: those a conditional forward
+    branch skips over a block of fp64 conversions or of clamps (the rare tiles of
+    _qk_norm_rope_fwd_kernel: a bf16 square outside fp32's exact range, redone in fp64; a
+    subnormal scale, whose codes are clamped), and those after the kernel's last EXIT."""
+    lines = [(int(m.group(1), 16), m.group(2)) for m in
+             re.finditer(r"/\*([0-9a-f]{4,})\*/\s+(.*?);", sass)]
+    cold = set()
+    for addr, text in lines:
+        m = re.match(r"@!?P\d\s+BRA\s+(?:`\(\.L_x_\d+\)|0x([0-9a-f]+))", text)
+        if not m or not m.group(1):
+            continue
+        target = int(m.group(1), 16)
+        inside = [(a, t) for a, t in lines if addr < a < target]
+        conversions = sum(t.split()[0].startswith("F2F.F64") for _, t in inside)
+        clamps = sum(t.startswith("FMNMX") and "|" not in t for _, t in inside)
+        if target > addr and (conversions >= 8 or clamps >= 16):
+            cold.update(a for a, t in inside if not t.startswith("NOP"))
+    # after the last EXIT: the out-of-line slow paths (IEEE division and square root of
+    # operands near the ends of their range, shuffles under divergence)
+    exits = [a for a, t in lines if t.split()[-1] == "EXIT" or t.startswith("EXIT")]
+    if exits:
+        cold.update(a for a, t in lines if a > exits[-1] and not t.startswith("NOP"))
+    return cold
 
 
 class _Capture:
@@ -113,8 +162,14 @@ def report(case: dict, dump: str | None = None) -> list[dict]:
         ops = _instructions(sass)
         counts = collections.Counter(op for op in ops for w in WATCH if op.startswith(w))
         per = _elements_per_thread(bound, kernel.metadata.num_warps)
-        rows.append(dict(kernel=name, grid=grid, regs=regs, instructions=len(ops),
-                         per_element=len(ops) / per, watched=dict(sorted(counts.items()))))
+        cold = _cold_ranges(sass)
+        hot_ops = [op for addr, op in _addressed(sass) if addr not in cold]
+        hot = len(hot_ops)
+        weighted = sum(_weight(op) for op in hot_ops)
+        rows.append(dict(kernel=name, grid=grid, regs=regs, instructions=len(ops), hot=hot,
+                         per_element=len(ops) / per, hot_per_element=hot / per,
+                         weighted_per_element=weighted / per,
+                         watched=dict(sorted(counts.items()))))
         if dump:
             os.makedirs(dump, exist_ok=True)
             with open(os.path.join(dump, f"{bench.name(case).replace(' ', '_')}.{i}.{name}.sass"), "w") as f:
@@ -133,7 +188,9 @@ def main(argv=None):
             continue
         for r in report(case, args.dump):
             print(f"{bench.name(case)}: {r['kernel']} grid {r['grid']}  {r['regs']} regs  "
-                  f"{r['instructions']} SASS  {r['per_element']:.1f} per element  {r['watched']}")
+                  f"{r['instructions']} SASS ({r['per_element']:.1f} per element), "
+                  f"{r['hot']} on the path taken ({r['hot_per_element']:.1f}; "
+                  f"{r['weighted_per_element']:.1f} fp32-add issue slots)  {r['watched']}")
 
 
 if __name__ == "__main__":

@@ -485,10 +485,20 @@ def _rotary_kernel(
         # one correctly rounded division per row; per element a product (an IEEE division per
         # element made this kernel compute-bound: about 30 instructions each on sm90)
         inv = tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)[:, None]
-        ra = _quantize(ra * inv, qmax, QUANT)
-        rb = _quantize(rb * inv, qmax, QUANT)
-        if HAS_REST:
-            rest = _quantize(rest * inv, qmax, QUANT)
+        # The clamp to the code range cannot act where the scale is a normal number: |n| <= amax,
+        # so |n * inv| <= qmax (1 + 2^-24)^3 < qmax + 2^-20, which rounds to qmax at most (int8:
+        # 127; e4m3: 448, the next step being 32 away). Rows of a subnormal scale (or NaN) clamp.
+        tiny = ~(scale >= 1.1754943508222875e-38)
+        if tl.max(tiny.to(tl.int32), axis=0) > 0:
+            ra = _quantize(ra * inv, qmax, QUANT, True)
+            rb = _quantize(rb * inv, qmax, QUANT, True)
+            if HAS_REST:
+                rest = _quantize(rest * inv, qmax, QUANT, True)
+        else:
+            ra = _quantize(ra * inv, qmax, QUANT, False)
+            rb = _quantize(rb * inv, qmax, QUANT, False)
+            if HAS_REST:
+                rest = _quantize(rest * inv, qmax, QUANT, False)
     tl.store(o_rows + da[None, :] * stride_od, ra.to(OUT.dtype.element_ty), mask=pair_mask)
     tl.store(o_rows + db[None, :] * stride_od, rb.to(OUT.dtype.element_ty), mask=pair_mask)
     if HAS_REST and WRITE_REST:
@@ -496,15 +506,19 @@ def _rotary_kernel(
 
 
 @triton.jit
-def _quantize(x, qmax, QUANT: tl.constexpr):
+def _quantize(x, qmax, QUANT: tl.constexpr, CLAMP: tl.constexpr = True):
     """x / scale to the code format: int8 rounds to nearest even and clamps to [-128, 127]; fp8
-    clamps to +-qmax, and the cast rounds to nearest even."""
+    clamps to +-qmax, and the cast rounds to nearest even. CLAMP=False: x known in range."""
     if QUANT == 1:
         # round to nearest even: adding and subtracting 1.5 * 2^23 leaves an fp32 |x| < 2^22
         # rounded to an integer by the hardware's own rounding (the launcher forbids contraction)
         r = (x + 12582912.0) - 12582912.0
-        return tl.minimum(tl.maximum(r, -128.0), 127.0)
-    return tl.minimum(tl.maximum(x, -qmax), qmax)
+        if CLAMP:
+            r = tl.minimum(tl.maximum(r, -128.0), 127.0)
+        return r
+    if CLAMP:
+        x = tl.minimum(tl.maximum(x, -qmax), qmax)
+    return x
 
 
 # --------------------------------------------------------------------------------------------
@@ -537,54 +551,58 @@ def _store(ptr, value, mask, EVEN: tl.constexpr):
 
 
 @triton.jit
-def _scaled_f64(p, SQUARES: tl.constexpr):
+def _scaled_f64(p):
     """p * 2^-896 in fp64, exactly, for fp32 p >= 0, without a conversion instruction (F2F.F64 runs
-    16 per clock per SM on sm90; these are one or two shifts). An fp32 bit pattern shifted right by
-    3 into the high word of an fp64 keeps the sign (0), puts the exponent field e in the fp64's and
-    the mantissa in its top: the fp64 read is 2^(e - 1023) * 1.m where p is 2^(e - 127) * 1.m, and
-    for a subnormal p (e = 0) both are the same multiple of their least step; the 3 bits shifted
-    out go to the low word (fp16 squares have 22 significant bits and may use them; bf16 squares,
-    16 bits, leave them 0 whenever p is normal, SQUARES == 3)."""
-    bits = p.to(tl.uint32, bitcast=True)
-    if SQUARES == 3:
-        wide = (bits >> 3).to(tl.uint64) << 32
-    else:
-        wide = bits.to(tl.uint64) << 29
+    16 per clock per SM on sm90; this is one integer multiply-wide). p's bit pattern shifted left
+    by 29 into 64 bits keeps the sign bit 0, puts p's exponent field e in the fp64's exponent field
+    and p's 23 mantissa bits at the top of the fp64's 52: a normal p = 2^(e - 127) * 1.m reads as
+    2^(e - 1023) * 1.m = p * 2^-896, and a subnormal p (e = 0, p = m * 2^-149) as the fp64
+    subnormal m * 2^29 * 2^-1074 = p * 2^-896 as well."""
+    wide = p.to(tl.uint32, bitcast=True).to(tl.uint64) << 29
     return wide.to(tl.float64, bitcast=True)
 
 
 @triton.jit
 def _square_sum(a, bb, rest, HAS_REST: tl.constexpr, SQUARES: tl.constexpr):
-    """The sum over the features (axis 2) of the squares of a, bb [and rest], per row.
+    """The sum over the features (axis 1) of the squares of a, bb [and rest], per row.
 
     SQUARES 0: in fp32 (the norm without quantization). 1: in fp64 (fp32 inputs: the oracle's
-    float64 sum). 2 (fp16 inputs), 3 (bf16 inputs): the exact sum in fp64, of the squares taken in
-    fp32. The square of an fp16 value is exact in fp32 (at most 22 significant bits, from 2^-48 to
-    below 2^32); so is the square of a bf16 value with 2^-67 <= |x| < 2^64 (16 bits; 2^-149 is the
-    least fp32 step), or 0. Each exact square enters the fp64 sum as p * 2^-896 exactly
-    (_scaled_f64), and the sum is scaled back by 2^896, which is exact: so the result is the fp64
-    sum of the same exact squares that the oracle adds, in another order, and equal to it whenever
-    the oracle's sum is exact (squares spanning fewer than 30 binades: every partial sum of either
-    order is then representable). A bf16 row with a square that is not exact has a sum of 0 or
-    outside [2^-64, 2^126): |x| >= 2^64 makes the sum at least 2^128 (inf, NaN too, read past
-    2^126); a square that lost bits below 2^-149 is under 2^-134, and a row whose squares all lie
-    within the oracle's 30 binades of it sums to under 2^-97. The caller redoes such tiles with
-    SQUARES 1.
+    float64 sum). 2 (fp16 inputs), 3 (bf16 inputs): in fp64 again, of the squares taken in fp32,
+    where they are exact, and read into fp64 with no conversion (_scaled_f64).
+
+    Why that sum equals the oracle's float64 sum (reference.layers.qk_norm_rope_quant): the square
+    of an fp16 value is exact in fp32 (at most 22 significant bits, from 2^-48 to below 2^32), and
+    so is the square of a bf16 value with |x| < 2^64 whose square has no bit below 2^-149 (16
+    significant bits: certain for |x| >= 2^-67), or 0. Each exact square enters the fp64 sum as
+    p * 2^-896 exactly, every partial sum is that of the oracle's terms scaled by 2^-896 (no fp64
+    underflow: terms start at 2^-1045, fp64 steps at 2^-1074; no overflow), and the total is scaled
+    back by 2^896, exactly. So the result is the fp64 sum of the oracle's own exact squares in
+    another order, which is the same number whenever the oracle's sum is exact (squares within 30
+    binades of each other: every partial sum of any order is then representable), the case its
+    docstring promises; outside it neither order is exact, as before. A bf16 row with an inexact
+    square ends with a sum outside [2^-64, 2^126), or 0, which the caller redoes with SQUARES 1:
+    |x| >= 2^64 squares to inf (read as 2^128: the sum is at least that; a NaN reads above it); a
+    square that lost bits below 2^-149 is under 2^-134, and if the row's squares are within the
+    oracle's 30 binades of it, the row sums to under D * 2^-104, below 2^-64 for any D < 2^40. A
+    sum of 0 from squares that all rounded to 0 (each under 2^-150) needs no redo when
+    eps >= 2^-96: the true mean is then under half a step of eps, and mean + eps rounds to eps
+    in the oracle too.
     """
+    # a's and bb's squares added in each thread first: one reduction across threads, not two
     if SQUARES == 0:
-        ss = tl.sum(a * a, axis=2) + tl.sum(bb * bb, axis=2)
+        ss = tl.sum(a * a + bb * bb, axis=1)
         if HAS_REST:
-            ss += tl.sum(rest * rest, axis=2)
+            ss += tl.sum(rest * rest, axis=1)
     elif SQUARES == 1:
         a64, b64 = a.to(tl.float64), bb.to(tl.float64)
-        ss = tl.sum(a64 * a64, axis=2) + tl.sum(b64 * b64, axis=2)
+        ss = tl.sum(a64 * a64 + b64 * b64, axis=1)
         if HAS_REST:
             r64 = rest.to(tl.float64)
-            ss += tl.sum(r64 * r64, axis=2)
+            ss += tl.sum(r64 * r64, axis=1)
     else:
-        ss = tl.sum(_scaled_f64(a * a, SQUARES), axis=2) + tl.sum(_scaled_f64(bb * bb, SQUARES), axis=2)
+        ss = tl.sum(_scaled_f64(a * a) + _scaled_f64(bb * bb), axis=1)
         if HAS_REST:
-            ss += tl.sum(_scaled_f64(rest * rest, SQUARES), axis=2)
+            ss += tl.sum(_scaled_f64(rest * rest), axis=1)
         ss = ss * tl.full([], _TWO_POW_896, tl.float64)
     return ss
 
@@ -596,97 +614,103 @@ def _qk_norm_rope_fwd_kernel(
     stride_qob, stride_qos, stride_qoh, stride_qod, stride_kob, stride_kos, stride_koh, stride_kod,
     stride_qsb, stride_qss, stride_qsh, stride_ksb, stride_kss, stride_ksh, stride_qw, stride_kw,
     stride_cs, stride_cd, stride_ss, stride_sd, stride_pb, stride_ps,
-    S, HQ, HK, D, ROT_START, HALF, q_programs, seq_offset, eps, offset, qmax,
+    S, HQ, HK, D, ROT_START, HALF, q_head_blocks, seq_offset, eps, offset, qmax,
     BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr,
     HAS_REST: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_WEIGHT: tl.constexpr,
-    QUANT: tl.constexpr, SQUARES: tl.constexpr, EVEN: tl.constexpr, HAS_POS_IDS: tl.constexpr,
-    HAS_OFFSET_TENSOR: tl.constexpr,
+    QUANT: tl.constexpr, SQUARES: tl.constexpr, EVEN: tl.constexpr, POW2_D: tl.constexpr,
+    HAS_POS_IDS: tl.constexpr, HAS_OFFSET_TENSOR: tl.constexpr,
 ):
-    # Programs [0, q_programs) take tiles of q, the rest tiles of k (one launch: the small k part
-    # no longer runs alone at the tail of its own launch). A tile is BLOCK_S tokens x BLOCK_H heads
+    # Program (s, j, b): tokens [s * BLOCK_S, ...) of batch entry b, and head block j of q, or for
+    # j >= q_head_blocks head block j - q_head_blocks of k (one launch: the small k part no
+    # longer runs alone at the tail of its own launch). A tile is BLOCK_S tokens x BLOCK_H heads
     # of one batch entry, each (token, head) row of D features in three pieces: the rotary pairs'
     # first members a, their second members bb, and the features outside the rotary range (rest).
     # QUANT: 0 none, 1 int8, 2 fp8 e4m3; then every step is one exactly rounded operation (see
     # reference.layers.qk_norm_rope_quant; the launcher turns off fused multiply-adds).
     # EVEN: every row and pair of every tile exists (no masks).
-    pid = tl.program_id(0)
-    b = tl.program_id(1).to(tl.int64)
-    is_k = pid >= q_programs
+    hb = tl.program_id(1)
+    b = tl.program_id(2).to(tl.int64)
+    is_k = hb >= q_head_blocks
     H = _pick(is_k, HK, HQ)
-    tile = pid - _pick(is_k, q_programs, 0)
-    h_blocks = tl.cdiv(H, BLOCK_H)
-    offs_s = (tile // h_blocks).to(tl.int64) * BLOCK_S + tl.arange(0, BLOCK_S).to(tl.int64)   # [BLOCK_S]
-    h = (tile % h_blocks) * BLOCK_H + tl.arange(0, BLOCK_H)                                   # [BLOCK_H]
+    offs_r = tl.arange(0, BLOCK_S * BLOCK_H)                    # a token's heads are adjacent rows
+    offs_s = tl.program_id(0).to(tl.int64) * BLOCK_S + offs_r // BLOCK_H
+    h = (hb - _pick(is_k, q_head_blocks, 0)) * BLOCK_H + offs_r % BLOCK_H
     tok, in_seq, pos = _rotary_tokens(b, offs_s, SEQ_OFFSETS, POS, SEQ_OFFSETS, seq_offset, S,
                                       stride_pb, stride_ps, False, HAS_POS_IDS, HAS_OFFSET_TENSOR)
-    # row offsets in int64 ([BLOCK_S, BLOCK_H, 1]); offsets within a row in int32 (the launcher
-    # checks that D * stride_d fits)
-    tok3 = tok[:, None, None]
-    h3 = h.to(tl.int64)[None, :, None]
-    x_rows = (_pick(is_k, K, Q) + b * _pick(is_k, stride_kb, stride_qb) + tok3 * _pick(is_k, stride_ks, stride_qs)
-              + h3 * _pick(is_k, stride_kh, stride_qh))
+    row_mask = in_seq & (h < H)                                                              # [ROWS]
+    h = h.to(tl.int64)
+    x_rows = (_pick(is_k, K, Q) + b * _pick(is_k, stride_kb, stride_qb)
+              + tok * _pick(is_k, stride_ks, stride_qs) + h * _pick(is_k, stride_kh, stride_qh))[:, None]
     o_rows = (_pick(is_k, K_OUT, Q_OUT) + b * _pick(is_k, stride_kob, stride_qob)
-              + tok3 * _pick(is_k, stride_kos, stride_qos) + h3 * _pick(is_k, stride_koh, stride_qoh))
+              + tok * _pick(is_k, stride_kos, stride_qos) + h * _pick(is_k, stride_koh, stride_qoh))[:, None]
     stride_xd = _pick(is_k, stride_kd, stride_qd)
     stride_od = _pick(is_k, stride_kod, stride_qod)
-    row_mask2 = in_seq[:, None] & (h < H)[None, :]                                          # [BS, BH]
-    row_mask = row_mask2[:, :, None]
-    offs_i = tl.arange(0, BLOCK_HALF)
+    offs_i = tl.arange(0, BLOCK_HALF).to(tl.int64)
     da, db = _rotary_pairs(offs_i, ROT_START, HALF, INTERLEAVED)
-    da3, db3 = da[None, None, :], db[None, None, :]
-    pair_mask = row_mask & (offs_i < HALF)[None, None, :]                                    # [BS, BH, BLOCK_HALF]
-    a = _load_f32(x_rows + da3 * stride_xd, pair_mask, EVEN)
-    bb = _load_f32(x_rows + db3 * stride_xd, pair_mask, EVEN)
+    pair_mask = row_mask[:, None] & (offs_i < HALF)[None, :]                                 # [ROWS, BLOCK_HALF]
+    a = _load_f32(x_rows + da[None, :] * stride_xd, pair_mask, EVEN)
+    bb = _load_f32(x_rows + db[None, :] * stride_xd, pair_mask, EVEN)
     rest = a  # a placeholder when there is no rest
     if HAS_REST:
-        offs_d = tl.arange(0, BLOCK_D)
+        offs_d = tl.arange(0, BLOCK_D).to(tl.int64)
         is_rest = (offs_d < D) & ((offs_d < ROT_START) | (offs_d >= ROT_START + 2 * HALF))
-        rest_mask = row_mask & is_rest[None, None, :]                                       # [BS, BH, BLOCK_D]
-        rest = tl.load(x_rows + offs_d[None, None, :] * stride_xd, mask=rest_mask, other=0.0).to(tl.float32)
-    ss = _square_sum(a, bb, rest, HAS_REST, SQUARES)                                        # [BS, BH]
+        rest_mask = row_mask[:, None] & is_rest[None, :]                                    # [ROWS, BLOCK_D]
+        rest = tl.load(x_rows + offs_d[None, :] * stride_xd, mask=rest_mask, other=0.0).to(tl.float32)
+    ss = _square_sum(a, bb, rest, HAS_REST, SQUARES)                                        # [ROWS]
     if SQUARES == 3:  # a bf16 square outside fp32's exact range: this tile in fp64
-        inexact = (ss != 0) & ~((ss >= 2.0 ** -64) & (ss < 2.0 ** 126))
-        if tl.max(tl.max(inexact.to(tl.int32), axis=1), axis=0) > 0:
+        inexact = row_mask & ~((ss >= 2.0 ** -64) & (ss < 2.0 ** 126)) & ((ss != 0) | (eps < 2.0 ** -96))
+        if tl.max(inexact.to(tl.int32), axis=0) > 0:
             ss = _square_sum(a, bb, rest, HAS_REST, 1)
-    rstd = (1.0 / tl.sqrt(ss / D + eps)).to(tl.float32)[:, :, None]  # fp64 when ss is: so is this
+    if POW2_D:  # dividing by a power of two is exact: a product (a division is ~10 fp64 steps)
+        mean = ss * (1.0 / BLOCK_D)                                  # D == BLOCK_D
+    else:
+        mean = ss / D
+    rstd = (1.0 / tl.sqrt(mean + eps)).to(tl.float32)[:, None]  # fp64 when ss is: so is this
     a = a * rstd
     bb = bb * rstd
     W = _pick(is_k, K_W, Q_W)
     stride_w = _pick(is_k, stride_kw, stride_qw)
     if HAS_WEIGHT:
-        a = a * (tl.load(W + da * stride_w, mask=offs_i < HALF, other=0.0).to(tl.float32) + offset)[None, None, :]
-        bb = bb * (tl.load(W + db * stride_w, mask=offs_i < HALF, other=0.0).to(tl.float32) + offset)[None, None, :]
+        a = a * (tl.load(W + da * stride_w, mask=offs_i < HALF, other=0.0).to(tl.float32) + offset)[None, :]
+        bb = bb * (tl.load(W + db * stride_w, mask=offs_i < HALF, other=0.0).to(tl.float32) + offset)[None, :]
     if HAS_REST:
         rest = rest * rstd
         if HAS_WEIGHT:
-            rest = rest * (tl.load(W + offs_d * stride_w, mask=is_rest, other=0.0).to(tl.float32) + offset)[None, None, :]
-    # cos and sin once per token, for all of its heads: [BLOCK_S, 1, BLOCK_HALF]
-    cs_mask = in_seq[:, None] & (offs_i < HALF)[None, :]
-    cos = _load_f32(COS + pos[:, None] * stride_cs + offs_i[None, :] * stride_cd, cs_mask, EVEN)[:, None, :]
-    sin = _load_f32(SIN + pos[:, None] * stride_ss + offs_i[None, :] * stride_sd, cs_mask, EVEN)[:, None, :]
+            rest = rest * (tl.load(W + offs_d * stride_w, mask=is_rest, other=0.0).to(tl.float32) + offset)[None, :]
+    # cos and sin of a row's token, loaded for each of its heads (cache hits)
+    cos = _load_f32(COS + pos[:, None] * stride_cs + offs_i[None, :] * stride_cd, pair_mask, EVEN)
+    sin = _load_f32(SIN + pos[:, None] * stride_ss + offs_i[None, :] * stride_sd, pair_mask, EVEN)
     ra = a * cos - bb * sin
     rb = bb * cos + a * sin
     if QUANT:
-        amax = tl.maximum(tl.max(tl.abs(ra), axis=2), tl.max(tl.abs(rb), axis=2))
+        amax = tl.max(tl.maximum(tl.abs(ra), tl.abs(rb)), axis=1)
         if HAS_REST:
-            amax = tl.maximum(amax, tl.max(tl.abs(rest), axis=2))
-        scale = tl.where(amax > 0, tl.math.div_rn(amax, qmax), 1.0)                         # [BS, BH]
+            amax = tl.maximum(amax, tl.max(tl.abs(rest), axis=1))
+        scale = tl.where(amax > 0, tl.math.div_rn(amax, qmax), 1.0)                         # [ROWS]
         scale_ptr = (_pick(is_k, K_SCALE, Q_SCALE) + b * _pick(is_k, stride_ksb, stride_qsb)
-                     + tok[:, None] * _pick(is_k, stride_kss, stride_qss)
-                     + h.to(tl.int64)[None, :] * _pick(is_k, stride_ksh, stride_qsh))
-        _store(scale_ptr, scale, row_mask2, EVEN)
+                     + tok * _pick(is_k, stride_kss, stride_qss) + h * _pick(is_k, stride_ksh, stride_qsh))
+        _store(scale_ptr, scale, row_mask, EVEN)
         # one correctly rounded division per row; per element a product (an IEEE division per
         # element made this kernel compute-bound: about 30 instructions each on sm90)
-        inv = tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)[:, :, None]
-        ra = _quantize(ra * inv, qmax, QUANT)
-        rb = _quantize(rb * inv, qmax, QUANT)
-        if HAS_REST:
-            rest = _quantize(rest * inv, qmax, QUANT)
-    _store(o_rows + da3 * stride_od, ra.to(Q_OUT.dtype.element_ty), pair_mask, EVEN)
-    _store(o_rows + db3 * stride_od, rb.to(Q_OUT.dtype.element_ty), pair_mask, EVEN)
+        inv = tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)[:, None]
+        # The clamp to the code range cannot act where the scale is a normal number: |n| <= amax,
+        # so |n * inv| <= qmax (1 + 2^-24)^3 < qmax + 2^-20, which rounds to qmax at most (int8:
+        # 127; e4m3: 448, the next step being 32 away). Rows of a subnormal scale (or NaN) clamp.
+        tiny = ~(scale >= 1.1754943508222875e-38)
+        if tl.max(tiny.to(tl.int32), axis=0) > 0:
+            ra = _quantize(ra * inv, qmax, QUANT, True)
+            rb = _quantize(rb * inv, qmax, QUANT, True)
+            if HAS_REST:
+                rest = _quantize(rest * inv, qmax, QUANT, True)
+        else:
+            ra = _quantize(ra * inv, qmax, QUANT, False)
+            rb = _quantize(rb * inv, qmax, QUANT, False)
+            if HAS_REST:
+                rest = _quantize(rest * inv, qmax, QUANT, False)
+    _store(o_rows + da[None, :] * stride_od, ra.to(Q_OUT.dtype.element_ty), pair_mask, EVEN)
+    _store(o_rows + db[None, :] * stride_od, rb.to(Q_OUT.dtype.element_ty), pair_mask, EVEN)
     if HAS_REST:
-        tl.store(o_rows + offs_d[None, None, :] * stride_od, rest.to(Q_OUT.dtype.element_ty), mask=rest_mask)
-
+        tl.store(o_rows + offs_d[None, :] * stride_od, rest.to(Q_OUT.dtype.element_ty), mask=rest_mask)
 
 @triton.jit
 def _rms_norm_rope_bwd_kernel(
@@ -966,9 +990,8 @@ def qk_norm_rope_fwd(*, q, k, q_out, k_out, q_weight, k_weight, cos, sin, rot_st
     # one tile shape for both: heads of a token first (up to the smaller head count), then tokens
     block_h = min(triton.next_power_of_2(max(min(HQ, HK) if HK else HQ, 1)), rows)
     block_s = max(1, rows // block_h)
-    s_blocks = triton.cdiv(S, block_s)
-    q_programs = s_blocks * triton.cdiv(HQ, block_h)
-    k_programs = s_blocks * triton.cdiv(HK, block_h)
+    q_head_blocks = triton.cdiv(HQ, block_h)
+    grid = (triton.cdiv(S, block_s), q_head_blocks + triton.cdiv(HK, block_h), B)
     block_half = triton.next_power_of_2(max(half, 1))
     even = S % block_s == 0 and HQ % block_h == 0 and HK % block_h == 0 and half == block_half
     offsets_tensor = isinstance(seqlen_offsets, torch.Tensor)
@@ -978,18 +1001,18 @@ def qk_norm_rope_fwd(*, q, k, q_out, k_out, q_weight, k_weight, cos, sin, rot_st
     # absent tensors: q's own in both slots (never read; the kernel's picks need one type)
     q_w, k_w = (q_weight, k_weight) if q_weight is not None else (q, q)
     q_sc, k_sc = (q_scale, k_scale) if quant else (q_out, q_out)
-    _qk_norm_rope_fwd_kernel[(q_programs + k_programs, B)](
+    _qk_norm_rope_fwd_kernel[grid](
         q, k, q_out, k_out, q_w, k_w, q_sc, k_sc, cos, sin, pos,
         seqlen_offsets if offsets_tensor else None,
         *q_strides, *k_strides, *q_out.stride(), *k_out.stride(),
         *(q_scale.stride() if quant else (0, 0, 0)), *(k_scale.stride() if quant else (0, 0, 0)),
         _stride(q_weight), _stride(k_weight), *cos.stride(), *sin.stride(), *pos_strides,
-        S, HQ, HK, D, rot_start, half, q_programs, 0 if offsets_tensor else int(seqlen_offsets),
+        S, HQ, HK, D, rot_start, half, q_head_blocks, 0 if offsets_tensor else int(seqlen_offsets),
         eps, offset, float(reference_qmax(quant_dtype)),
         BLOCK_S=block_s, BLOCK_H=block_h, BLOCK_HALF=block_half,
         BLOCK_D=triton.next_power_of_2(D), HAS_REST=rotary_dim < D, INTERLEAVED=interleaved,
         HAS_WEIGHT=q_weight is not None, QUANT=_QUANT_CODES[quant_dtype],
-        SQUARES=_SQUARES.get(q.dtype, 1) if quant else 0, EVEN=even,
+        SQUARES=_SQUARES.get(q.dtype, 1) if quant else 0, EVEN=even, POW2_D=D & (D - 1) == 0,
         HAS_POS_IDS=pos is not None, HAS_OFFSET_TENSOR=offsets_tensor, num_warps=cfg.num_warps,
         # the quantized path is specified as exactly rounded steps: no fused multiply-adds
         **({"enable_fp_fusion": False} if quant else {}),
