@@ -411,22 +411,19 @@ def _rotary_pairs(offs_i, ROT_START, HALF, INTERLEAVED: tl.constexpr):
 
 @triton.jit
 def _rotary_kernel(
-    X, OUT, COS, SIN, POS, CU_SEQLENS, SEQ_OFFSETS, W, SCALE_OUT,
+    X, OUT, COS, SIN, POS, CU_SEQLENS, SEQ_OFFSETS,
     stride_xb, stride_xs, stride_xh, stride_xd, stride_ob, stride_os, stride_oh, stride_od,
-    stride_cs, stride_cd, stride_ss, stride_sd, stride_pb, stride_ps, stride_qb, stride_qs,
-    stride_qh, stride_w, S, H, D, ROT_START, HALF, seq_offset, eps, offset, qmax,
+    stride_cs, stride_cd, stride_ss, stride_sd, stride_pb, stride_ps, S, H, D, ROT_START, HALF,
+    seq_offset,
     BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr,
     HAS_REST: tl.constexpr, INTERLEAVED: tl.constexpr, CONJUGATE: tl.constexpr,
-    WRITE_REST: tl.constexpr, HAS_NORM: tl.constexpr, HAS_WEIGHT: tl.constexpr,
-    QUANT: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_POS_IDS: tl.constexpr,
+    WRITE_REST: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_POS_IDS: tl.constexpr,
     HAS_OFFSET_TENSOR: tl.constexpr,
 ):
     # One program: BLOCK_S tokens x BLOCK_H heads of one batch entry, as BLOCK_S * BLOCK_H rows of
     # D features (a token's heads are adjacent in memory, so the rows are too). Each row is
     # handled in three pieces: the rotary pairs' first members a, their second members b, and the
-    # features outside the rotary range (HAS_REST). QUANT: 0 none, 1 int8, 2 fp8 e4m3; then every
-    # step is an exactly rounded operation (see reference.layers.qk_norm_rope_quant; the launcher
-    # turns off fused multiply-adds).
+    # features outside the rotary range (HAS_REST), which pass through.
     b = tl.program_id(1).to(tl.int64)
     offs_r = tl.arange(0, BLOCK_S * BLOCK_H)
     offs_s = tl.program_id(0).to(tl.int64) * BLOCK_S + offs_r // BLOCK_H
@@ -441,33 +438,6 @@ def _rotary_kernel(
     pair_mask = row_mask[:, None] & (offs_i < HALF)[None, :]                  # [ROWS, BLOCK_HALF]
     a = tl.load(x_rows + da[None, :] * stride_xd, mask=pair_mask, other=0.0).to(tl.float32)
     bb = tl.load(x_rows + db[None, :] * stride_xd, mask=pair_mask, other=0.0).to(tl.float32)
-    if HAS_REST:
-        offs_d = tl.arange(0, BLOCK_D).to(tl.int64)
-        is_rest = (offs_d < D) & ((offs_d < ROT_START) | (offs_d >= ROT_START + 2 * HALF))
-        rest_mask = row_mask[:, None] & is_rest[None, :]                      # [ROWS, BLOCK_D]
-        rest = tl.load(x_rows + offs_d[None, :] * stride_xd, mask=rest_mask, other=0.0).to(tl.float32)
-    if HAS_NORM:
-        if QUANT:  # an exact sum of squares (16-bit inputs), for codes that match bit for bit
-            a64, b64 = a.to(tl.float64), bb.to(tl.float64)
-            ss = tl.sum(a64 * a64, axis=1) + tl.sum(b64 * b64, axis=1)
-            if HAS_REST:
-                r64 = rest.to(tl.float64)
-                ss += tl.sum(r64 * r64, axis=1)
-            rstd = (1.0 / tl.sqrt(ss / D + eps)).to(tl.float32)  # ss is fp64: so is this
-        else:
-            ss = tl.sum(a * a, axis=1) + tl.sum(bb * bb, axis=1)
-            if HAS_REST:
-                ss += tl.sum(rest * rest, axis=1)
-            rstd = 1.0 / tl.sqrt(ss / D + eps)
-        a = a * rstd[:, None]
-        bb = bb * rstd[:, None]
-        if HAS_WEIGHT:
-            a = a * (tl.load(W + da * stride_w, mask=offs_i < HALF, other=0.0).to(tl.float32) + offset)[None, :]
-            bb = bb * (tl.load(W + db * stride_w, mask=offs_i < HALF, other=0.0).to(tl.float32) + offset)[None, :]
-        if HAS_REST:
-            rest = rest * rstd[:, None]
-            if HAS_WEIGHT:
-                rest = rest * (tl.load(W + offs_d * stride_w, mask=is_rest, other=0.0).to(tl.float32) + offset)[None, :]
     cos = tl.load(COS + pos[:, None] * stride_cs + offs_i[None, :] * stride_cd, mask=pair_mask,
                   other=0.0).to(tl.float32)
     sin = tl.load(SIN + pos[:, None] * stride_ss + offs_i[None, :] * stride_sd, mask=pair_mask,
@@ -476,32 +446,13 @@ def _rotary_kernel(
         sin = -sin
     ra = a * cos - bb * sin
     rb = bb * cos + a * sin
-    if QUANT:
-        amax = tl.maximum(tl.max(tl.abs(ra), axis=1), tl.max(tl.abs(rb), axis=1))
-        if HAS_REST:
-            amax = tl.maximum(amax, tl.max(tl.abs(rest), axis=1))
-        scale = tl.where(amax > 0, tl.math.div_rn(amax, qmax), 1.0)
-        tl.store(SCALE_OUT + b * stride_qb + tok * stride_qs + h * stride_qh, scale, mask=row_mask)
-        # one correctly rounded division per row; per element a product (an IEEE division per
-        # element made this kernel compute-bound: about 30 instructions each on sm90)
-        inv = tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)[:, None]
-        # The clamp to the code range cannot act where the scale is a normal number: |n| <= amax,
-        # so |n * inv| <= qmax (1 + 2^-24)^3 < qmax + 2^-20, which rounds to qmax at most (int8:
-        # 127; e4m3: 448, the next step being 32 away). Rows of a subnormal scale (or NaN) clamp.
-        tiny = ~(scale >= 1.1754943508222875e-38)
-        if tl.max(tiny.to(tl.int32), axis=0) > 0:
-            ra = _quantize(ra * inv, qmax, QUANT, True)
-            rb = _quantize(rb * inv, qmax, QUANT, True)
-            if HAS_REST:
-                rest = _quantize(rest * inv, qmax, QUANT, True)
-        else:
-            ra = _quantize(ra * inv, qmax, QUANT, False)
-            rb = _quantize(rb * inv, qmax, QUANT, False)
-            if HAS_REST:
-                rest = _quantize(rest * inv, qmax, QUANT, False)
     tl.store(o_rows + da[None, :] * stride_od, ra.to(OUT.dtype.element_ty), mask=pair_mask)
     tl.store(o_rows + db[None, :] * stride_od, rb.to(OUT.dtype.element_ty), mask=pair_mask)
     if HAS_REST and WRITE_REST:
+        offs_d = tl.arange(0, BLOCK_D).to(tl.int64)
+        is_rest = (offs_d < D) & ((offs_d < ROT_START) | (offs_d >= ROT_START + 2 * HALF))
+        rest_mask = row_mask[:, None] & is_rest[None, :]                      # [ROWS, BLOCK_D]
+        rest = tl.load(x_rows + offs_d[None, :] * stride_xd, mask=rest_mask, other=0.0)
         tl.store(o_rows + offs_d[None, :] * stride_od, rest.to(OUT.dtype.element_ty), mask=rest_mask)
 
 
@@ -714,19 +665,36 @@ def _qk_norm_rope_fwd_kernel(
 
 @triton.jit
 def _rms_norm_rope_bwd_kernel(
-    DY, X, DX, COS, SIN, POS, SEQ_OFFSETS, W, DW_PART,
-    stride_yb, stride_ys, stride_yh, stride_yd, stride_xb, stride_xs, stride_xh, stride_xd,
-    stride_dxb, stride_dxs, stride_dxh, stride_dxd, stride_cs, stride_cd, stride_ss, stride_sd,
-    stride_pb, stride_ps, stride_w, S, H, D, HALF, seq_offset, eps, offset,
+    DQ_OUT, DK_OUT, Q, K, DQ, DK, COS, SIN, POS, SEQ_OFFSETS, Q_W, K_W, DQW_PART, DKW_PART,
+    stride_qyb, stride_qys, stride_qyh, stride_qyd, stride_kyb, stride_kys, stride_kyh, stride_kyd,
+    stride_qb, stride_qs, stride_qh, stride_qd, stride_kb, stride_ks, stride_kh, stride_kd,
+    stride_dqb, stride_dqs, stride_dqh, stride_dqd, stride_dkb, stride_dks, stride_dkh, stride_dkd,
+    stride_cs, stride_cd, stride_ss, stride_sd, stride_pb, stride_ps, stride_qw, stride_kw,
+    S, HQ, HK, D, HALF, seq_offset, eps, offset,
     BLOCK_S: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr,
     INTERLEAVED: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_POS_IDS: tl.constexpr,
     HAS_OFFSET_TENSOR: tl.constexpr,
 ):
-    # One program: BLOCK_S tokens of one batch entry, every head (the heads share the weight, whose
-    # gradient this program sums into its row of DW_PART (programs, D), summed on the host).
+    # Program (s, t, b): BLOCK_S tokens of batch entry b, every head of q (t = 0) or of k (t = 1),
+    # in one launch. The heads share the weight, whose gradient this program sums into its row of
+    # DQW_PART or DKW_PART (B * programs along s, D), summed on the host.
     s_block = tl.program_id(0)
-    b = tl.program_id(1).to(tl.int64)
+    is_k = tl.program_id(1) > 0
+    b = tl.program_id(2).to(tl.int64)
     part = (b * tl.num_programs(0) + s_block) * D
+    H = _pick(is_k, HK, HQ)
+    DY = _pick(is_k, DK_OUT, DQ_OUT)
+    X = _pick(is_k, K, Q)
+    DX = _pick(is_k, DK, DQ)
+    W = _pick(is_k, K_W, Q_W)
+    DW_PART = _pick(is_k, DKW_PART, DQW_PART)
+    stride_yb, stride_ys = _pick(is_k, stride_kyb, stride_qyb), _pick(is_k, stride_kys, stride_qys)
+    stride_yh, stride_yd = _pick(is_k, stride_kyh, stride_qyh), _pick(is_k, stride_kyd, stride_qyd)
+    stride_xb, stride_xs = _pick(is_k, stride_kb, stride_qb), _pick(is_k, stride_ks, stride_qs)
+    stride_xh, stride_xd = _pick(is_k, stride_kh, stride_qh), _pick(is_k, stride_kd, stride_qd)
+    stride_dxb, stride_dxs = _pick(is_k, stride_dkb, stride_dqb), _pick(is_k, stride_dks, stride_dqs)
+    stride_dxh, stride_dxd = _pick(is_k, stride_dkh, stride_dqh), _pick(is_k, stride_dkd, stride_dqd)
+    stride_w = _pick(is_k, stride_kw, stride_qw)
     offs_s = s_block * BLOCK_S + tl.arange(0, BLOCK_S).to(tl.int64)
     tok, row_mask, pos = _rotary_tokens(b, offs_s, SEQ_OFFSETS, POS, SEQ_OFFSETS, seq_offset, S,
                                         stride_pb, stride_ps, False, HAS_POS_IDS, HAS_OFFSET_TENSOR)
@@ -891,13 +859,10 @@ def _batched(t):
 
 
 def rotary_fwd(*, x, cos, sin, out, rot_start, rotary_dim, interleaved=False, conjugate=False,
-               position_ids=None, cu_seqlens=None, max_seqlen=None, seqlen_offsets=0,
-               weight=None, norm=False, eps=0.0, offset=0.0, quant_dtype=None, scale_out=None):
+               position_ids=None, cu_seqlens=None, max_seqlen=None, seqlen_offsets=0):
     """Rotate x's features [rot_start, rot_start + rotary_dim) into out (which may be x itself).
 
     x, out: (B, S, H, D), or packed (T, H, D) with cu_seqlens (B + 1,) or position_ids (T,).
-    norm: a per-head RMSNorm first (weight (D,) or None). quant_dtype: int8 or float8_e4m3fn codes
-    into out, and per-(token, head) fp32 scales into scale_out (B, S, H).
     """
     varlen = cu_seqlens is not None
     if varlen:
@@ -919,28 +884,20 @@ def rotary_fwd(*, x, cos, sin, out, rot_start, rotary_dim, interleaved=False, co
     offsets_tensor = isinstance(seqlen_offsets, torch.Tensor)
     cfg = tuning.rotary_config(x.device)
     half = rotary_dim // 2
-    rows = cfg.norm_block_rows if norm and quant_dtype is None else cfg.block_rows
-    block_h = min(triton.next_power_of_2(H), rows)   # a token's heads first, then tokens
-    block_s = max(1, rows // block_h)
+    block_h = min(triton.next_power_of_2(H), cfg.block_rows)   # a token's heads first, then tokens
+    block_s = max(1, cfg.block_rows // block_h)
     grid = (triton.cdiv(S, block_s), B, triton.cdiv(H, block_h))
     _rotary_kernel[grid](
-        x4, o4, cos, sin, pos, cu_seqlens, seqlen_offsets if offsets_tensor else None, weight,
-        scale_out, *x_strides, *o_strides, *cos.stride(), *sin.stride(), *pos_strides,
-        *(scale_out.stride() if scale_out is not None else (0, 0, 0)), _stride(weight),
-        S, H, D, rot_start, half, 0 if offsets_tensor else int(seqlen_offsets), eps, offset,
-        float(reference_qmax(quant_dtype)),
+        x4, o4, cos, sin, pos, cu_seqlens, seqlen_offsets if offsets_tensor else None,
+        *x_strides, *o_strides, *cos.stride(), *sin.stride(), *pos_strides,
+        S, H, D, rot_start, half, 0 if offsets_tensor else int(seqlen_offsets),
         BLOCK_S=block_s, BLOCK_H=block_h, BLOCK_HALF=triton.next_power_of_2(max(half, 1)),
         BLOCK_D=triton.next_power_of_2(D), HAS_REST=rotary_dim < D, INTERLEAVED=interleaved,
-        CONJUGATE=conjugate,
-        WRITE_REST=(out.data_ptr() != x.data_ptr()) or norm or quant_dtype is not None,
-        HAS_NORM=norm, HAS_WEIGHT=weight is not None, QUANT=_QUANT_CODES[quant_dtype],
+        CONJUGATE=conjugate, WRITE_REST=out.data_ptr() != x.data_ptr(),
         IS_VARLEN=varlen, HAS_POS_IDS=pos is not None, HAS_OFFSET_TENSOR=offsets_tensor,
         num_warps=cfg.num_warps,
-        # the quantized path is specified as exactly rounded steps: no fused multiply-adds
-        **({"enable_fp_fusion": False} if quant_dtype is not None else {}),
     )
     return out
-
 
 _SQUARES = {torch.float16: 2, torch.bfloat16: 3}
 
@@ -1023,30 +980,56 @@ def reference_qmax(dtype) -> float:
     return {None: 0.0, torch.int8: 127.0, torch.float8_e4m3fn: 448.0}[dtype]
 
 
-def rms_norm_rope_bwd(*, dy, x, weight, cos, sin, eps, offset, rotary_dim, interleaved,
-                      position_ids, seqlen_offsets):
-    """Gradients (dx like x, dweight like weight or None) of RMSNorm-then-RoPE of x (B, S, H, D)."""
-    B, S, H, D = x.shape
-    dx = empty(x.shape, dtype=x.dtype, device=x.device)
-    cfg = tuning.rotary_config(x.device)
+def rms_norm_rope_bwd(*, dq_out, dk_out, q, k, q_weight, k_weight, cos, sin, eps, offset,
+                      rotary_dim, interleaved, position_ids, seqlen_offsets):
+    """Gradients (dq, dk, dq_weight, dk_weight; a weight's None when it is) of RMSNorm-then-RoPE of
+    q (B, S, Hq, D) and k (B, S, Hkv, D), for the output gradients dq_out, dk_out: one launch."""
+    if not _one_launch(q, k, q_weight, k_weight):
+        dq, _, dqw, _ = rms_norm_rope_bwd(
+            dq_out=dq_out, dk_out=dq_out[:, :, :0], q=q, k=q[:, :, :0], q_weight=q_weight,
+            k_weight=q_weight, cos=cos, sin=sin, eps=eps, offset=offset, rotary_dim=rotary_dim,
+            interleaved=interleaved, position_ids=position_ids, seqlen_offsets=seqlen_offsets)
+        dk, _, dkw, _ = rms_norm_rope_bwd(
+            dq_out=dk_out, dk_out=dk_out[:, :, :0], q=k, k=k[:, :, :0], q_weight=k_weight,
+            k_weight=k_weight, cos=cos, sin=sin, eps=eps, offset=offset, rotary_dim=rotary_dim,
+            interleaved=interleaved, position_ids=position_ids, seqlen_offsets=seqlen_offsets)
+        return dq, dk, dqw, dkw
+    B, S, HQ, D = q.shape
+    HK = k.shape[2]
+    dq = empty(q.shape, dtype=q.dtype, device=q.device)
+    dk = empty(k.shape, dtype=k.dtype, device=k.device)
+    cfg = tuning.rotary_config(q.device)
     block_s = cfg.bwd_block_s
     s_blocks = triton.cdiv(S, block_s)
-    dw_part = empty((B * s_blocks, D), dtype=torch.float32, device=x.device) if weight is not None else None
-    if B * S * H > 0:
+    has_weight = q_weight is not None
+
+    def part():
+        return empty((B * s_blocks, D), dtype=torch.float32, device=q.device) if has_weight else None
+
+    dqw_part, dkw_part = part(), part()
+    if B * S * (HQ + HK) > 0:
         half = rotary_dim // 2
         offsets_tensor = isinstance(seqlen_offsets, torch.Tensor)
         pos_strides = (0, 0) if position_ids is None else position_ids.stride()
-        _rms_norm_rope_bwd_kernel[(s_blocks, B)](
-            dy, x, dx, cos, sin, position_ids, seqlen_offsets if offsets_tensor else None, weight,
-            dw_part, *dy.stride(), *x.stride(), *dx.stride(), *cos.stride(), *sin.stride(),
-            *pos_strides, _stride(weight), S, H, D, half, 0 if offsets_tensor else int(seqlen_offsets), eps, offset,
+        # absent weights: q's own in their slots (never read or written; the picks need a type)
+        q_w, k_w, q_p, k_p = (q_weight, k_weight, dqw_part, dkw_part) if has_weight else (q,) * 4
+        _rms_norm_rope_bwd_kernel[(s_blocks, 2 if HK else 1, B)](
+            dq_out, dk_out, q, k, dq, dk, cos, sin, position_ids,
+            seqlen_offsets if offsets_tensor else None, q_w, k_w, q_p, k_p,
+            *dq_out.stride(), *dk_out.stride(), *q.stride(), *k.stride(), *dq.stride(), *dk.stride(),
+            *cos.stride(), *sin.stride(), *pos_strides, _stride(q_weight), _stride(k_weight),
+            S, HQ, HK, D, half, 0 if offsets_tensor else int(seqlen_offsets), eps, offset,
             BLOCK_S=block_s, BLOCK_HALF=triton.next_power_of_2(max(half, 1)),
             BLOCK_D=triton.next_power_of_2(D), INTERLEAVED=interleaved,
-            HAS_WEIGHT=weight is not None, HAS_POS_IDS=position_ids is not None,
+            HAS_WEIGHT=has_weight, HAS_POS_IDS=position_ids is not None,
             HAS_OFFSET_TENSOR=offsets_tensor, num_warps=cfg.num_warps,
         )
-    if weight is None:
-        return dx, None
-    if B * S * H == 0:
-        return dx, torch.zeros_like(weight)
-    return dx, dw_part.sum(0).to(weight.dtype)
+
+    def total(p, w, H):
+        if w is None:
+            return None
+        if B * S * H == 0:
+            return torch.zeros_like(w)
+        return p.sum(0).to(w.dtype)
+
+    return dq, dk, total(dqw_part, q_weight, HQ), total(dkw_part, k_weight, HK)

@@ -249,21 +249,26 @@ def _(q, k, q_weight, k_weight, cos, sin, position_ids, seqlen_offsets, seqlen_o
 
 
 @torch.library.custom_op("lanekit::rms_norm_rope_bwd", mutates_args=())
-def _rms_norm_rope_bwd_op(dy: Tensor, x: Tensor, weight: Tensor | None, cos: Tensor, sin: Tensor,
-                          position_ids: Tensor | None, seqlen_offsets: Tensor | None,
+def _rms_norm_rope_bwd_op(dq_out: Tensor, dk_out: Tensor, q: Tensor, k: Tensor,
+                          q_weight: Tensor | None, k_weight: Tensor | None, cos: Tensor,
+                          sin: Tensor, position_ids: Tensor | None, seqlen_offsets: Tensor | None,
                           seqlen_offset: int, eps: float, offset: float, interleaved: bool,
-                          rotary_dim: int) -> tuple[Tensor, Tensor]:
-    dx, dw = _kernels().rms_norm_rope_bwd(
-        dy=dy, x=x, weight=weight, cos=cos, sin=sin, eps=eps, offset=offset,
-        rotary_dim=rotary_dim, interleaved=interleaved, position_ids=position_ids,
+                          rotary_dim: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    dq, dk, dqw, dkw = _kernels().rms_norm_rope_bwd(
+        dq_out=dq_out, dk_out=dk_out, q=q, k=k, q_weight=q_weight, k_weight=k_weight, cos=cos,
+        sin=sin, eps=eps, offset=offset, rotary_dim=rotary_dim, interleaved=interleaved,
+        position_ids=position_ids,
         seqlen_offsets=seqlen_offsets if seqlen_offsets is not None else seqlen_offset)
-    return dx, _or_empty(dw, x)
+    return dq, dk, _or_empty(dqw, q), _or_empty(dkw, q)
 
 
 @_rms_norm_rope_bwd_op.register_fake
-def _(dy, x, weight, cos, sin, position_ids, seqlen_offsets, seqlen_offset, eps, offset,
-      interleaved, rotary_dim):
-    return x.new_empty(x.shape), (weight.new_empty(weight.shape) if weight is not None else x.new_empty(0))
+def _(dq_out, dk_out, q, k, q_weight, k_weight, cos, sin, position_ids, seqlen_offsets,
+      seqlen_offset, eps, offset, interleaved, rotary_dim):
+    def like(w):
+        return w.new_empty(w.shape) if w is not None else q.new_empty(0)
+
+    return q.new_empty(q.shape), k.new_empty(k.shape), like(q_weight), like(k_weight)
 
 
 def _rms_norm_rope_setup(ctx, inputs, output):
@@ -274,9 +279,11 @@ def _rms_norm_rope_setup(ctx, inputs, output):
 
 def _rms_norm_rope_backward(ctx, dq, dk):
     q, k, q_weight, k_weight, cos, sin, position_ids, seqlen_offsets = ctx.saved_tensors
-    rope = (cos, sin, position_ids, seqlen_offsets, *ctx.scalars)
-    dq, dqw = _rms_norm_rope_bwd_op(dq, q, q_weight, *rope)
-    dk, dkw = _rms_norm_rope_bwd_op(dk, k, k_weight, *rope)
+    # an output not used downstream has no gradient: zeros (the kernel reads one)
+    dq = dq if dq is not None else torch.zeros_like(q)
+    dk = dk if dk is not None else torch.zeros_like(k)
+    dq, dk, dqw, dkw = _rms_norm_rope_bwd_op(dq, dk, q, k, q_weight, k_weight, cos, sin,
+                                             position_ids, seqlen_offsets, *ctx.scalars)
     return (dq, dk, dqw if q_weight is not None else None, dkw if k_weight is not None else None,
             None, None, None, None, None, None, None, None, None)
 
