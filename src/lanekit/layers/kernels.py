@@ -4,11 +4,14 @@ Three kernel families:
 - ``_norm_fwd_kernel`` / ``_norm_bwd_kernel``: RMSNorm, LayerNorm and AdaLN, one row of N features
   per program (forward), with the fused residual (and gated residual) add. Rows up to a table's
   width are held in registers (one read of x); wider rows are walked in blocks, several passes.
-- ``_rotary_kernel``: RoPE, optionally after a per-head RMSNorm and before a per-head quantization;
-  ``_rms_norm_rope_bwd_kernel`` its backward through the norm.
+- ``_rotary_kernel``: RoPE. ``_qk_norm_rope_fwd_kernel``: a per-head RMSNorm, RoPE and optionally
+  a per-head quantization, of q and k in one launch; ``_rms_norm_rope_bwd_kernel`` its backward
+  (without quantization), q and k in one launch too.
 - ``_glu_fwd_kernel`` / ``_glu_bwd_kernel``: SwiGLU and GeGLU.
 
-Every kernel computes in fp32 and casts once on the store; all offsets are int64.
+Every kernel computes in fp32 and casts once on the store (the quantized path's sum of squares is
+fp64); offsets are int64, but for those within a row of ``_qk_norm_rope_fwd_kernel`` (int32, its
+launcher checks they fit).
 """
 
 from __future__ import annotations
@@ -596,14 +599,14 @@ def _qk_norm_rope_fwd_kernel(
               + tok * _pick(is_k, stride_kos, stride_qos) + h * _pick(is_k, stride_koh, stride_qoh))[:, None]
     stride_xd = _pick(is_k, stride_kd, stride_qd)
     stride_od = _pick(is_k, stride_kod, stride_qod)
-    offs_i = tl.arange(0, BLOCK_HALF).to(tl.int64)
+    offs_i = tl.arange(0, BLOCK_HALF)        # offsets within a row in int32: see _inner_int32
     da, db = _rotary_pairs(offs_i, ROT_START, HALF, INTERLEAVED)
     pair_mask = row_mask[:, None] & (offs_i < HALF)[None, :]                                 # [ROWS, BLOCK_HALF]
     a = _load_f32(x_rows + da[None, :] * stride_xd, pair_mask, EVEN)
     bb = _load_f32(x_rows + db[None, :] * stride_xd, pair_mask, EVEN)
     rest = a  # a placeholder when there is no rest
     if HAS_REST:
-        offs_d = tl.arange(0, BLOCK_D).to(tl.int64)
+        offs_d = tl.arange(0, BLOCK_D)
         is_rest = (offs_d < D) & ((offs_d < ROT_START) | (offs_d >= ROT_START + 2 * HALF))
         rest_mask = row_mask[:, None] & is_rest[None, :]                                    # [ROWS, BLOCK_D]
         rest = tl.load(x_rows + offs_d[None, :] * stride_xd, mask=rest_mask, other=0.0).to(tl.float32)
@@ -910,22 +913,23 @@ def _one_launch(q, k, q_weight, k_weight) -> bool:
     return q_weight is None or q_weight.dtype == k_weight.dtype
 
 
-def _row_strides(t):
-    """t's strides, but its feature stride as D * stride_d must fit int32 (offsets within a row are
-    int32 in the kernel): a layout where it does not is copied (the rows of a > 2^31-element
-    tensor are still addressed in int64)."""
+def _inner_int32(t):
+    """t, or a contiguous copy when the offsets along its last dim (up to size * stride) do not fit
+    int32, as _qk_norm_rope_fwd_kernel takes them (int32 there saves registers and instructions;
+    rows are still addressed in int64, so a > 2^31-element tensor works either way)."""
     if t.shape[-1] * abs(t.stride(-1)) >= 2 ** 31:
-        t = t.contiguous()
-    return t, t.stride()
+        return t.contiguous()
+    return t
 
 
 def qk_norm_rope_fwd(*, q, k, q_out, k_out, q_weight, k_weight, cos, sin, rot_start, rotary_dim,
                      interleaved, position_ids, seqlen_offsets, eps, offset, quant_dtype=None,
                      q_scale=None, k_scale=None):
     """RMSNorm of every head vector of q (B, S, Hq, D) and k (B, S, Hkv, D), RoPE of features
-    [rot_start, rot_start + rotary_dim), into q_out and k_out (fresh, contiguous): in one launch
-    (programs of q's tiles, then k's). quant_dtype: int8 or float8_e4m3fn codes into the outs,
-    per-(token, head) fp32 scales into q_scale, k_scale (B, S, H)."""
+    [rot_start, rot_start + rotary_dim), into q_out and k_out: in one launch (for each block of
+    tokens, programs of q's head blocks, then of k's), or one per tensor when their weights differ
+    in presence or dtype. quant_dtype: int8 or float8_e4m3fn codes into the outs, per-(token, head)
+    fp32 scales into q_scale, k_scale (B, S, H)."""
     if not _one_launch(q, k, q_weight, k_weight):
         for x, out, w, scale in ((q, q_out, q_weight, q_scale), (k, k_out, k_weight, k_scale)):
             qk_norm_rope_fwd(q=x, k=x[:, :, :0], q_out=out, k_out=out[:, :, :0], q_weight=w,
@@ -939,11 +943,12 @@ def qk_norm_rope_fwd(*, q, k, q_out, k_out, q_weight, k_weight, cos, sin, rot_st
     HK = k.shape[2]
     if B == 0 or S == 0 or HQ + HK == 0:
         return
-    q, q_strides = _row_strides(q)
-    k, k_strides = _row_strides(k)
+    q, k, cos, sin = (_inner_int32(t) for t in (q, k, cos, sin))
+    if q_weight is not None:
+        q_weight, k_weight = _inner_int32(q_weight), _inner_int32(k_weight)
     cfg = tuning.rotary_config(q.device)
     half = rotary_dim // 2
-    rows = cfg.norm_block_rows if quant_dtype is None else cfg.block_rows
+    rows = cfg.norm_block_rows if quant_dtype is None else cfg.quant_block_rows
     # one tile shape for both: heads of a token first (up to the smaller head count), then tokens
     block_h = min(triton.next_power_of_2(max(min(HQ, HK) if HK else HQ, 1)), rows)
     block_s = max(1, rows // block_h)
@@ -961,7 +966,7 @@ def qk_norm_rope_fwd(*, q, k, q_out, k_out, q_weight, k_weight, cos, sin, rot_st
     _qk_norm_rope_fwd_kernel[grid](
         q, k, q_out, k_out, q_w, k_w, q_sc, k_sc, cos, sin, pos,
         seqlen_offsets if offsets_tensor else None,
-        *q_strides, *k_strides, *q_out.stride(), *k_out.stride(),
+        *q.stride(), *k.stride(), *q_out.stride(), *k_out.stride(),
         *(q_scale.stride() if quant else (0, 0, 0)), *(k_scale.stride() if quant else (0, 0, 0)),
         _stride(q_weight), _stride(k_weight), *cos.stride(), *sin.stride(), *pos_strides,
         S, HQ, HK, D, rot_start, half, q_head_blocks, 0 if offsets_tensor else int(seqlen_offsets),
@@ -970,7 +975,7 @@ def qk_norm_rope_fwd(*, q, k, q_out, k_out, q_weight, k_weight, cos, sin, rot_st
         BLOCK_D=triton.next_power_of_2(D), HAS_REST=rotary_dim < D, INTERLEAVED=interleaved,
         HAS_WEIGHT=q_weight is not None, QUANT=_QUANT_CODES[quant_dtype],
         SQUARES=_SQUARES.get(q.dtype, 1) if quant else 0, EVEN=even, POW2_D=D & (D - 1) == 0,
-        HAS_POS_IDS=pos is not None, HAS_OFFSET_TENSOR=offsets_tensor, num_warps=cfg.num_warps,
+        HAS_POS_IDS=pos is not None, HAS_OFFSET_TENSOR=offsets_tensor, num_warps=cfg.norm_num_warps,
         # the quantized path is specified as exactly rounded steps: no fused multiply-adds
         **({"enable_fp_fusion": False} if quant else {}),
     )
