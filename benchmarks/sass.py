@@ -134,11 +134,11 @@ class _Capture:
 
 def _elements_per_thread(bound: dict, num_warps: int) -> float:
     """Elements (rows x features) one thread handles, from the launch's tile constexprs."""
-    if "BLOCK_H" in bound:   # _rotary_kernel: BLOCK_S * BLOCK_H rows of D
-        rows = bound["BLOCK_S"] * bound["BLOCK_H"]
-    else:
-        rows = bound.get("BLOCK_ROWS", 1)
-    return rows * bound["D"] / (num_warps * 32) if "D" in bound else float("nan")
+    if "BLOCK_H" in bound:   # the RoPE kernels: BLOCK_S * BLOCK_H rows of D
+        return bound["BLOCK_S"] * bound["BLOCK_H"] * bound["D"] / (num_warps * 32)
+    if "BLOCK_N" in bound and bound.get("ONE_BLOCK", True):   # the norms: MOD_ROWS rows of N
+        return bound.get("MOD_ROWS", 1) * bound["N"] / (num_warps * 32)
+    return float("nan")
 
 
 def _triton_lane_on_cpu():
@@ -179,10 +179,11 @@ def report(case: dict, dump: str | None = None) -> list[dict]:
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("cases", nargs="*", help="benchmarks.layers case names (default: the RoPE ones)")
+    p.add_argument("cases", nargs="*", help="benchmarks.layers case names (default: the q-and-k ones "
+                                            "and adaln)")
     p.add_argument("--dump", help="write each launch's SASS into this folder")
     args = p.parse_args(argv)
-    wanted = args.cases or ["rms_norm_rope q,k", "qk_norm_rope_quant e4m3"]
+    wanted = args.cases or ["rms_norm_rope q,k", "qk_norm_rope_quant e4m3", "adaln"]
     for case in bench.cases():
         if bench.name(case) not in wanted:
             continue

@@ -196,6 +196,10 @@ def _adaln_samples(device):
     yield adaln_case("N384 (B=3, S=5) gated residual fp32 mods", device, shape=(3, 5, 384), gate=True,
                      residual=True, mod_dtype=torch.float32)
     yield adaln_case("N384 rows 1 fp16 residual", device, shape=(1, 384), residual=True, dtype=torch.float16)
+    # S divisible by 4 and by 2: programs of several rows sharing their batch entry's scale, shift
+    yield adaln_case("N160 (B=3, S=12) per batch, rows sharing a load", device, shape=(3, 12, 160))
+    yield adaln_case("N96 (B=2, S=6) gated residual, rows sharing a load", device, shape=(2, 6, 96),
+                     gate=True, residual=True)
 
 
 def _with_douts(samples):

@@ -75,71 +75,85 @@ def _norm_fwd_kernel(
     IS_RMS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_GATE: tl.constexpr,
     HAS_MOD: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_N: tl.constexpr, ONE_BLOCK: tl.constexpr, TWO_PART_MEAN: tl.constexpr,
+    MOD_ROWS: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
-    m = row // rows_per_mod                          # the row of scale, shift and gate
-    x_row, r_row = row * stride_xm, row * stride_rm
-    g_row, s_row, t_row = m * stride_gm, m * stride_sm, m * stride_tm
-    y_row, h_row = row * stride_ym, row * stride_hm
+    # Program p: rows [p * MOD_ROWS, (p + 1) * MOD_ROWS), all of one modulation group (the launcher
+    # makes MOD_ROWS divide rows_per_mod): its row of scale and shift is loaded once for them.
     cols0 = tl.arange(0, BLOCK_N).to(tl.int64)
-    if ONE_BLOCK:  # the whole row in registers: x is read once
-        mask = cols0 < N
-        h, x = _norm_load_h(X, R, GATE, x_row, r_row, g_row, cols0, mask, stride_xn, stride_rn,
-                            stride_gn, HAS_RESIDUAL, HAS_GATE)
-        mean = 0.0
-        mean_lo = 0.0
-        if not IS_RMS:
-            mean = tl.sum(h, axis=0) / N
-            if TWO_PART_MEAN:  # only fp32 outputs can see the rounding of the mean
-                mean_lo = tl.sum(tl.where(mask, h - mean, 0.0), axis=0) / N
-        hc = tl.where(mask, (h - mean) - mean_lo, 0.0)
-        rstd = 1.0 / tl.sqrt(tl.sum(hc * hc, axis=0) / N + eps)
-        y = _norm_affine(hc * rstd, W, B, SCALE, SHIFT, s_row, t_row, cols0, mask, offset,
-                         stride_w, stride_b, stride_sn, stride_tn, HAS_WEIGHT, HAS_BIAS, HAS_MOD)
-        tl.store(Y + y_row + cols0 * stride_yn, y.to(Y.dtype.element_ty), mask=mask)
-        if HAS_RESIDUAL:
-            tl.store(H_OUT + h_row + cols0 * stride_hn, h.to(H_OUT.dtype.element_ty), mask=mask)
-    else:  # blocks of the row, one pass for the mean, one for the variance, one to write
-        mean = 0.0
-        if not IS_RMS:
+    if MOD_ROWS > 1:  # ONE_BLOCK and HAS_MOD only
+        m0 = tl.program_id(0).to(tl.int64) * MOD_ROWS // rows_per_mod
+        mod_mask = cols0 < N
+        mod_scale = tl.load(SCALE + m0 * stride_sm + cols0 * stride_sn, mask=mod_mask, other=0.0).to(tl.float32)
+        mod_shift = tl.load(SHIFT + m0 * stride_tm + cols0 * stride_tn, mask=mod_mask, other=0.0).to(tl.float32)
+    for i in tl.static_range(MOD_ROWS):
+        row = tl.program_id(0).to(tl.int64) * MOD_ROWS + i
+        m = row // rows_per_mod                          # the row of scale, shift and gate
+        x_row, r_row = row * stride_xm, row * stride_rm
+        g_row, s_row, t_row = m * stride_gm, m * stride_sm, m * stride_tm
+        y_row, h_row = row * stride_ym, row * stride_hm
+        if ONE_BLOCK:  # the whole row in registers: x is read once
+            mask = cols0 < N
+            h, x = _norm_load_h(X, R, GATE, x_row, r_row, g_row, cols0, mask, stride_xn, stride_rn,
+                                stride_gn, HAS_RESIDUAL, HAS_GATE)
+            mean = 0.0
+            mean_lo = 0.0
+            if not IS_RMS:
+                mean = tl.sum(h, axis=0) / N
+                if TWO_PART_MEAN:  # only fp32 outputs can see the rounding of the mean
+                    mean_lo = tl.sum(tl.where(mask, h - mean, 0.0), axis=0) / N
+            hc = tl.where(mask, (h - mean) - mean_lo, 0.0)
+            rstd = 1.0 / tl.sqrt(tl.sum(hc * hc, axis=0) / N + eps)
+            if MOD_ROWS > 1:  # the same steps as _norm_affine's, with scale and shift loaded once
+                y = _norm_affine(hc * rstd, W, B, SCALE, SHIFT, s_row, t_row, cols0, mask, offset,
+                                 stride_w, stride_b, stride_sn, stride_tn, HAS_WEIGHT, HAS_BIAS, False)
+                y = y * (1.0 + mod_scale) + mod_shift
+            else:
+                y = _norm_affine(hc * rstd, W, B, SCALE, SHIFT, s_row, t_row, cols0, mask, offset,
+                                 stride_w, stride_b, stride_sn, stride_tn, HAS_WEIGHT, HAS_BIAS, HAS_MOD)
+            tl.store(Y + y_row + cols0 * stride_yn, y.to(Y.dtype.element_ty), mask=mask)
+            if HAS_RESIDUAL:
+                tl.store(H_OUT + h_row + cols0 * stride_hn, h.to(H_OUT.dtype.element_ty), mask=mask)
+        else:  # blocks of the row, one pass for the mean, one for the variance, one to write
+            mean = 0.0
+            if not IS_RMS:
+                acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+                for start in range(0, N, BLOCK_N):
+                    cols = start + cols0
+                    h, x = _norm_load_h(X, R, GATE, x_row, r_row, g_row, cols, cols < N, stride_xn,
+                                        stride_rn, stride_gn, HAS_RESIDUAL, HAS_GATE)
+                    acc += h
+                mean = tl.sum(acc, axis=0) / N
             acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+            acc1 = tl.zeros([BLOCK_N], dtype=tl.float32)
             for start in range(0, N, BLOCK_N):
                 cols = start + cols0
-                h, x = _norm_load_h(X, R, GATE, x_row, r_row, g_row, cols, cols < N, stride_xn,
+                mask = cols < N
+                h, x = _norm_load_h(X, R, GATE, x_row, r_row, g_row, cols, mask, stride_xn,
                                     stride_rn, stride_gn, HAS_RESIDUAL, HAS_GATE)
-                acc += h
-            mean = tl.sum(acc, axis=0) / N
-        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-        acc1 = tl.zeros([BLOCK_N], dtype=tl.float32)
-        for start in range(0, N, BLOCK_N):
-            cols = start + cols0
-            mask = cols < N
-            h, x = _norm_load_h(X, R, GATE, x_row, r_row, g_row, cols, mask, stride_xn,
-                                stride_rn, stride_gn, HAS_RESIDUAL, HAS_GATE)
-            hc = tl.where(mask, h - mean, 0.0)
-            acc += hc * hc
-            acc1 += hc
-        mean_lo = 0.0
-        if not IS_RMS:  # the corrected two-pass variance (Chan, Golub, LeVeque)
-            mean_lo = tl.sum(acc1, axis=0) / N
-        rstd = 1.0 / tl.sqrt(tl.sum(acc, axis=0) / N - mean_lo * mean_lo + eps)
-        for start in range(0, N, BLOCK_N):
-            cols = start + cols0
-            mask = cols < N
-            h, x = _norm_load_h(X, R, GATE, x_row, r_row, g_row, cols, mask, stride_xn,
-                                stride_rn, stride_gn, HAS_RESIDUAL, HAS_GATE)
-            y = _norm_affine(((h - mean) - mean_lo) * rstd, W, B, SCALE, SHIFT, s_row, t_row, cols, mask,
-                             offset, stride_w, stride_b, stride_sn, stride_tn, HAS_WEIGHT,
-                             HAS_BIAS, HAS_MOD)
-            tl.store(Y + y_row + cols * stride_yn, y.to(Y.dtype.element_ty), mask=mask)
-            if HAS_RESIDUAL:
-                tl.store(H_OUT + h_row + cols * stride_hn, h.to(H_OUT.dtype.element_ty), mask=mask)
-    # the mean as an unevaluated sum mean + mean_lo: h - mean is exact where h is near the mean, so
-    # ((h - mean) - mean_lo) keeps the fp32 accuracy that (h - (mean + mean_lo)) would lose on
-    # rows whose mean is large beside their spread
-    tl.store(MEAN + 2 * row, mean)
-    tl.store(MEAN + 2 * row + 1, mean_lo)
-    tl.store(RSTD + row, rstd)
+                hc = tl.where(mask, h - mean, 0.0)
+                acc += hc * hc
+                acc1 += hc
+            mean_lo = 0.0
+            if not IS_RMS:  # the corrected two-pass variance (Chan, Golub, LeVeque)
+                mean_lo = tl.sum(acc1, axis=0) / N
+            rstd = 1.0 / tl.sqrt(tl.sum(acc, axis=0) / N - mean_lo * mean_lo + eps)
+            for start in range(0, N, BLOCK_N):
+                cols = start + cols0
+                mask = cols < N
+                h, x = _norm_load_h(X, R, GATE, x_row, r_row, g_row, cols, mask, stride_xn,
+                                    stride_rn, stride_gn, HAS_RESIDUAL, HAS_GATE)
+                y = _norm_affine(((h - mean) - mean_lo) * rstd, W, B, SCALE, SHIFT, s_row, t_row, cols, mask,
+                                 offset, stride_w, stride_b, stride_sn, stride_tn, HAS_WEIGHT,
+                                 HAS_BIAS, HAS_MOD)
+                tl.store(Y + y_row + cols * stride_yn, y.to(Y.dtype.element_ty), mask=mask)
+                if HAS_RESIDUAL:
+                    tl.store(H_OUT + h_row + cols * stride_hn, h.to(H_OUT.dtype.element_ty), mask=mask)
+        # the mean as an unevaluated sum mean + mean_lo: h - mean is exact where h is near the mean, so
+        # ((h - mean) - mean_lo) keeps the fp32 accuracy that (h - (mean + mean_lo)) would lose on
+        # rows whose mean is large beside their spread
+        tl.store(MEAN + 2 * row, mean)
+        tl.store(MEAN + 2 * row + 1, mean_lo)
+        tl.store(RSTD + row, rstd)
 
 
 @triton.jit
@@ -313,7 +327,13 @@ def norm_fwd(*, x, weight, bias, eps, offset=0.0, is_rms, residual=None, gate=No
         return y, h, mean, rstd
     y2, h2 = y.view(-1, N), (h.view(-1, N) if h is not None else None)
     BLOCK_N, one_block, num_warps = _norm_config(x.device, N)
-    _norm_fwd_kernel[(rows,)](
+    # rows sharing one row of scale and shift (AdaLN per batch entry) go MOD_ROWS to a program,
+    # which loads that row once (up to MOD_ROWS times less to read beside x)
+    mod_rows = 1
+    if scale is not None and one_block:
+        while mod_rows < tuning.NORM_MOD_ROWS and rows_per_mod % (2 * mod_rows) == 0:
+            mod_rows *= 2
+    _norm_fwd_kernel[(rows // mod_rows,)](
         x2, r2, gate, scale, shift, weight, bias, y2, h2, mean, rstd,
         *_strides(x2), *_strides(r2), *_strides(gate), *_strides(scale), *_strides(shift),
         *_strides(y2), *_strides(h2), _stride(weight), _stride(bias),
@@ -321,7 +341,7 @@ def norm_fwd(*, x, weight, bias, eps, offset=0.0, is_rms, residual=None, gate=No
         IS_RMS=is_rms, HAS_RESIDUAL=residual is not None, HAS_GATE=gate is not None,
         HAS_MOD=scale is not None, HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
         BLOCK_N=BLOCK_N, ONE_BLOCK=one_block, TWO_PART_MEAN=x.dtype == torch.float32,
-        num_warps=num_warps,
+        MOD_ROWS=mod_rows, num_warps=num_warps,
     )
     return y, h, mean, rstd
 

@@ -165,6 +165,10 @@ NORM: dict[str, dict[int, NormConfig]] = {
         65536: NormConfig(16384, 16),
     },
 }
+# AdaLN with one row of scale and shift per batch entry: the forward's programs take up to this many
+# rows of one entry each, loading that row once (every row reloaded it: 16 KB beside 16 KB of x and
+# y at N = 4096, bf16). Not yet timed.
+NORM_MOD_ROWS = 4
 # Each program of the norm's backward sums the gradients of a run of rows; this many programs
 # (about four per SM on an H100/H200) keep the GPU busy while the partial sums stay small.
 NORM_BWD_PROGRAMS: dict[str, int] = {"generic": 512, "sm90": 528}
