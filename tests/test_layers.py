@@ -353,3 +353,16 @@ def test_more_than_2_to_the_31_elements(device):
     r = L.apply_rotary(xr, theta.cos(), theta.sin())
     assert_close(r[:, -2:], ref.apply_rotary(f64(xr[:, -2:]), f64(theta.cos()), f64(theta.sin()),
                                              seqlen_offsets=rows - 2), "eltwise")
+    del r
+    k = xr[:, :, :8]   # q and k in one launch: k's rows sit past 2^31 elements of its buffer too
+    qn, kn = L.rms_norm_rope(xr, k, w[:64], w[64:128], theta.cos(), theta.sin())
+    expected = ref.rms_norm_rope(f64(xr[:, -2:]), f64(k[:, -2:]), f64(w[:64]), f64(w[64:128]),
+                                 f64(theta.cos()), f64(theta.sin()), seqlen_offsets=rows - 2)
+    assert_close(qn[:, -2:], expected[0], "norm")
+    assert_close(kn[:, -2:], expected[1], "norm")
+    del qn, kn
+    eps = float(torch.tensor(1e-6, dtype=torch.float32))
+    got = L.qk_norm_rope_quant(xr, k, w[:64], w[64:128], theta.cos(), theta.sin(), eps=eps)
+    expected = ref.qk_norm_rope_quant(xr[:, -2:], k[:, -2:], w[:64], w[64:128], theta.cos(),
+                                      theta.sin(), eps=eps, seqlen_offsets=rows - 2)
+    _assert_codes_exact([t[:, -2:] for t in got], expected)
