@@ -83,8 +83,9 @@ def _norm_fwd_kernel(
     if MOD_ROWS > 1:  # ONE_BLOCK and HAS_MOD only
         m0 = tl.program_id(0).to(tl.int64) * MOD_ROWS // rows_per_mod
         mod_mask = cols0 < N
-        mod_scale = tl.load(SCALE + m0 * stride_sm + cols0 * stride_sn, mask=mod_mask, other=0.0).to(tl.float32)
-        mod_shift = tl.load(SHIFT + m0 * stride_tm + cols0 * stride_tn, mask=mod_mask, other=0.0).to(tl.float32)
+        mod_scale = tl.load(SCALE + m0 * stride_sm + cols0 * stride_sn, mask=mod_mask, other=0.0)
+        mod_shift = tl.load(SHIFT + m0 * stride_tm + cols0 * stride_tn, mask=mod_mask, other=0.0)
+        mod_scale, mod_shift = mod_scale.to(tl.float32), mod_shift.to(tl.float32)
     for i in tl.static_range(MOD_ROWS):
         row = tl.program_id(0).to(tl.int64) * MOD_ROWS + i
         m = row // rows_per_mod                          # the row of scale, shift and gate
@@ -621,7 +622,7 @@ def _qk_norm_rope_fwd_kernel(
     stride_od = _pick(is_k, stride_kod, stride_qod)
     offs_i = tl.arange(0, BLOCK_HALF)        # offsets within a row in int32: see _inner_int32
     da, db = _rotary_pairs(offs_i, ROT_START, HALF, INTERLEAVED)
-    pair_mask = row_mask[:, None] & (offs_i < HALF)[None, :]                                 # [ROWS, BLOCK_HALF]
+    pair_mask = row_mask[:, None] & (offs_i < HALF)[None, :]                       # [ROWS, BLOCK_HALF]
     a = _load_f32(x_rows + da[None, :] * stride_xd, pair_mask, EVEN)
     bb = _load_f32(x_rows + db[None, :] * stride_xd, pair_mask, EVEN)
     rest = a  # a placeholder when there is no rest
@@ -650,7 +651,8 @@ def _qk_norm_rope_fwd_kernel(
     if HAS_REST:
         rest = rest * rstd
         if HAS_WEIGHT:
-            rest = rest * (tl.load(W + offs_d * stride_w, mask=is_rest, other=0.0).to(tl.float32) + offset)[None, :]
+            w_rest = tl.load(W + offs_d * stride_w, mask=is_rest, other=0.0).to(tl.float32)
+            rest = rest * (w_rest + offset)[None, :]
     # cos and sin of a row's token, loaded for each of its heads (cache hits)
     cos = _load_f32(COS + pos[:, None] * stride_cs + offs_i[None, :] * stride_cd, pair_mask, EVEN)
     sin = _load_f32(SIN + pos[:, None] * stride_ss + offs_i[None, :] * stride_sd, pair_mask, EVEN)
@@ -668,8 +670,9 @@ def _qk_norm_rope_fwd_kernel(
         # element made this kernel compute-bound: about 30 instructions each on sm90)
         inv = tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)[:, None]
         # The clamp to the code range cannot act where the scale is a normal number: |n| <= amax,
-        # so |n * inv| <= qmax (1 + 2^-24)^3 < qmax + 2^-20, which rounds to qmax at most (int8:
-        # 127; e4m3: 448, the next step being 32 away). Rows of a subnormal scale (or NaN) clamp.
+        # scale >= (amax / qmax)(1 - 2^-24), inv <= (1 / scale)(1 + 2^-24), so |n * inv| rounded
+        # is at most qmax (1 + 2^-22), which rounds to qmax at most (int8: 127.00003; e4m3: 448.0001,
+        # the next step up being 32 away). Tiles with a subnormal (or NaN) scale clamp.
         tiny = ~(scale >= 1.1754943508222875e-38)
         if tl.max(tiny.to(tl.int32), axis=0) > 0:
             ra = _quantize(ra * inv, qmax, QUANT, True)
