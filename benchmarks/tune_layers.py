@@ -19,7 +19,10 @@ from lanekit.runtime import tuning
 CANDIDATES = {
     "NORM": ([dict(max_block_n=b, num_warps=w) for b, w in itertools.product((4096, 8192), (4, 8, 16))],
              ["rms_norm", "rms_norm+residual", "layer_norm", "adaln+gated residual"]),
-    "ROTARY": ([dict(block_rows=r, num_warps=w) for r, w in itertools.product((8, 16, 32, 64), (1, 2, 4, 8))],
+    # each op reads its own fields: apply_rotary block_rows and num_warps, the q-and-k kernels
+    # norm_block_rows or quant_block_rows and norm_num_warps
+    "ROTARY": ([dict(block_rows=r, num_warps=w, norm_block_rows=r, quant_block_rows=r, norm_num_warps=w)
+                for r, w in itertools.product((8, 16, 32, 64, 128), (1, 2, 4, 8))],
                ["apply_rotary q", "rms_norm_rope q,k", "qk_norm_rope_quant e4m3"]),
     "GLU": ([dict(block_n=b, num_warps=w) for b, w in itertools.product((1024, 2048, 4096, 8192), (4, 8, 16))],
             ["swiglu", "swiglu fused"]),

@@ -4,6 +4,8 @@ gradients through the fused residual, torch.compile, bad input, more than 2^31 e
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import lanekit.layers as L
 from lanekit.reference import layers as ref
@@ -168,6 +170,71 @@ def test_quantized_qk_dequantizes_to_the_normalized_rotated_values(device, dtype
         assert ((deq - n).abs() <= bound * 1.0001).all()
 
 
+def _wide_rows(g, shape, dtype, low, span, zeros=0.1):
+    """Values of random sign, |x| = m * 2^e with e uniform in [low, low + span): rows whose squares
+    span up to 2 * span binades; about a fraction ``zeros`` of exact zeros."""
+    mant = 1 + torch.rand(shape, generator=g, dtype=torch.float64)
+    e = torch.randint(low, low + span, shape, generator=g).double()
+    sign = torch.where(torch.rand(shape, generator=g) < 0.5, -1.0, 1.0).double()
+    x = (sign * mant * torch.exp2(e)).to(dtype)
+    return torch.where(torch.rand(shape, generator=g) < zeros, torch.zeros_like(x), x)
+
+
+def _assert_codes_exact(got, expected):
+    for name, o, e in zip(("q_codes", "q_scale", "k_codes", "k_scale"), got, expected, strict=True):
+        assert o.dtype == e.dtype and o.shape == e.shape, name
+        same = (o.view(torch.uint8) == e.view(torch.uint8)) if o.element_size() == 1 else (o == e)
+        assert bool(same.all()), f"{name}: {int((~same).sum())} of {same.numel()} differ"
+
+
+@settings(max_examples=16, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(dtype=st.sampled_from([torch.bfloat16, torch.float16]),
+       low=st.integers(-60, 50), span=st.integers(1, 15), eps=st.sampled_from([1e-6, 0.0]),
+       quant=st.sampled_from([torch.float8_e4m3fn, torch.int8]), seed=st.integers(0, 2 ** 16))
+def test_quantized_qk_codes_are_exact_for_rows_of_wide_dynamic_range(device, dtype, low, span, eps,
+                                                                      quant, seed):
+    """The kernel's sum of squares (fp32 squares, summed in fp64 without conversions) equals the
+    oracle's float64 sum wherever that is exact: squares within 30 binades of each other, at any
+    magnitude bf16 holds (|x| up to 2^65, where a square overflows fp32 and the tile is redone in
+    fp64) and with eps 0 (no eps to hide a wrong sum). Codes and scales compared bit for bit."""
+    g = gen(seed)
+    if dtype == torch.float16:  # fp16: |x| from 2^-24 to 2^15
+        low = max(-24, min(low, 15 - span))
+    q = _wide_rows(g, (1, 5, 4, 64), dtype, low, span).to(device)
+    k = _wide_rows(g, (1, 5, 3, 64), dtype, low, span).to(device)
+    w = randn(64, dtype=dtype, device=device, generator=g)
+    theta = torch.rand(8, 32, generator=g).to(device) * 6.3
+    args = (q, k, w, w, theta.cos(), theta.sin())
+    with poisoned_outputs():
+        got = L.qk_norm_rope_quant(*args, eps=eps, quant_dtype=quant, lane="triton")
+    eps32 = float(torch.tensor(eps, dtype=torch.float32))
+    _assert_codes_exact(got, ref.qk_norm_rope_quant(*args, eps=eps32, quant_dtype=quant))
+
+
+@pytest.mark.parametrize("rows", ["one huge row", "all tiny, eps 0", "all tiny", "normal"])
+def test_quantized_qk_tiles_outside_fp32s_exact_squares_are_redone_and_exact(device, rows):
+    """bf16 rows whose squares fp32 cannot hold exactly (|x| >= 2^64 overflows; |x| < 2^-75
+    squares to 0) send their tile to the fp64 sum; the tile's other rows stay exact too."""
+    g = gen(10)
+    q = randn(1, 4, 8, 64, dtype=torch.float32, device="cpu", generator=g)
+    if rows == "one huge row":
+        q[0, 1, 3] = _wide_rows(g, (64,), torch.float32, 63, 3, zeros=0.0)
+    elif rows.startswith("all tiny"):
+        q[0, 2] = _wide_rows(g, (8, 64), torch.float32, -90, 6)
+    q = q.to(torch.bfloat16).to(device)
+    k = randn(1, 4, 8, 64, dtype=torch.bfloat16, device=device, generator=g)
+    theta = torch.rand(8, 32, generator=g).to(device)
+    eps = 0.0 if rows == "all tiny, eps 0" else 1e-6
+    args = (q, k, None, None, theta.cos(), theta.sin())
+    with poisoned_outputs():
+        got = L.qk_norm_rope_quant(*args, eps=eps, lane="triton")
+    eps32 = float(torch.tensor(eps, dtype=torch.float32))
+    _assert_codes_exact(got, ref.qk_norm_rope_quant(*args, eps=eps32))
+    if rows == "one huge row":  # the huge row normalizes like any other: its codes are not all 0
+        assert got[0][0, 1, 3].float().abs().max() > 0
+
+
 @pytest.mark.parametrize("call, arg, error", [
     (lambda x, w: L.rms_norm(x, w[:-1]), "weight", ValueError),
     (lambda x, w: L.rms_norm(x, w, eps=-1.0), "eps", ValueError),
@@ -286,3 +353,16 @@ def test_more_than_2_to_the_31_elements(device):
     r = L.apply_rotary(xr, theta.cos(), theta.sin())
     assert_close(r[:, -2:], ref.apply_rotary(f64(xr[:, -2:]), f64(theta.cos()), f64(theta.sin()),
                                              seqlen_offsets=rows - 2), "eltwise")
+    del r
+    k = xr[:, :, :8]   # q and k in one launch: k's rows sit past 2^31 elements of its buffer too
+    qn, kn = L.rms_norm_rope(xr, k, w[:64], w[64:128], theta.cos(), theta.sin())
+    expected = ref.rms_norm_rope(f64(xr[:, -2:]), f64(k[:, -2:]), f64(w[:64]), f64(w[64:128]),
+                                 f64(theta.cos()), f64(theta.sin()), seqlen_offsets=rows - 2)
+    assert_close(qn[:, -2:], expected[0], "norm")
+    assert_close(kn[:, -2:], expected[1], "norm")
+    del qn, kn
+    eps = float(torch.tensor(1e-6, dtype=torch.float32))
+    got = L.qk_norm_rope_quant(xr, k, w[:64], w[64:128], theta.cos(), theta.sin(), eps=eps)
+    expected = ref.qk_norm_rope_quant(xr[:, -2:], k[:, -2:], w[:64], w[64:128], theta.cos(),
+                                      theta.sin(), eps=eps, seqlen_offsets=rows - 2)
+    _assert_codes_exact([t[:, -2:] for t in got], expected)

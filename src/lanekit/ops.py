@@ -369,6 +369,10 @@ def _adaln_samples(device):
     yield adaln_case("N384 (B=3, S=5) gated residual fp32 mods", device, shape=(3, 5, 384), gate=True,
                      residual=True, mod_dtype=torch.float32)
     yield adaln_case("N384 rows 1 fp16 residual", device, shape=(1, 384), residual=True, dtype=torch.float16)
+    # S divisible by 4 and by 2: programs of several rows sharing their batch entry's scale, shift
+    yield adaln_case("N160 (B=3, S=12) per batch, rows sharing a load", device, shape=(3, 12, 160))
+    yield adaln_case("N96 (B=2, S=6) gated residual, rows sharing a load", device, shape=(2, 6, 96),
+                     gate=True, residual=True)
 
 
 def _with_douts(samples):
@@ -436,15 +440,27 @@ def _rotary_samples(device):
 
 def qk_case(name, device, *, B=2, S=9, Hq=4, Hkv=2, D=80, rotary_dim=None, dtype=torch.bfloat16,
             weights=True, interleaved=False, position_ids=False, seqlen_offsets=0, offset=0.0,
-            quant_dtype=None, params="contiguous"):
+            quant_dtype=None, params="contiguous", fused_qkv=False, k_weight_dtype=None,
+            k_heads_first=False):
+    """weights: both, none, or "q" (q's only). fused_qkv: q and k as head slices of one
+    (B, S, Hq + 2 Hkv, D) buffer (strides unlike either's own). k_weight_dtype: k's weight in
+    another dtype than q's. k_heads_first: k a (B, S, Hkv, D) view of a (B, Hkv, S, D) tensor
+    (token and head strides unlike q's)."""
     g = _gen(name)
     rd = rotary_dim or D
-    q = randn(B, S, Hq, D, dtype=dtype, device=device, generator=g, scale=2.0)
-    k = randn(B, S, Hkv, D, dtype=dtype, device=device, generator=g, scale=2.0)
+    if fused_qkv:
+        qkv = randn(B, S, Hq + 2 * Hkv, D, dtype=dtype, device=device, generator=g, scale=2.0)
+        q, k = qkv[:, :, :Hq], qkv[:, :, Hq:Hq + Hkv]
+    else:
+        q = randn(B, S, Hq, D, dtype=dtype, device=device, generator=g, scale=2.0)
+        k = randn(B, S, Hkv, D, dtype=dtype, device=device, generator=g, scale=2.0)
+    if k_heads_first:
+        k = k.transpose(1, 2).contiguous().transpose(1, 2)
     angles = torch.rand(64, rd // 2, generator=g) * 6.3
     kw = dict(q=q, k=k,
               q_weight=_param(D, g, device, params, dtype) if weights else None,
-              k_weight=_param(D, g, device, params, dtype) if weights else None,
+              k_weight=_param(D, g, device, params, k_weight_dtype or dtype)
+              if weights and weights != "q" else None,
               cos=angles.cos().to(device), sin=angles.sin().to(device),
               eps=float(torch.tensor(1e-6, dtype=torch.float32)), offset=offset,
               interleaved=interleaved, rotary_dim=rd, position_ids=None, seqlen_offsets=seqlen_offsets)
@@ -463,6 +479,10 @@ def _rms_norm_rope_samples(device):
                   weights=False, position_ids=True, S=3)
     yield qk_case("D64 S1 offset 30", device, D=64, S=1, seqlen_offsets=30)
     yield qk_case("strided weights D80 S5", device, S=5, params="strided")
+    yield qk_case("q, k slices of one qkv buffer, Hq 3 Hkv 5 D64", device, Hq=3, Hkv=5, D=64, S=7,
+                  fused_qkv=True)
+    yield qk_case("q weight only, k weight absent D64", device, D=64, S=4, weights="q")
+    yield qk_case("k laid out heads first, Hq 2 Hkv 3 D80", device, Hq=2, Hkv=3, S=6, k_heads_first=True)
 
 
 def _qk_quant_samples(device):
@@ -472,6 +492,12 @@ def _qk_quant_samples(device):
                       dtype=torch.float16, position_ids=True, quant_dtype=qd)
         yield qk_case(f"{tag} D96 rope on all, S17 B1", device, D=96, S=17, B=1, quant_dtype=qd)
         yield qk_case(f"{tag} strided weights D64 S3", device, D=64, S=3, quant_dtype=qd, params="strided")
+        yield qk_case(f"{tag} q, k slices of one qkv buffer, Hq 6 Hkv 1 D128 rope on last 32", device,
+                      Hq=6, Hkv=1, D=128, S=5, rotary_dim=32, fused_qkv=True, quant_dtype=qd)
+    yield qk_case("int8 k laid out heads first, Hq 4 Hkv 2 D64", device, D=64, S=6, k_heads_first=True,
+                  quant_dtype=torch.int8)
+    yield qk_case("e4m3 weights of two dtypes D64 S3, fp16", device, D=64, S=3, dtype=torch.float16,
+                  k_weight_dtype=torch.float32, quant_dtype=torch.float8_e4m3fn)
 
 
 def glu_case(name, device, *, shape, fused=False, dtype=torch.bfloat16, noncontiguous=False, act="silu",

@@ -318,7 +318,7 @@ def rms_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor | Non
                   eps: float = 1e-6, offset: float = 0.0, interleaved: bool = False,
                   rotary_dim: int | None = None, position_ids: torch.Tensor | None = None,
                   seqlen_offsets: int | torch.Tensor = 0, *, lane: str | None = None):
-    """QK-norm then RoPE, in one kernel per tensor: RMSNorm of every head vector, then rotary.
+    """QK-norm then RoPE, q and k in one launch: RMSNorm of every head vector, then rotary.
 
     For q and k: ``n = x / sqrt(mean(x^2) + eps) * (offset + weight)`` over D per (token, head),
     then :func:`apply_rotary` of n's first rotary_dim features (the models with QK-norm: Qwen3,

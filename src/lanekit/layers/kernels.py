@@ -4,11 +4,14 @@ Three kernel families:
 - ``_norm_fwd_kernel`` / ``_norm_bwd_kernel``: RMSNorm, LayerNorm and AdaLN, one row of N features
   per program (forward), with the fused residual (and gated residual) add. Rows up to a table's
   width are held in registers (one read of x); wider rows are walked in blocks, several passes.
-- ``_rotary_kernel``: RoPE, optionally after a per-head RMSNorm and before a per-head quantization;
-  ``_rms_norm_rope_bwd_kernel`` its backward through the norm.
+- ``_rotary_kernel``: RoPE. ``_qk_norm_rope_fwd_kernel``: a per-head RMSNorm, RoPE and optionally
+  a per-head quantization, of q and k in one launch; ``_rms_norm_rope_bwd_kernel`` its backward
+  (without quantization), q and k in one launch too.
 - ``_glu_fwd_kernel`` / ``_glu_bwd_kernel``: SwiGLU and GeGLU.
 
-Every kernel computes in fp32 and casts once on the store; all offsets are int64.
+Every kernel computes in fp32 and casts once on the store (the quantized path's sum of squares is
+fp64); offsets are int64, but for those within a row of ``_qk_norm_rope_fwd_kernel`` (int32, its
+launcher checks they fit).
 """
 
 from __future__ import annotations
@@ -72,71 +75,86 @@ def _norm_fwd_kernel(
     IS_RMS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_GATE: tl.constexpr,
     HAS_MOD: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_N: tl.constexpr, ONE_BLOCK: tl.constexpr, TWO_PART_MEAN: tl.constexpr,
+    MOD_ROWS: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
-    m = row // rows_per_mod                          # the row of scale, shift and gate
-    x_row, r_row = row * stride_xm, row * stride_rm
-    g_row, s_row, t_row = m * stride_gm, m * stride_sm, m * stride_tm
-    y_row, h_row = row * stride_ym, row * stride_hm
+    # Program p: rows [p * MOD_ROWS, (p + 1) * MOD_ROWS), all of one modulation group (the launcher
+    # makes MOD_ROWS divide rows_per_mod): its row of scale and shift is loaded once for them.
     cols0 = tl.arange(0, BLOCK_N).to(tl.int64)
-    if ONE_BLOCK:  # the whole row in registers: x is read once
-        mask = cols0 < N
-        h, x = _norm_load_h(X, R, GATE, x_row, r_row, g_row, cols0, mask, stride_xn, stride_rn,
-                            stride_gn, HAS_RESIDUAL, HAS_GATE)
-        mean = 0.0
-        mean_lo = 0.0
-        if not IS_RMS:
-            mean = tl.sum(h, axis=0) / N
-            if TWO_PART_MEAN:  # only fp32 outputs can see the rounding of the mean
-                mean_lo = tl.sum(tl.where(mask, h - mean, 0.0), axis=0) / N
-        hc = tl.where(mask, (h - mean) - mean_lo, 0.0)
-        rstd = 1.0 / tl.sqrt(tl.sum(hc * hc, axis=0) / N + eps)
-        y = _norm_affine(hc * rstd, W, B, SCALE, SHIFT, s_row, t_row, cols0, mask, offset,
-                         stride_w, stride_b, stride_sn, stride_tn, HAS_WEIGHT, HAS_BIAS, HAS_MOD)
-        tl.store(Y + y_row + cols0 * stride_yn, y.to(Y.dtype.element_ty), mask=mask)
-        if HAS_RESIDUAL:
-            tl.store(H_OUT + h_row + cols0 * stride_hn, h.to(H_OUT.dtype.element_ty), mask=mask)
-    else:  # blocks of the row, one pass for the mean, one for the variance, one to write
-        mean = 0.0
-        if not IS_RMS:
+    if MOD_ROWS > 1:  # ONE_BLOCK and HAS_MOD only
+        m0 = tl.program_id(0).to(tl.int64) * MOD_ROWS // rows_per_mod
+        mod_mask = cols0 < N
+        mod_scale = tl.load(SCALE + m0 * stride_sm + cols0 * stride_sn, mask=mod_mask, other=0.0)
+        mod_shift = tl.load(SHIFT + m0 * stride_tm + cols0 * stride_tn, mask=mod_mask, other=0.0)
+        mod_scale, mod_shift = mod_scale.to(tl.float32), mod_shift.to(tl.float32)
+    for i in tl.static_range(MOD_ROWS):
+        row = tl.program_id(0).to(tl.int64) * MOD_ROWS + i
+        m = row // rows_per_mod                          # the row of scale, shift and gate
+        x_row, r_row = row * stride_xm, row * stride_rm
+        g_row, s_row, t_row = m * stride_gm, m * stride_sm, m * stride_tm
+        y_row, h_row = row * stride_ym, row * stride_hm
+        if ONE_BLOCK:  # the whole row in registers: x is read once
+            mask = cols0 < N
+            h, x = _norm_load_h(X, R, GATE, x_row, r_row, g_row, cols0, mask, stride_xn, stride_rn,
+                                stride_gn, HAS_RESIDUAL, HAS_GATE)
+            mean = 0.0
+            mean_lo = 0.0
+            if not IS_RMS:
+                mean = tl.sum(h, axis=0) / N
+                if TWO_PART_MEAN:  # only fp32 outputs can see the rounding of the mean
+                    mean_lo = tl.sum(tl.where(mask, h - mean, 0.0), axis=0) / N
+            hc = tl.where(mask, (h - mean) - mean_lo, 0.0)
+            rstd = 1.0 / tl.sqrt(tl.sum(hc * hc, axis=0) / N + eps)
+            if MOD_ROWS > 1:  # the same steps as _norm_affine's, with scale and shift loaded once
+                y = _norm_affine(hc * rstd, W, B, SCALE, SHIFT, s_row, t_row, cols0, mask, offset,
+                                 stride_w, stride_b, stride_sn, stride_tn, HAS_WEIGHT, HAS_BIAS, False)
+                y = y * (1.0 + mod_scale) + mod_shift
+            else:
+                y = _norm_affine(hc * rstd, W, B, SCALE, SHIFT, s_row, t_row, cols0, mask, offset,
+                                 stride_w, stride_b, stride_sn, stride_tn, HAS_WEIGHT, HAS_BIAS, HAS_MOD)
+            tl.store(Y + y_row + cols0 * stride_yn, y.to(Y.dtype.element_ty), mask=mask)
+            if HAS_RESIDUAL:
+                tl.store(H_OUT + h_row + cols0 * stride_hn, h.to(H_OUT.dtype.element_ty), mask=mask)
+        else:  # blocks of the row, one pass for the mean, one for the variance, one to write
+            mean = 0.0
+            if not IS_RMS:
+                acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+                for start in range(0, N, BLOCK_N):
+                    cols = start + cols0
+                    h, x = _norm_load_h(X, R, GATE, x_row, r_row, g_row, cols, cols < N, stride_xn,
+                                        stride_rn, stride_gn, HAS_RESIDUAL, HAS_GATE)
+                    acc += h
+                mean = tl.sum(acc, axis=0) / N
             acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+            acc1 = tl.zeros([BLOCK_N], dtype=tl.float32)
             for start in range(0, N, BLOCK_N):
                 cols = start + cols0
-                h, x = _norm_load_h(X, R, GATE, x_row, r_row, g_row, cols, cols < N, stride_xn,
+                mask = cols < N
+                h, x = _norm_load_h(X, R, GATE, x_row, r_row, g_row, cols, mask, stride_xn,
                                     stride_rn, stride_gn, HAS_RESIDUAL, HAS_GATE)
-                acc += h
-            mean = tl.sum(acc, axis=0) / N
-        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-        acc1 = tl.zeros([BLOCK_N], dtype=tl.float32)
-        for start in range(0, N, BLOCK_N):
-            cols = start + cols0
-            mask = cols < N
-            h, x = _norm_load_h(X, R, GATE, x_row, r_row, g_row, cols, mask, stride_xn,
-                                stride_rn, stride_gn, HAS_RESIDUAL, HAS_GATE)
-            hc = tl.where(mask, h - mean, 0.0)
-            acc += hc * hc
-            acc1 += hc
-        mean_lo = 0.0
-        if not IS_RMS:  # the corrected two-pass variance (Chan, Golub, LeVeque)
-            mean_lo = tl.sum(acc1, axis=0) / N
-        rstd = 1.0 / tl.sqrt(tl.sum(acc, axis=0) / N - mean_lo * mean_lo + eps)
-        for start in range(0, N, BLOCK_N):
-            cols = start + cols0
-            mask = cols < N
-            h, x = _norm_load_h(X, R, GATE, x_row, r_row, g_row, cols, mask, stride_xn,
-                                stride_rn, stride_gn, HAS_RESIDUAL, HAS_GATE)
-            y = _norm_affine(((h - mean) - mean_lo) * rstd, W, B, SCALE, SHIFT, s_row, t_row, cols, mask,
-                             offset, stride_w, stride_b, stride_sn, stride_tn, HAS_WEIGHT,
-                             HAS_BIAS, HAS_MOD)
-            tl.store(Y + y_row + cols * stride_yn, y.to(Y.dtype.element_ty), mask=mask)
-            if HAS_RESIDUAL:
-                tl.store(H_OUT + h_row + cols * stride_hn, h.to(H_OUT.dtype.element_ty), mask=mask)
-    # the mean as an unevaluated sum mean + mean_lo: h - mean is exact where h is near the mean, so
-    # ((h - mean) - mean_lo) keeps the fp32 accuracy that (h - (mean + mean_lo)) would lose on
-    # rows whose mean is large beside their spread
-    tl.store(MEAN + 2 * row, mean)
-    tl.store(MEAN + 2 * row + 1, mean_lo)
-    tl.store(RSTD + row, rstd)
+                hc = tl.where(mask, h - mean, 0.0)
+                acc += hc * hc
+                acc1 += hc
+            mean_lo = 0.0
+            if not IS_RMS:  # the corrected two-pass variance (Chan, Golub, LeVeque)
+                mean_lo = tl.sum(acc1, axis=0) / N
+            rstd = 1.0 / tl.sqrt(tl.sum(acc, axis=0) / N - mean_lo * mean_lo + eps)
+            for start in range(0, N, BLOCK_N):
+                cols = start + cols0
+                mask = cols < N
+                h, x = _norm_load_h(X, R, GATE, x_row, r_row, g_row, cols, mask, stride_xn,
+                                    stride_rn, stride_gn, HAS_RESIDUAL, HAS_GATE)
+                y = _norm_affine(((h - mean) - mean_lo) * rstd, W, B, SCALE, SHIFT, s_row, t_row, cols, mask,
+                                 offset, stride_w, stride_b, stride_sn, stride_tn, HAS_WEIGHT,
+                                 HAS_BIAS, HAS_MOD)
+                tl.store(Y + y_row + cols * stride_yn, y.to(Y.dtype.element_ty), mask=mask)
+                if HAS_RESIDUAL:
+                    tl.store(H_OUT + h_row + cols * stride_hn, h.to(H_OUT.dtype.element_ty), mask=mask)
+        # the mean as an unevaluated sum mean + mean_lo: h - mean is exact where h is near the mean, so
+        # ((h - mean) - mean_lo) keeps the fp32 accuracy that (h - (mean + mean_lo)) would lose on
+        # rows whose mean is large beside their spread
+        tl.store(MEAN + 2 * row, mean)
+        tl.store(MEAN + 2 * row + 1, mean_lo)
+        tl.store(RSTD + row, rstd)
 
 
 @triton.jit
@@ -310,7 +328,13 @@ def norm_fwd(*, x, weight, bias, eps, offset=0.0, is_rms, residual=None, gate=No
         return y, h, mean, rstd
     y2, h2 = y.view(-1, N), (h.view(-1, N) if h is not None else None)
     BLOCK_N, one_block, num_warps = _norm_config(x.device, N)
-    _norm_fwd_kernel[(rows,)](
+    # rows sharing one row of scale and shift (AdaLN per batch entry) go MOD_ROWS to a program,
+    # which loads that row once (up to MOD_ROWS times less to read beside x)
+    mod_rows = 1
+    if scale is not None and one_block:
+        while mod_rows < tuning.NORM_MOD_ROWS and rows_per_mod % (2 * mod_rows) == 0:
+            mod_rows *= 2
+    _norm_fwd_kernel[(rows // mod_rows,)](
         x2, r2, gate, scale, shift, weight, bias, y2, h2, mean, rstd,
         *_strides(x2), *_strides(r2), *_strides(gate), *_strides(scale), *_strides(shift),
         *_strides(y2), *_strides(h2), _stride(weight), _stride(bias),
@@ -318,7 +342,7 @@ def norm_fwd(*, x, weight, bias, eps, offset=0.0, is_rms, residual=None, gate=No
         IS_RMS=is_rms, HAS_RESIDUAL=residual is not None, HAS_GATE=gate is not None,
         HAS_MOD=scale is not None, HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
         BLOCK_N=BLOCK_N, ONE_BLOCK=one_block, TWO_PART_MEAN=x.dtype == torch.float32,
-        num_warps=num_warps,
+        MOD_ROWS=mod_rows, num_warps=num_warps,
     )
     return y, h, mean, rstd
 
@@ -411,22 +435,19 @@ def _rotary_pairs(offs_i, ROT_START, HALF, INTERLEAVED: tl.constexpr):
 
 @triton.jit
 def _rotary_kernel(
-    X, OUT, COS, SIN, POS, CU_SEQLENS, SEQ_OFFSETS, W, SCALE_OUT,
+    X, OUT, COS, SIN, POS, CU_SEQLENS, SEQ_OFFSETS,
     stride_xb, stride_xs, stride_xh, stride_xd, stride_ob, stride_os, stride_oh, stride_od,
-    stride_cs, stride_cd, stride_ss, stride_sd, stride_pb, stride_ps, stride_qb, stride_qs,
-    stride_qh, stride_w, S, H, D, ROT_START, HALF, seq_offset, eps, offset, qmax,
+    stride_cs, stride_cd, stride_ss, stride_sd, stride_pb, stride_ps, S, H, D, ROT_START, HALF,
+    seq_offset,
     BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr,
     HAS_REST: tl.constexpr, INTERLEAVED: tl.constexpr, CONJUGATE: tl.constexpr,
-    WRITE_REST: tl.constexpr, HAS_NORM: tl.constexpr, HAS_WEIGHT: tl.constexpr,
-    QUANT: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_POS_IDS: tl.constexpr,
+    WRITE_REST: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_POS_IDS: tl.constexpr,
     HAS_OFFSET_TENSOR: tl.constexpr,
 ):
     # One program: BLOCK_S tokens x BLOCK_H heads of one batch entry, as BLOCK_S * BLOCK_H rows of
     # D features (a token's heads are adjacent in memory, so the rows are too). Each row is
     # handled in three pieces: the rotary pairs' first members a, their second members b, and the
-    # features outside the rotary range (HAS_REST). QUANT: 0 none, 1 int8, 2 fp8 e4m3; then every
-    # step is an exactly rounded operation (see reference.layers.qk_norm_rope_quant; the launcher
-    # turns off fused multiply-adds).
+    # features outside the rotary range (HAS_REST), which pass through.
     b = tl.program_id(1).to(tl.int64)
     offs_r = tl.arange(0, BLOCK_S * BLOCK_H)
     offs_s = tl.program_id(0).to(tl.int64) * BLOCK_S + offs_r // BLOCK_H
@@ -441,33 +462,6 @@ def _rotary_kernel(
     pair_mask = row_mask[:, None] & (offs_i < HALF)[None, :]                  # [ROWS, BLOCK_HALF]
     a = tl.load(x_rows + da[None, :] * stride_xd, mask=pair_mask, other=0.0).to(tl.float32)
     bb = tl.load(x_rows + db[None, :] * stride_xd, mask=pair_mask, other=0.0).to(tl.float32)
-    if HAS_REST:
-        offs_d = tl.arange(0, BLOCK_D).to(tl.int64)
-        is_rest = (offs_d < D) & ((offs_d < ROT_START) | (offs_d >= ROT_START + 2 * HALF))
-        rest_mask = row_mask[:, None] & is_rest[None, :]                      # [ROWS, BLOCK_D]
-        rest = tl.load(x_rows + offs_d[None, :] * stride_xd, mask=rest_mask, other=0.0).to(tl.float32)
-    if HAS_NORM:
-        if QUANT:  # an exact sum of squares (16-bit inputs), for codes that match bit for bit
-            a64, b64 = a.to(tl.float64), bb.to(tl.float64)
-            ss = tl.sum(a64 * a64, axis=1) + tl.sum(b64 * b64, axis=1)
-            if HAS_REST:
-                r64 = rest.to(tl.float64)
-                ss += tl.sum(r64 * r64, axis=1)
-            rstd = (1.0 / tl.sqrt(ss / D + eps)).to(tl.float32)  # ss is fp64: so is this
-        else:
-            ss = tl.sum(a * a, axis=1) + tl.sum(bb * bb, axis=1)
-            if HAS_REST:
-                ss += tl.sum(rest * rest, axis=1)
-            rstd = 1.0 / tl.sqrt(ss / D + eps)
-        a = a * rstd[:, None]
-        bb = bb * rstd[:, None]
-        if HAS_WEIGHT:
-            a = a * (tl.load(W + da * stride_w, mask=offs_i < HALF, other=0.0).to(tl.float32) + offset)[None, :]
-            bb = bb * (tl.load(W + db * stride_w, mask=offs_i < HALF, other=0.0).to(tl.float32) + offset)[None, :]
-        if HAS_REST:
-            rest = rest * rstd[:, None]
-            if HAS_WEIGHT:
-                rest = rest * (tl.load(W + offs_d * stride_w, mask=is_rest, other=0.0).to(tl.float32) + offset)[None, :]
     cos = tl.load(COS + pos[:, None] * stride_cs + offs_i[None, :] * stride_cd, mask=pair_mask,
                   other=0.0).to(tl.float32)
     sin = tl.load(SIN + pos[:, None] * stride_ss + offs_i[None, :] * stride_sd, mask=pair_mask,
@@ -476,52 +470,257 @@ def _rotary_kernel(
         sin = -sin
     ra = a * cos - bb * sin
     rb = bb * cos + a * sin
-    if QUANT:
-        amax = tl.maximum(tl.max(tl.abs(ra), axis=1), tl.max(tl.abs(rb), axis=1))
-        if HAS_REST:
-            amax = tl.maximum(amax, tl.max(tl.abs(rest), axis=1))
-        scale = tl.where(amax > 0, tl.math.div_rn(amax, qmax), 1.0)
-        tl.store(SCALE_OUT + b * stride_qb + tok * stride_qs + h * stride_qh, scale, mask=row_mask)
-        # one correctly rounded division per row; per element a product (an IEEE division per
-        # element made this kernel compute-bound: about 30 instructions each on sm90)
-        inv = tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)[:, None]
-        ra = _quantize(ra * inv, qmax, QUANT)
-        rb = _quantize(rb * inv, qmax, QUANT)
-        if HAS_REST:
-            rest = _quantize(rest * inv, qmax, QUANT)
     tl.store(o_rows + da[None, :] * stride_od, ra.to(OUT.dtype.element_ty), mask=pair_mask)
     tl.store(o_rows + db[None, :] * stride_od, rb.to(OUT.dtype.element_ty), mask=pair_mask)
     if HAS_REST and WRITE_REST:
+        offs_d = tl.arange(0, BLOCK_D).to(tl.int64)
+        is_rest = (offs_d < D) & ((offs_d < ROT_START) | (offs_d >= ROT_START + 2 * HALF))
+        rest_mask = row_mask[:, None] & is_rest[None, :]                      # [ROWS, BLOCK_D]
+        rest = tl.load(x_rows + offs_d[None, :] * stride_xd, mask=rest_mask, other=0.0)
         tl.store(o_rows + offs_d[None, :] * stride_od, rest.to(OUT.dtype.element_ty), mask=rest_mask)
 
 
 @triton.jit
-def _quantize(x, qmax, QUANT: tl.constexpr):
+def _quantize(x, qmax, QUANT: tl.constexpr, CLAMP: tl.constexpr = True):
     """x / scale to the code format: int8 rounds to nearest even and clamps to [-128, 127]; fp8
-    clamps to +-qmax, and the cast rounds to nearest even."""
+    clamps to +-qmax, and the cast rounds to nearest even. CLAMP=False: x known in range."""
     if QUANT == 1:
         # round to nearest even: adding and subtracting 1.5 * 2^23 leaves an fp32 |x| < 2^22
         # rounded to an integer by the hardware's own rounding (the launcher forbids contraction)
         r = (x + 12582912.0) - 12582912.0
-        return tl.minimum(tl.maximum(r, -128.0), 127.0)
-    return tl.minimum(tl.maximum(x, -qmax), qmax)
+        if CLAMP:
+            r = tl.minimum(tl.maximum(r, -128.0), 127.0)
+        return r
+    if CLAMP:
+        x = tl.minimum(tl.maximum(x, -qmax), qmax)
+    return x
+
+
+# --------------------------------------------------------------------------------------------
+# QK-norm: RMSNorm per head, RoPE, and optionally per-(token, head) quantization, of q and k in
+# one launch
+# --------------------------------------------------------------------------------------------
+
+_TWO_POW_896 = tl.constexpr(2.0 ** 896)
 
 
 @triton.jit
+def _pick(is_k, k_value, q_value):
+    """k's value in a k program, q's in a q program (program-uniform scalars and pointers)."""
+    return tl.where(is_k, k_value, q_value)
+
+
+@triton.jit
+def _load_f32(ptr, mask, EVEN: tl.constexpr):
+    if EVEN:
+        return tl.load(ptr).to(tl.float32)
+    return tl.load(ptr, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _store(ptr, value, mask, EVEN: tl.constexpr):
+    if EVEN:
+        tl.store(ptr, value)
+    else:
+        tl.store(ptr, value, mask=mask)
+
+
+@triton.jit
+def _scaled_f64(p):
+    """p * 2^-896 in fp64, exactly, for fp32 p >= 0, without a conversion instruction (F2F.F64 runs
+    16 per clock per SM on sm90; this is one integer multiply-wide). p's bit pattern shifted left
+    by 29 into 64 bits keeps the sign bit 0, puts p's exponent field e in the fp64's exponent field
+    and p's 23 mantissa bits at the top of the fp64's 52: a normal p = 2^(e - 127) * 1.m reads as
+    2^(e - 1023) * 1.m = p * 2^-896, and a subnormal p (e = 0, p = m * 2^-149) as the fp64
+    subnormal m * 2^29 * 2^-1074 = p * 2^-896 as well."""
+    wide = p.to(tl.uint32, bitcast=True).to(tl.uint64) << 29
+    return wide.to(tl.float64, bitcast=True)
+
+
+@triton.jit
+def _square_sum(a, bb, rest, HAS_REST: tl.constexpr, SQUARES: tl.constexpr):
+    """The sum over the features (axis 1) of the squares of a, bb [and rest], per row.
+
+    SQUARES 0: in fp32 (the norm without quantization). 1: in fp64 (fp32 inputs: the oracle's
+    float64 sum). 2 (fp16 inputs), 3 (bf16 inputs): in fp64 again, of the squares taken in fp32,
+    where they are exact, and read into fp64 with no conversion (_scaled_f64).
+
+    Why that sum equals the oracle's float64 sum (reference.layers.qk_norm_rope_quant): the square
+    of an fp16 value is exact in fp32 (at most 22 significant bits, from 2^-48 to below 2^32), and
+    so is the square of a bf16 value with |x| < 2^64 whose square has no bit below 2^-149 (16
+    significant bits: certain for |x| >= 2^-67), or 0. Each exact square enters the fp64 sum as
+    p * 2^-896 exactly, every partial sum is that of the oracle's terms scaled by 2^-896 (no fp64
+    underflow: terms start at 2^-1045, fp64 steps at 2^-1074; no overflow), and the total is scaled
+    back by 2^896, exactly. So the result is the fp64 sum of the oracle's own exact squares in
+    another order, which is the same number whenever the oracle's sum is exact (squares within 30
+    binades of each other: every partial sum of any order is then representable), the case its
+    docstring promises; outside it neither order is exact, as before. A bf16 row with an inexact
+    square ends with a sum outside [2^-64, 2^126), or 0, which the caller redoes with SQUARES 1:
+    |x| >= 2^64 squares to inf (read as 2^128: the sum is at least that; a NaN reads above it); a
+    square that lost bits below 2^-149 is under 2^-134, and if the row's squares are within the
+    oracle's 30 binades of it, the row sums to under D * 2^-104, below 2^-64 for any D < 2^40. A
+    sum of 0 from squares that all rounded to 0 (each under 2^-150) needs no redo when
+    eps >= 2^-96: the true mean is then under half a step of eps, and mean + eps rounds to eps
+    in the oracle too.
+    """
+    # a's and bb's squares added in each thread first: one reduction across threads, not two
+    if SQUARES == 0:
+        ss = tl.sum(a * a + bb * bb, axis=1)
+        if HAS_REST:
+            ss += tl.sum(rest * rest, axis=1)
+    elif SQUARES == 1:
+        a64, b64 = a.to(tl.float64), bb.to(tl.float64)
+        ss = tl.sum(a64 * a64 + b64 * b64, axis=1)
+        if HAS_REST:
+            r64 = rest.to(tl.float64)
+            ss += tl.sum(r64 * r64, axis=1)
+    else:
+        ss = tl.sum(_scaled_f64(a * a) + _scaled_f64(bb * bb), axis=1)
+        if HAS_REST:
+            ss += tl.sum(_scaled_f64(rest * rest), axis=1)
+        ss = ss * tl.full([], _TWO_POW_896, tl.float64)
+    return ss
+
+
+@triton.jit
+def _qk_norm_rope_fwd_kernel(
+    Q, K, Q_OUT, K_OUT, Q_W, K_W, Q_SCALE, K_SCALE, COS, SIN, POS, SEQ_OFFSETS,
+    stride_qb, stride_qs, stride_qh, stride_qd, stride_kb, stride_ks, stride_kh, stride_kd,
+    stride_qob, stride_qos, stride_qoh, stride_qod, stride_kob, stride_kos, stride_koh, stride_kod,
+    stride_qsb, stride_qss, stride_qsh, stride_ksb, stride_kss, stride_ksh, stride_qw, stride_kw,
+    stride_cs, stride_cd, stride_ss, stride_sd, stride_pb, stride_ps,
+    S, HQ, HK, D, ROT_START, HALF, q_head_blocks, seq_offset, eps, offset, qmax,
+    BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr,
+    HAS_REST: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+    QUANT: tl.constexpr, SQUARES: tl.constexpr, EVEN: tl.constexpr, POW2_D: tl.constexpr,
+    HAS_POS_IDS: tl.constexpr, HAS_OFFSET_TENSOR: tl.constexpr,
+):
+    # Program (s, j, b): tokens [s * BLOCK_S, ...) of batch entry b, and head block j of q, or for
+    # j >= q_head_blocks head block j - q_head_blocks of k (one launch: the small k part no
+    # longer runs alone at the tail of its own launch). A tile is BLOCK_S tokens x BLOCK_H heads
+    # of one batch entry, each (token, head) row of D features in three pieces: the rotary pairs'
+    # first members a, their second members bb, and the features outside the rotary range (rest).
+    # QUANT: 0 none, 1 int8, 2 fp8 e4m3; then every step is one exactly rounded operation (see
+    # reference.layers.qk_norm_rope_quant; the launcher turns off fused multiply-adds).
+    # EVEN: every row and pair of every tile exists (no masks).
+    hb = tl.program_id(1)
+    b = tl.program_id(2).to(tl.int64)
+    is_k = hb >= q_head_blocks
+    H = _pick(is_k, HK, HQ)
+    offs_r = tl.arange(0, BLOCK_S * BLOCK_H)                    # a token's heads are adjacent rows
+    offs_s = tl.program_id(0).to(tl.int64) * BLOCK_S + offs_r // BLOCK_H
+    h = (hb - _pick(is_k, q_head_blocks, 0)) * BLOCK_H + offs_r % BLOCK_H
+    tok, in_seq, pos = _rotary_tokens(b, offs_s, SEQ_OFFSETS, POS, SEQ_OFFSETS, seq_offset, S,
+                                      stride_pb, stride_ps, False, HAS_POS_IDS, HAS_OFFSET_TENSOR)
+    row_mask = in_seq & (h < H)                                                              # [ROWS]
+    h = h.to(tl.int64)
+    x_rows = (_pick(is_k, K, Q) + b * _pick(is_k, stride_kb, stride_qb)
+              + tok * _pick(is_k, stride_ks, stride_qs) + h * _pick(is_k, stride_kh, stride_qh))[:, None]
+    o_rows = (_pick(is_k, K_OUT, Q_OUT) + b * _pick(is_k, stride_kob, stride_qob)
+              + tok * _pick(is_k, stride_kos, stride_qos) + h * _pick(is_k, stride_koh, stride_qoh))[:, None]
+    stride_xd = _pick(is_k, stride_kd, stride_qd)
+    stride_od = _pick(is_k, stride_kod, stride_qod)
+    offs_i = tl.arange(0, BLOCK_HALF)        # offsets within a row in int32: see _inner_int32
+    da, db = _rotary_pairs(offs_i, ROT_START, HALF, INTERLEAVED)
+    pair_mask = row_mask[:, None] & (offs_i < HALF)[None, :]                       # [ROWS, BLOCK_HALF]
+    a = _load_f32(x_rows + da[None, :] * stride_xd, pair_mask, EVEN)
+    bb = _load_f32(x_rows + db[None, :] * stride_xd, pair_mask, EVEN)
+    rest = a  # a placeholder when there is no rest
+    if HAS_REST:
+        offs_d = tl.arange(0, BLOCK_D)
+        is_rest = (offs_d < D) & ((offs_d < ROT_START) | (offs_d >= ROT_START + 2 * HALF))
+        rest_mask = row_mask[:, None] & is_rest[None, :]                                    # [ROWS, BLOCK_D]
+        rest = tl.load(x_rows + offs_d[None, :] * stride_xd, mask=rest_mask, other=0.0).to(tl.float32)
+    ss = _square_sum(a, bb, rest, HAS_REST, SQUARES)                                        # [ROWS]
+    if SQUARES == 3:  # a bf16 square outside fp32's exact range: this tile in fp64
+        inexact = row_mask & ~((ss >= 2.0 ** -64) & (ss < 2.0 ** 126)) & ((ss != 0) | (eps < 2.0 ** -96))
+        if tl.max(inexact.to(tl.int32), axis=0) > 0:
+            ss = _square_sum(a, bb, rest, HAS_REST, 1)
+    if POW2_D:  # dividing by a power of two is exact: a product (a division is ~10 fp64 steps)
+        mean = ss * (1.0 / BLOCK_D)                                  # D == BLOCK_D
+    else:
+        mean = ss / D
+    rstd = (1.0 / tl.sqrt(mean + eps)).to(tl.float32)[:, None]  # fp64 when ss is: so is this
+    a = a * rstd
+    bb = bb * rstd
+    W = _pick(is_k, K_W, Q_W)
+    stride_w = _pick(is_k, stride_kw, stride_qw)
+    if HAS_WEIGHT:
+        a = a * (tl.load(W + da * stride_w, mask=offs_i < HALF, other=0.0).to(tl.float32) + offset)[None, :]
+        bb = bb * (tl.load(W + db * stride_w, mask=offs_i < HALF, other=0.0).to(tl.float32) + offset)[None, :]
+    if HAS_REST:
+        rest = rest * rstd
+        if HAS_WEIGHT:
+            w_rest = tl.load(W + offs_d * stride_w, mask=is_rest, other=0.0).to(tl.float32)
+            rest = rest * (w_rest + offset)[None, :]
+    # cos and sin of a row's token, loaded for each of its heads (cache hits)
+    cos = _load_f32(COS + pos[:, None] * stride_cs + offs_i[None, :] * stride_cd, pair_mask, EVEN)
+    sin = _load_f32(SIN + pos[:, None] * stride_ss + offs_i[None, :] * stride_sd, pair_mask, EVEN)
+    ra = a * cos - bb * sin
+    rb = bb * cos + a * sin
+    if QUANT:
+        amax = tl.max(tl.maximum(tl.abs(ra), tl.abs(rb)), axis=1)
+        if HAS_REST:
+            amax = tl.maximum(amax, tl.max(tl.abs(rest), axis=1))
+        scale = tl.where(amax > 0, tl.math.div_rn(amax, qmax), 1.0)                         # [ROWS]
+        scale_ptr = (_pick(is_k, K_SCALE, Q_SCALE) + b * _pick(is_k, stride_ksb, stride_qsb)
+                     + tok * _pick(is_k, stride_kss, stride_qss) + h * _pick(is_k, stride_ksh, stride_qsh))
+        _store(scale_ptr, scale, row_mask, EVEN)
+        # one correctly rounded division per row; per element a product (an IEEE division per
+        # element made this kernel compute-bound: about 30 instructions each on sm90)
+        inv = tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)[:, None]
+        # The clamp to the code range cannot act where the scale is a normal number: |n| <= amax,
+        # scale >= (amax / qmax)(1 - 2^-24), inv <= (1 / scale)(1 + 2^-24), so |n * inv| rounded
+        # is at most qmax (1 + 2^-22), which rounds to qmax at most (int8: 127.00003; e4m3: 448.0001,
+        # the next step up being 32 away). Tiles with a subnormal (or NaN) scale clamp.
+        tiny = ~(scale >= 1.1754943508222875e-38)
+        if tl.max(tiny.to(tl.int32), axis=0) > 0:
+            ra = _quantize(ra * inv, qmax, QUANT, True)
+            rb = _quantize(rb * inv, qmax, QUANT, True)
+            if HAS_REST:
+                rest = _quantize(rest * inv, qmax, QUANT, True)
+        else:
+            ra = _quantize(ra * inv, qmax, QUANT, False)
+            rb = _quantize(rb * inv, qmax, QUANT, False)
+            if HAS_REST:
+                rest = _quantize(rest * inv, qmax, QUANT, False)
+    _store(o_rows + da[None, :] * stride_od, ra.to(Q_OUT.dtype.element_ty), pair_mask, EVEN)
+    _store(o_rows + db[None, :] * stride_od, rb.to(Q_OUT.dtype.element_ty), pair_mask, EVEN)
+    if HAS_REST:
+        tl.store(o_rows + offs_d[None, :] * stride_od, rest.to(Q_OUT.dtype.element_ty), mask=rest_mask)
+
+@triton.jit
 def _rms_norm_rope_bwd_kernel(
-    DY, X, DX, COS, SIN, POS, SEQ_OFFSETS, W, DW_PART,
-    stride_yb, stride_ys, stride_yh, stride_yd, stride_xb, stride_xs, stride_xh, stride_xd,
-    stride_dxb, stride_dxs, stride_dxh, stride_dxd, stride_cs, stride_cd, stride_ss, stride_sd,
-    stride_pb, stride_ps, stride_w, S, H, D, HALF, seq_offset, eps, offset,
+    DQ_OUT, DK_OUT, Q, K, DQ, DK, COS, SIN, POS, SEQ_OFFSETS, Q_W, K_W, DQW_PART, DKW_PART,
+    stride_qyb, stride_qys, stride_qyh, stride_qyd, stride_kyb, stride_kys, stride_kyh, stride_kyd,
+    stride_qb, stride_qs, stride_qh, stride_qd, stride_kb, stride_ks, stride_kh, stride_kd,
+    stride_dqb, stride_dqs, stride_dqh, stride_dqd, stride_dkb, stride_dks, stride_dkh, stride_dkd,
+    stride_cs, stride_cd, stride_ss, stride_sd, stride_pb, stride_ps, stride_qw, stride_kw,
+    S, HQ, HK, D, HALF, seq_offset, eps, offset,
     BLOCK_S: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr,
     INTERLEAVED: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_POS_IDS: tl.constexpr,
     HAS_OFFSET_TENSOR: tl.constexpr,
 ):
-    # One program: BLOCK_S tokens of one batch entry, every head (the heads share the weight, whose
-    # gradient this program sums into its row of DW_PART (programs, D), summed on the host).
+    # Program (s, t, b): BLOCK_S tokens of batch entry b, every head of q (t = 0) or of k (t = 1),
+    # in one launch. The heads share the weight, whose gradient this program sums into its row of
+    # DQW_PART or DKW_PART (B * programs along s, D), summed on the host.
     s_block = tl.program_id(0)
-    b = tl.program_id(1).to(tl.int64)
+    is_k = tl.program_id(1) > 0
+    b = tl.program_id(2).to(tl.int64)
     part = (b * tl.num_programs(0) + s_block) * D
+    H = _pick(is_k, HK, HQ)
+    DY = _pick(is_k, DK_OUT, DQ_OUT)
+    X = _pick(is_k, K, Q)
+    DX = _pick(is_k, DK, DQ)
+    W = _pick(is_k, K_W, Q_W)
+    DW_PART = _pick(is_k, DKW_PART, DQW_PART)
+    stride_yb, stride_ys = _pick(is_k, stride_kyb, stride_qyb), _pick(is_k, stride_kys, stride_qys)
+    stride_yh, stride_yd = _pick(is_k, stride_kyh, stride_qyh), _pick(is_k, stride_kyd, stride_qyd)
+    stride_xb, stride_xs = _pick(is_k, stride_kb, stride_qb), _pick(is_k, stride_ks, stride_qs)
+    stride_xh, stride_xd = _pick(is_k, stride_kh, stride_qh), _pick(is_k, stride_kd, stride_qd)
+    stride_dxb, stride_dxs = _pick(is_k, stride_dkb, stride_dqb), _pick(is_k, stride_dks, stride_dqs)
+    stride_dxh, stride_dxd = _pick(is_k, stride_dkh, stride_dqh), _pick(is_k, stride_dkd, stride_dqd)
+    stride_w = _pick(is_k, stride_kw, stride_qw)
     offs_s = s_block * BLOCK_S + tl.arange(0, BLOCK_S).to(tl.int64)
     tok, row_mask, pos = _rotary_tokens(b, offs_s, SEQ_OFFSETS, POS, SEQ_OFFSETS, seq_offset, S,
                                         stride_pb, stride_ps, False, HAS_POS_IDS, HAS_OFFSET_TENSOR)
@@ -686,13 +885,10 @@ def _batched(t):
 
 
 def rotary_fwd(*, x, cos, sin, out, rot_start, rotary_dim, interleaved=False, conjugate=False,
-               position_ids=None, cu_seqlens=None, max_seqlen=None, seqlen_offsets=0,
-               weight=None, norm=False, eps=0.0, offset=0.0, quant_dtype=None, scale_out=None):
+               position_ids=None, cu_seqlens=None, max_seqlen=None, seqlen_offsets=0):
     """Rotate x's features [rot_start, rot_start + rotary_dim) into out (which may be x itself).
 
     x, out: (B, S, H, D), or packed (T, H, D) with cu_seqlens (B + 1,) or position_ids (T,).
-    norm: a per-head RMSNorm first (weight (D,) or None). quant_dtype: int8 or float8_e4m3fn codes
-    into out, and per-(token, head) fp32 scales into scale_out (B, S, H).
     """
     varlen = cu_seqlens is not None
     if varlen:
@@ -714,57 +910,154 @@ def rotary_fwd(*, x, cos, sin, out, rot_start, rotary_dim, interleaved=False, co
     offsets_tensor = isinstance(seqlen_offsets, torch.Tensor)
     cfg = tuning.rotary_config(x.device)
     half = rotary_dim // 2
-    rows = cfg.norm_block_rows if norm and quant_dtype is None else cfg.block_rows
-    block_h = min(triton.next_power_of_2(H), rows)   # a token's heads first, then tokens
-    block_s = max(1, rows // block_h)
+    block_h = min(triton.next_power_of_2(H), cfg.block_rows)   # a token's heads first, then tokens
+    block_s = max(1, cfg.block_rows // block_h)
     grid = (triton.cdiv(S, block_s), B, triton.cdiv(H, block_h))
     _rotary_kernel[grid](
-        x4, o4, cos, sin, pos, cu_seqlens, seqlen_offsets if offsets_tensor else None, weight,
-        scale_out, *x_strides, *o_strides, *cos.stride(), *sin.stride(), *pos_strides,
-        *(scale_out.stride() if scale_out is not None else (0, 0, 0)), _stride(weight),
-        S, H, D, rot_start, half, 0 if offsets_tensor else int(seqlen_offsets), eps, offset,
-        float(reference_qmax(quant_dtype)),
+        x4, o4, cos, sin, pos, cu_seqlens, seqlen_offsets if offsets_tensor else None,
+        *x_strides, *o_strides, *cos.stride(), *sin.stride(), *pos_strides,
+        S, H, D, rot_start, half, 0 if offsets_tensor else int(seqlen_offsets),
         BLOCK_S=block_s, BLOCK_H=block_h, BLOCK_HALF=triton.next_power_of_2(max(half, 1)),
         BLOCK_D=triton.next_power_of_2(D), HAS_REST=rotary_dim < D, INTERLEAVED=interleaved,
-        CONJUGATE=conjugate,
-        WRITE_REST=(out.data_ptr() != x.data_ptr()) or norm or quant_dtype is not None,
-        HAS_NORM=norm, HAS_WEIGHT=weight is not None, QUANT=_QUANT_CODES[quant_dtype],
+        CONJUGATE=conjugate, WRITE_REST=out.data_ptr() != x.data_ptr(),
         IS_VARLEN=varlen, HAS_POS_IDS=pos is not None, HAS_OFFSET_TENSOR=offsets_tensor,
         num_warps=cfg.num_warps,
-        # the quantized path is specified as exactly rounded steps: no fused multiply-adds
-        **({"enable_fp_fusion": False} if quant_dtype is not None else {}),
     )
     return out
+
+_SQUARES = {torch.float16: 2, torch.bfloat16: 3}
+
+
+def _one_launch(q, k, q_weight, k_weight) -> bool:
+    """Whether q and k can share a launch: the kernel picks k's pointers in k's programs, so both
+    need the same types (a weight present on one side only, or of another dtype, cannot)."""
+    if (q_weight is None) != (k_weight is None):
+        return False
+    return q_weight is None or q_weight.dtype == k_weight.dtype
+
+
+def _inner_int32(t):
+    """t, or a contiguous copy when the offsets along its last dim (up to size * stride) do not fit
+    int32, as _qk_norm_rope_fwd_kernel takes them (int32 there saves registers and instructions;
+    rows are still addressed in int64, so a > 2^31-element tensor works either way)."""
+    if t.shape[-1] * abs(t.stride(-1)) >= 2 ** 31:
+        return t.contiguous()
+    return t
+
+
+def qk_norm_rope_fwd(*, q, k, q_out, k_out, q_weight, k_weight, cos, sin, rot_start, rotary_dim,
+                     interleaved, position_ids, seqlen_offsets, eps, offset, quant_dtype=None,
+                     q_scale=None, k_scale=None):
+    """RMSNorm of every head vector of q (B, S, Hq, D) and k (B, S, Hkv, D), RoPE of features
+    [rot_start, rot_start + rotary_dim), into q_out and k_out: in one launch (for each block of
+    tokens, programs of q's head blocks, then of k's), or one per tensor when their weights differ
+    in presence or dtype. quant_dtype: int8 or float8_e4m3fn codes into the outs, per-(token, head)
+    fp32 scales into q_scale, k_scale (B, S, H)."""
+    if not _one_launch(q, k, q_weight, k_weight):
+        for x, out, w, scale in ((q, q_out, q_weight, q_scale), (k, k_out, k_weight, k_scale)):
+            qk_norm_rope_fwd(q=x, k=x[:, :, :0], q_out=out, k_out=out[:, :, :0], q_weight=w,
+                             k_weight=w, cos=cos, sin=sin, rot_start=rot_start,
+                             rotary_dim=rotary_dim, interleaved=interleaved,
+                             position_ids=position_ids, seqlen_offsets=seqlen_offsets, eps=eps,
+                             offset=offset, quant_dtype=quant_dtype, q_scale=scale,
+                             k_scale=scale[:, :, :0] if scale is not None else None)
+        return
+    B, S, HQ, D = q.shape
+    HK = k.shape[2]
+    if B == 0 or S == 0 or HQ + HK == 0:
+        return
+    q, k, cos, sin = (_inner_int32(t) for t in (q, k, cos, sin))
+    if q_weight is not None:
+        q_weight, k_weight = _inner_int32(q_weight), _inner_int32(k_weight)
+    cfg = tuning.rotary_config(q.device)
+    half = rotary_dim // 2
+    rows = cfg.norm_block_rows if quant_dtype is None else cfg.quant_block_rows
+    # one tile shape for both: heads of a token first (up to the smaller head count), then tokens
+    block_h = min(triton.next_power_of_2(max(min(HQ, HK) if HK else HQ, 1)), rows)
+    block_s = max(1, rows // block_h)
+    q_head_blocks = triton.cdiv(HQ, block_h)
+    grid = (triton.cdiv(S, block_s), q_head_blocks + triton.cdiv(HK, block_h), B)
+    block_half = triton.next_power_of_2(max(half, 1))
+    even = S % block_s == 0 and HQ % block_h == 0 and HK % block_h == 0 and half == block_half
+    offsets_tensor = isinstance(seqlen_offsets, torch.Tensor)
+    pos = position_ids
+    pos_strides = (0, 0) if pos is None else pos.stride()
+    quant = quant_dtype is not None
+    # absent tensors: q's own in both slots (never read; the kernel's picks need one type)
+    q_w, k_w = (q_weight, k_weight) if q_weight is not None else (q, q)
+    q_sc, k_sc = (q_scale, k_scale) if quant else (q_out, q_out)
+    _qk_norm_rope_fwd_kernel[grid](
+        q, k, q_out, k_out, q_w, k_w, q_sc, k_sc, cos, sin, pos,
+        seqlen_offsets if offsets_tensor else None,
+        *q.stride(), *k.stride(), *q_out.stride(), *k_out.stride(),
+        *(q_scale.stride() if quant else (0, 0, 0)), *(k_scale.stride() if quant else (0, 0, 0)),
+        _stride(q_weight), _stride(k_weight), *cos.stride(), *sin.stride(), *pos_strides,
+        S, HQ, HK, D, rot_start, half, q_head_blocks, 0 if offsets_tensor else int(seqlen_offsets),
+        eps, offset, float(reference_qmax(quant_dtype)),
+        BLOCK_S=block_s, BLOCK_H=block_h, BLOCK_HALF=block_half,
+        BLOCK_D=triton.next_power_of_2(D), HAS_REST=rotary_dim < D, INTERLEAVED=interleaved,
+        HAS_WEIGHT=q_weight is not None, QUANT=_QUANT_CODES[quant_dtype],
+        SQUARES=_SQUARES.get(q.dtype, 1) if quant else 0, EVEN=even, POW2_D=D & (D - 1) == 0,
+        HAS_POS_IDS=pos is not None, HAS_OFFSET_TENSOR=offsets_tensor, num_warps=cfg.norm_num_warps,
+        # the quantized path is specified as exactly rounded steps: no fused multiply-adds
+        **({"enable_fp_fusion": False} if quant else {}),
+    )
 
 
 def reference_qmax(dtype) -> float:
     return {None: 0.0, torch.int8: 127.0, torch.float8_e4m3fn: 448.0}[dtype]
 
 
-def rms_norm_rope_bwd(*, dy, x, weight, cos, sin, eps, offset, rotary_dim, interleaved,
-                      position_ids, seqlen_offsets):
-    """Gradients (dx like x, dweight like weight or None) of RMSNorm-then-RoPE of x (B, S, H, D)."""
-    B, S, H, D = x.shape
-    dx = empty(x.shape, dtype=x.dtype, device=x.device)
-    cfg = tuning.rotary_config(x.device)
+def rms_norm_rope_bwd(*, dq_out, dk_out, q, k, q_weight, k_weight, cos, sin, eps, offset,
+                      rotary_dim, interleaved, position_ids, seqlen_offsets):
+    """Gradients (dq, dk, dq_weight, dk_weight; a weight's None when it is) of RMSNorm-then-RoPE of
+    q (B, S, Hq, D) and k (B, S, Hkv, D), for the output gradients dq_out, dk_out: one launch."""
+    if not _one_launch(q, k, q_weight, k_weight):
+        dq, _, dqw, _ = rms_norm_rope_bwd(
+            dq_out=dq_out, dk_out=dq_out[:, :, :0], q=q, k=q[:, :, :0], q_weight=q_weight,
+            k_weight=q_weight, cos=cos, sin=sin, eps=eps, offset=offset, rotary_dim=rotary_dim,
+            interleaved=interleaved, position_ids=position_ids, seqlen_offsets=seqlen_offsets)
+        dk, _, dkw, _ = rms_norm_rope_bwd(
+            dq_out=dk_out, dk_out=dk_out[:, :, :0], q=k, k=k[:, :, :0], q_weight=k_weight,
+            k_weight=k_weight, cos=cos, sin=sin, eps=eps, offset=offset, rotary_dim=rotary_dim,
+            interleaved=interleaved, position_ids=position_ids, seqlen_offsets=seqlen_offsets)
+        return dq, dk, dqw, dkw
+    B, S, HQ, D = q.shape
+    HK = k.shape[2]
+    dq = empty(q.shape, dtype=q.dtype, device=q.device)
+    dk = empty(k.shape, dtype=k.dtype, device=k.device)
+    cfg = tuning.rotary_config(q.device)
     block_s = cfg.bwd_block_s
     s_blocks = triton.cdiv(S, block_s)
-    dw_part = empty((B * s_blocks, D), dtype=torch.float32, device=x.device) if weight is not None else None
-    if B * S * H > 0:
+    has_weight = q_weight is not None
+
+    def part():
+        return empty((B * s_blocks, D), dtype=torch.float32, device=q.device) if has_weight else None
+
+    dqw_part, dkw_part = part(), part()
+    if B * S * (HQ + HK) > 0:
         half = rotary_dim // 2
         offsets_tensor = isinstance(seqlen_offsets, torch.Tensor)
         pos_strides = (0, 0) if position_ids is None else position_ids.stride()
-        _rms_norm_rope_bwd_kernel[(s_blocks, B)](
-            dy, x, dx, cos, sin, position_ids, seqlen_offsets if offsets_tensor else None, weight,
-            dw_part, *dy.stride(), *x.stride(), *dx.stride(), *cos.stride(), *sin.stride(),
-            *pos_strides, _stride(weight), S, H, D, half, 0 if offsets_tensor else int(seqlen_offsets), eps, offset,
+        # absent weights: q's own in their slots (never read or written; the picks need a type)
+        q_w, k_w, q_p, k_p = (q_weight, k_weight, dqw_part, dkw_part) if has_weight else (q,) * 4
+        _rms_norm_rope_bwd_kernel[(s_blocks, 2 if HK else 1, B)](
+            dq_out, dk_out, q, k, dq, dk, cos, sin, position_ids,
+            seqlen_offsets if offsets_tensor else None, q_w, k_w, q_p, k_p,
+            *dq_out.stride(), *dk_out.stride(), *q.stride(), *k.stride(), *dq.stride(), *dk.stride(),
+            *cos.stride(), *sin.stride(), *pos_strides, _stride(q_weight), _stride(k_weight),
+            S, HQ, HK, D, half, 0 if offsets_tensor else int(seqlen_offsets), eps, offset,
             BLOCK_S=block_s, BLOCK_HALF=triton.next_power_of_2(max(half, 1)),
             BLOCK_D=triton.next_power_of_2(D), INTERLEAVED=interleaved,
-            HAS_WEIGHT=weight is not None, HAS_POS_IDS=position_ids is not None,
+            HAS_WEIGHT=has_weight, HAS_POS_IDS=position_ids is not None,
             HAS_OFFSET_TENSOR=offsets_tensor, num_warps=cfg.num_warps,
         )
-    if weight is None:
-        return dx, None
-    if B * S * H == 0:
-        return dx, torch.zeros_like(weight)
-    return dx, dw_part.sum(0).to(weight.dtype)
+
+    def total(p, w, H):
+        if w is None:
+            return None
+        if B * S * H == 0:
+            return torch.zeros_like(w)
+        return p.sum(0).to(w.dtype)
+
+    return dq, dk, total(dqw_part, q_weight, HQ), total(dkw_part, k_weight, HK)

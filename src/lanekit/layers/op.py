@@ -231,16 +231,15 @@ def _rms_norm_rope_op(q: Tensor, k: Tensor, q_weight: Tensor | None, k_weight: T
                       interleaved: bool, rotary_dim: int) -> tuple[Tensor, Tensor]:
     from lanekit.runtime.alloc import empty
 
-    outs = []
-    for x, w in ((q, q_weight), (k, k_weight)):
-        out = empty(x.shape, dtype=x.dtype, device=x.device)
-        _kernels().rotary_fwd(
-            x=x, cos=cos, sin=sin, out=out, rot_start=0, rotary_dim=rotary_dim,
-            interleaved=interleaved, position_ids=position_ids,
-            seqlen_offsets=seqlen_offsets if seqlen_offsets is not None else seqlen_offset,
-            weight=w, norm=True, eps=eps, offset=offset)
-        outs.append(out)
-    return outs[0], outs[1]
+    q_out = empty(q.shape, dtype=q.dtype, device=q.device)
+    k_out = empty(k.shape, dtype=k.dtype, device=k.device)
+    _kernels().qk_norm_rope_fwd(
+        q=q, k=k, q_out=q_out, k_out=k_out, q_weight=q_weight, k_weight=k_weight, cos=cos,
+        sin=sin, rot_start=0, rotary_dim=rotary_dim, interleaved=interleaved,
+        position_ids=position_ids,
+        seqlen_offsets=seqlen_offsets if seqlen_offsets is not None else seqlen_offset,
+        eps=eps, offset=offset)
+    return q_out, k_out
 
 
 @_rms_norm_rope_op.register_fake
@@ -250,21 +249,26 @@ def _(q, k, q_weight, k_weight, cos, sin, position_ids, seqlen_offsets, seqlen_o
 
 
 @torch.library.custom_op("lanekit::rms_norm_rope_bwd", mutates_args=())
-def _rms_norm_rope_bwd_op(dy: Tensor, x: Tensor, weight: Tensor | None, cos: Tensor, sin: Tensor,
-                          position_ids: Tensor | None, seqlen_offsets: Tensor | None,
+def _rms_norm_rope_bwd_op(dq_out: Tensor, dk_out: Tensor, q: Tensor, k: Tensor,
+                          q_weight: Tensor | None, k_weight: Tensor | None, cos: Tensor,
+                          sin: Tensor, position_ids: Tensor | None, seqlen_offsets: Tensor | None,
                           seqlen_offset: int, eps: float, offset: float, interleaved: bool,
-                          rotary_dim: int) -> tuple[Tensor, Tensor]:
-    dx, dw = _kernels().rms_norm_rope_bwd(
-        dy=dy, x=x, weight=weight, cos=cos, sin=sin, eps=eps, offset=offset,
-        rotary_dim=rotary_dim, interleaved=interleaved, position_ids=position_ids,
+                          rotary_dim: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    dq, dk, dqw, dkw = _kernels().rms_norm_rope_bwd(
+        dq_out=dq_out, dk_out=dk_out, q=q, k=k, q_weight=q_weight, k_weight=k_weight, cos=cos,
+        sin=sin, eps=eps, offset=offset, rotary_dim=rotary_dim, interleaved=interleaved,
+        position_ids=position_ids,
         seqlen_offsets=seqlen_offsets if seqlen_offsets is not None else seqlen_offset)
-    return dx, _or_empty(dw, x)
+    return dq, dk, _or_empty(dqw, q), _or_empty(dkw, q)
 
 
 @_rms_norm_rope_bwd_op.register_fake
-def _(dy, x, weight, cos, sin, position_ids, seqlen_offsets, seqlen_offset, eps, offset,
-      interleaved, rotary_dim):
-    return x.new_empty(x.shape), (weight.new_empty(weight.shape) if weight is not None else x.new_empty(0))
+def _(dq_out, dk_out, q, k, q_weight, k_weight, cos, sin, position_ids, seqlen_offsets,
+      seqlen_offset, eps, offset, interleaved, rotary_dim):
+    def like(w):
+        return w.new_empty(w.shape) if w is not None else q.new_empty(0)
+
+    return q.new_empty(q.shape), k.new_empty(k.shape), like(q_weight), like(k_weight)
 
 
 def _rms_norm_rope_setup(ctx, inputs, output):
@@ -275,9 +279,11 @@ def _rms_norm_rope_setup(ctx, inputs, output):
 
 def _rms_norm_rope_backward(ctx, dq, dk):
     q, k, q_weight, k_weight, cos, sin, position_ids, seqlen_offsets = ctx.saved_tensors
-    rope = (cos, sin, position_ids, seqlen_offsets, *ctx.scalars)
-    dq, dqw = _rms_norm_rope_bwd_op(dq, q, q_weight, *rope)
-    dk, dkw = _rms_norm_rope_bwd_op(dk, k, k_weight, *rope)
+    # an output not used downstream has no gradient: zeros (the kernel reads one)
+    dq = dq if dq is not None else torch.zeros_like(q)
+    dk = dk if dk is not None else torch.zeros_like(k)
+    dq, dk, dqw, dkw = _rms_norm_rope_bwd_op(dq, dk, q, k, q_weight, k_weight, cos, sin,
+                                             position_ids, seqlen_offsets, *ctx.scalars)
     return (dq, dk, dqw if q_weight is not None else None, dkw if k_weight is not None else None,
             None, None, None, None, None, None, None, None, None)
 
@@ -312,17 +318,15 @@ def _qk_norm_rope_quant_op(q: Tensor, k: Tensor, q_weight: Tensor | None, k_weig
                            quant_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     from lanekit.runtime.alloc import empty
 
-    outs = []
-    for x, w in ((q, q_weight), (k, k_weight)):
-        codes = empty(x.shape, dtype=quant_dtype, device=x.device)
-        scale = empty(x.shape[:-1], dtype=torch.float32, device=x.device)
-        _kernels().rotary_fwd(
-            x=x, cos=cos, sin=sin, out=codes, rot_start=x.shape[-1] - rotary_dim,
-            rotary_dim=rotary_dim, interleaved=interleaved, position_ids=position_ids,
-            seqlen_offsets=seqlen_offsets if seqlen_offsets is not None else seqlen_offset,
-            weight=w, norm=True, eps=eps, offset=offset, quant_dtype=quant_dtype, scale_out=scale)
-        outs += [codes, scale]
-    return tuple(outs)
+    q_codes, k_codes = (empty(x.shape, dtype=quant_dtype, device=x.device) for x in (q, k))
+    q_scale, k_scale = (empty(x.shape[:-1], dtype=torch.float32, device=x.device) for x in (q, k))
+    _kernels().qk_norm_rope_fwd(
+        q=q, k=k, q_out=q_codes, k_out=k_codes, q_weight=q_weight, k_weight=k_weight, cos=cos,
+        sin=sin, rot_start=q.shape[-1] - rotary_dim, rotary_dim=rotary_dim,
+        interleaved=interleaved, position_ids=position_ids,
+        seqlen_offsets=seqlen_offsets if seqlen_offsets is not None else seqlen_offset,
+        eps=eps, offset=offset, quant_dtype=quant_dtype, q_scale=q_scale, k_scale=k_scale)
+    return q_codes, q_scale, k_codes, k_scale
 
 
 @_qk_norm_rope_quant_op.register_fake

@@ -304,6 +304,10 @@ NORM: dict[str, dict[int, NormConfig]] = {
         65536: NormConfig(16384, 16),
     },
 }
+# AdaLN with one row of scale and shift per batch entry: the forward's programs take up to this many
+# rows of one entry each, loading that row once (every row reloaded it: 16 KB beside 16 KB of x and
+# y at N = 4096, bf16). Not yet timed.
+NORM_MOD_ROWS = 4
 # Each program of the norm's backward sums the gradients of a run of rows; this many programs
 # (about four per SM on an H100/H200) keep the GPU busy while the partial sums stay small.
 NORM_BWD_PROGRAMS: dict[str, int] = {"generic": 512, "sm90": 528}
@@ -313,17 +317,26 @@ NORM_BWD_PROGRAMS: dict[str, int] = {"generic": 512, "sm90": 528}
 class RotaryConfig:
     block_rows: int   # (token, head) rows per program of the forward: a token's heads, then tokens
     num_warps: int
-    norm_block_rows: int = 16   # the same for RMSNorm + RoPE (without quantization)
+    norm_block_rows: int = 16   # the same for RMSNorm + RoPE of q and k (without quantization)
     bwd_block_s: int = 16       # tokens per program of rms_norm_rope's backward (loops over heads)
+    quant_block_rows: int = 32  # the same for RMSNorm + RoPE + quantization of q and k
+    norm_num_warps: int = 4     # warps of those two (q and k in one launch)
 
 
 # sm90: `python -m benchmarks.tune_layers` on the H200 (CUDA-graph timing, Llama-3-8B shapes):
-# RoPE of q 3844 GB/s at 32 rows and 4 warps (3848 with 8); RMSNorm + RoPE of q and k 3334 at 16
-# rows (32 rows: below 3215); the quantized form 1957 at 32 rows.
+# RoPE of q 3844 GB/s at 32 rows and 4 warps (3848 with 8). The q-and-k kernel (one launch since)
+# is sized from its sm90 SASS (`python -m benchmarks.sass`, issued instructions per element on the
+# path real inputs take), not yet timed: a thread's share of a tile carries fixed work (addresses,
+# per-row fp64 rstd, divisions), so more elements per thread cost less each. RMSNorm + RoPE at 32
+# rows and 4 warps: 15.2 per element, 71 registers (16 rows: 18.7; 64: 13.2 at 132 registers);
+# with quantization at 64 rows: 21.8 per element, 153 registers (32 rows: 25.7; 128: 20.2 at 254).
+# Before (two launches, 16 and 32 rows): 20.3 and 26.5 per element, at 40 and 72 registers.
 # RDNA (`benchmarks.tune_targets --sweep rope_bwd`): the backward of RMSNorm + RoPE spilled with 16
-# tokens a program on wave32 at D=80; 8 do not.
-ROTARY: dict[str, RotaryConfig] = {"generic": RotaryConfig(32, 4, 16),
-                                   "gfx1201": RotaryConfig(32, 4, 16, bwd_block_s=8)}
+# tokens a program on wave32 at D=80; 8 do not. Its q-and-k forwards keep the smaller tiles there.
+ROTARY: dict[str, RotaryConfig] = {
+    "generic": RotaryConfig(32, 4, norm_block_rows=32, quant_block_rows=64, norm_num_warps=4),
+    "gfx1201": RotaryConfig(32, 4, norm_block_rows=16, bwd_block_s=8, quant_block_rows=32, norm_num_warps=4),
+}
 ROTARY["gfx1151"] = ROTARY["gfx1201"]
 
 

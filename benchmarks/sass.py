@@ -1,0 +1,199 @@
+"""SASS of the fused layers' launches at the benchmark's shapes, compiled for sm90 with no GPU.
+
+    python -m benchmarks.sass [case ...] [--dump DIR]
+
+Runs a case of benchmarks.layers through its real launcher on CPU tensors of the benchmark's
+shapes; every kernel launch is caught before it runs, compiled by Triton for sm90 with the
+specialization the launch would get on the GPU (dtypes, strides of 1, 16-byte alignment), and
+disassembled with the cuobjdump Triton bundles. Prints, per launch: the grid, registers per thread,
+the static SASS instruction count, that count per element each thread handles (the kernels here are
+straight-line per program, so it is the issued instructions per element), and the instructions
+that cost the most issue slots on Hopper (fp64 and conversions; cvt runs 16 per clock per SM
+against 128 fp32 operations). Nothing is timed: this is the CPU's view of a compute-bound kernel.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import subprocess
+import tempfile
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource, compile as triton_compile, make_backend
+from triton.runtime import jit as triton_jit
+
+from benchmarks import layers as bench
+
+TARGET = GPUTarget("cuda", 90, 32)
+CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+# opcodes worth a column: fp64 arithmetic, conversions, shuffles, 64-bit integer address math
+WATCH = ("F2F", "I2F", "F2I", "DADD", "DMUL", "DFMA", "MUFU", "SHFL", "IMAD.WIDE", "LDG", "STG")
+
+
+def _sass(kernel) -> tuple[str, int]:
+    """(disassembly, registers per thread) of a compiled kernel."""
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "k.cubin")
+        with open(path, "wb") as f:
+            f.write(kernel.asm["cubin"])
+        sass, usage = (subprocess.run([CUOBJDUMP, flag, path], check=True, capture_output=True,
+                                      text=True).stdout for flag in ("-sass", "-res-usage"))
+    return sass, int(re.search(r"REG:(\d+)", usage).group(1))
+
+
+def _addressed(sass: str) -> list[tuple[int, str]]:
+    """(address, opcode with modifiers) of each instruction of the disassembly, NOPs left out."""
+    ops = []
+    for line in sass.splitlines():
+        m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", line)
+        if m and not m.group(2).startswith("NOP"):
+            ops.append((int(m.group(1), 16), m.group(2)))
+    return ops
+
+
+def _instructions(sass: str) -> list[str]:
+    return [op for _, op in _addressed(sass)]
+
+
+# Issue cost on sm90 relative to an fp32 add, from the CUDA C Programming Guide's throughput
+# table for compute capability 9.0 (results per clock per SM: fp32 128; fp64, 32-bit integer
+# add, shift, compare, logic and multiply 64; warp shuffle 32; conversions to or from 64-bit types
+# and special functions 16): a crude model of a compute-bound kernel, the fp32 pipe counting 1.
+_WEIGHTS = (("F2F.F64", 8), ("F2F.F32.F64", 8), ("I2F.F64", 8), ("MUFU", 8), ("SHFL", 4),
+            ("DADD", 2), ("DMUL", 2), ("DFMA", 2), ("FADD", 1), ("FMUL", 1), ("FFMA", 1),
+            ("FSEL", 1), ("HFMA2", 1), ("LDG", 1), ("STG", 1), ("LDS", 1), ("STS", 1), ("U", 0),
+            ("BRA", 1), ("EXIT", 1), ("BAR", 1))
+
+
+def _weight(op: str) -> int:
+    """Issue slots of one instruction in fp32-add units (uniform-datapath U* ops are free: they
+    run once per warp beside the vector pipes); integer and other ALU work counts 2."""
+    for prefix, w in _WEIGHTS:
+        if op.startswith(prefix):
+            return w
+    return 2
+
+
+def _cold_ranges(sass: str) -> set[int]:
+    """Addresses of the instructions that real inputs do not reach: those a conditional forward
+    branch skips over a block of fp64 conversions or of clamps (the rare tiles of
+    _qk_norm_rope_fwd_kernel: a bf16 square outside fp32's exact range, redone in fp64; a
+    subnormal scale, whose codes are clamped), and those after the kernel's last EXIT."""
+    lines = [(int(m.group(1), 16), m.group(2)) for m in
+             re.finditer(r"/\*([0-9a-f]{4,})\*/\s+(.*?);", sass)]
+    cold = set()
+    for addr, text in lines:
+        m = re.match(r"@!?P\d\s+BRA\s+(?:`\(\.L_x_\d+\)|0x([0-9a-f]+))", text)
+        if not m or not m.group(1):
+            continue
+        target = int(m.group(1), 16)
+        inside = [(a, t) for a, t in lines if addr < a < target]
+        conversions = sum(t.split()[0].startswith("F2F.F64") for _, t in inside)
+        clamps = sum(t.startswith("FMNMX") and "|" not in t for _, t in inside)
+        if target > addr and (conversions >= 8 or clamps >= 16):
+            cold.update(a for a, t in inside if not t.startswith("NOP"))
+    # after the last EXIT: the out-of-line slow paths (IEEE division and square root of
+    # operands near the ends of their range, shuffles under divergence)
+    exits = [a for a, t in lines if t.split()[-1] == "EXIT" or t.startswith("EXIT")]
+    if exits:
+        cold.update(a for a, t in lines if a > exits[-1] and not t.startswith("NOP"))
+    return cold
+
+
+class _Capture:
+    """Replaces JITFunction.run: compile for TARGET, record, launch nothing."""
+
+    def __init__(self):
+        self.launches = []
+        self.backend = make_backend(TARGET)
+        self._run = triton_jit.JITFunction.run
+
+    def __enter__(self):
+        capture = self
+
+        def run(fn, *args, grid, warmup, **kwargs):
+            binder = triton_jit.create_function_from_signature(fn.signature, fn.params, capture.backend)
+            bound, specialization, _ = binder(*args, **kwargs)
+            options, signature, constexprs, attrs = fn._pack_args(capture.backend, kwargs, bound,
+                                                                  specialization, None)
+            kernel = triton_compile(ASTSource(fn, signature, constexprs, attrs), target=TARGET,
+                                    options=options.__dict__)
+            capture.launches.append((fn.__name__, tuple(grid), dict(bound), kernel))
+
+        triton_jit.JITFunction.run = run
+        return self
+
+    def __exit__(self, *exc):
+        triton_jit.JITFunction.run = self._run
+
+
+def _elements_per_thread(bound: dict, num_warps: int) -> float:
+    """Elements (rows x features) one thread handles, from the launch's tile constexprs."""
+    if "BLOCK_H" in bound:   # the RoPE kernels: BLOCK_S * BLOCK_H rows of D
+        return bound["BLOCK_S"] * bound["BLOCK_H"] * bound["D"] / (num_warps * 32)
+    if "BLOCK_N" in bound and bound.get("ONE_BLOCK", True):   # the norms: MOD_ROWS rows of N
+        return bound.get("MOD_ROWS", 1) * bound["N"] / (num_warps * 32)
+    return float("nan")
+
+
+def _triton_lane_on_cpu():
+    """The Triton lane for CPU tensors (whose launches _Capture catches), with the kernels compiled
+    natively: they are imported before the lane check is told the process is interpreted."""
+    import lanekit.layers.kernels  # noqa: F401  (decorated now, natively)
+    from lanekit.runtime import lanes
+
+    lanes.triton_interpreted = lambda: True
+    os.environ[lanes.LANE_ENV] = "triton"
+
+
+def report(case: dict, dump: str | None = None) -> list[dict]:
+    _triton_lane_on_cpu()
+    inputs = bench.make_inputs(case, device="cpu")
+    with _Capture() as cap:
+        bench._lanekit(case)(*inputs)
+    rows = []
+    for i, (name, grid, bound, kernel) in enumerate(cap.launches):
+        sass, regs = _sass(kernel)
+        ops = _instructions(sass)
+        counts = collections.Counter(op for op in ops for w in WATCH if op.startswith(w))
+        per = _elements_per_thread(bound, kernel.metadata.num_warps)
+        cold = _cold_ranges(sass)
+        hot_ops = [op for addr, op in _addressed(sass) if addr not in cold]
+        hot = len(hot_ops)
+        weighted = sum(_weight(op) for op in hot_ops)
+        rows.append(dict(kernel=name, grid=grid, regs=regs, instructions=len(ops), hot=hot,
+                         per_element=len(ops) / per, hot_per_element=hot / per,
+                         weighted_per_element=weighted / per,
+                         watched=dict(sorted(counts.items()))))
+        if dump:
+            os.makedirs(dump, exist_ok=True)
+            with open(os.path.join(dump, f"{bench.name(case).replace(' ', '_')}.{i}.{name}.sass"), "w") as f:
+                f.write(sass)
+    return rows
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("cases", nargs="*", help="benchmarks.layers case names (default: the q-and-k ones "
+                                            "and adaln)")
+    p.add_argument("--dump", help="write each launch's SASS into this folder")
+    args = p.parse_args(argv)
+    wanted = args.cases or ["rms_norm_rope q,k", "qk_norm_rope_quant e4m3", "adaln"]
+    for case in bench.cases():
+        if bench.name(case) not in wanted:
+            continue
+        for r in report(case, args.dump):
+            print(f"{bench.name(case)}: {r['kernel']} grid {r['grid']}  {r['regs']} regs  "
+                  f"{r['instructions']} SASS ({r['per_element']:.1f} per element), "
+                  f"{r['hot']} on the path taken ({r['hot_per_element']:.1f}; "
+                  f"{r['weighted_per_element']:.1f} fp32-add issue slots)  {r['watched']}")
+
+
+if __name__ == "__main__":
+    torch.manual_seed(0)
+    main()
