@@ -37,6 +37,20 @@ NOTES = {
         "more than it writes (the GLUs read two bytes per byte written) can pass 100%, since writes "
         "cost HBM more than reads and a copy does as many of each."
     ),
+    "decode": (
+        "Decode over a KV cache, bf16: B=32 sequences of one query, 32 query and 8 KV heads of 128, 4k "
+        "and 32k cached tokens, the cache contiguous or paged (pages of 16 and 256, shuffled). GB/s of K "
+        "and V read. Peers: SDPA's flash and cuDNN backends on the contiguous cache (`enable_gqa`). "
+        "Every call replayed from a CUDA graph. Bar (issue 4): at least 85% of copy at 32k and at least "
+        "the fastest SDPA backend; not met (cuDNN reads at about 4.4 TB/s, above the copy figure, which "
+        "counts a write per read)."
+    ),
+    "prefill": (
+        "Prefill of a packed batch (`flash_attn_varlen_func`) beside `flash_attn_func` on the same tokens "
+        "as a dense batch and SDPA's flash backend, bf16, causal, 32 query and 8 KV heads of 128. "
+        "Timed from CUDA graphs; in eager mode the varlen call also reads cu_seqlens back to validate "
+        "them (a device sync)."
+    ),
     "attention_train": (
         "Attention forward + backward (`torch.autograd.grad` of the output with a random gradient), "
         "bf16, same shapes and peers as the forward. FLOPs = 3.5 x the forward's (the backward does "

@@ -305,9 +305,11 @@ NORM: dict[str, dict[int, NormConfig]] = {
     },
 }
 # AdaLN with one row of scale and shift per batch entry: the forward's programs take up to this many
-# rows of one entry each, loading that row once (every row reloaded it: 16 KB beside 16 KB of x and
-# y at N = 4096, bf16). Not yet timed.
-NORM_MOD_ROWS = 4
+# rows of one entry each, loading that row once (every row reloads it at 1: 16 KB beside 16 KB of x
+# and y at N = 4096, bf16). On the H200 (benchmarks.run layers, 2026-12-01) 4 rows ran at 2842 GB/s,
+# 67% of copy, against 3242 (76%) for one row a program before the change: 1 until a sweep
+# (benchmarks.tune_layers) finds better.
+NORM_MOD_ROWS = 1
 # Each program of the norm's backward sums the gradients of a run of rows; this many programs
 # (about four per SM on an H100/H200) keep the GPU busy while the partial sums stay small.
 NORM_BWD_PROGRAMS: dict[str, int] = {"generic": 512, "sm90": 528}
@@ -333,8 +335,11 @@ class RotaryConfig:
 # Before (two launches, 16 and 32 rows): 20.3 and 26.5 per element, at 40 and 72 registers.
 # RDNA (`benchmarks.tune_targets --sweep rope_bwd`): the backward of RMSNorm + RoPE spilled with 16
 # tokens a program on wave32 at D=80; 8 do not. Its q-and-k forwards keep the smaller tiles there.
+# Timed on the H200 (2026-12-01): RMSNorm + RoPE at 32 rows 3466 GB/s (82% of copy; two launches:
+# 3310); the quantized form at 64 rows 2139 GB/s (50%; two launches at 32 rows: 2548): its 153
+# registers cost more than the instructions saved. 32 rows for it (25.7 per element) is not yet timed.
 ROTARY: dict[str, RotaryConfig] = {
-    "generic": RotaryConfig(32, 4, norm_block_rows=32, quant_block_rows=64, norm_num_warps=4),
+    "generic": RotaryConfig(32, 4, norm_block_rows=32, quant_block_rows=32, norm_num_warps=4),
     "gfx1201": RotaryConfig(32, 4, norm_block_rows=16, bwd_block_s=8, quant_block_rows=32, norm_num_warps=4),
 }
 ROTARY["gfx1151"] = ROTARY["gfx1201"]
