@@ -61,3 +61,12 @@ def test_one_new_token_is_prefill_only(model, expected):
 def test_bad_arguments_are_rejected(model, prompts, n, match):
     with pytest.raises(ValueError, match=match):
         greedy_generate(model, prompts, n)
+
+
+def test_demo_generation_part_matches_and_prints_the_verdict(capsys):
+    from lanekit import demo
+
+    result = demo.run_generation_demo(lane="reference", device="cpu")
+    assert result.ok and result.matches == (True,) * len(demo.GENERATION_PROMPT_LENGTHS)
+    assert result.tokens_per_s > 0 and result.eager_tokens_per_s > 0
+    assert "tokens match: yes" in capsys.readouterr().out
