@@ -384,7 +384,7 @@ def flash_attn_fwd(
             HAS_MASK=mask is not None, HAS_DROPOUT=dropout_p > 0,
             INPUT_PRECISION="ieee" if q.dtype == torch.float32 else None, INT64_TILES=int64_tiles,
             IS_VARLEN=varlen, PAGED=paged,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            **cfg.options(),
         )
     return out, lse
 
@@ -952,7 +952,7 @@ def flash_attn_bwd(
                 *operand_strides, *scalars,
                 BLOCK_M=cfg_kv.block_m, BLOCK_N=cfg_kv.block_n, BLOCK_D=block_d, BLOCK_DV=block_dv,
                 HAS_DBIAS=bias_grad, **common,
-                num_warps=cfg_kv.num_warps, num_stages=cfg_kv.num_stages,
+                **cfg_kv.options(),
             )
         if Sq > 0:
             _flash_attn_bwd_dq_kernel[(triton.cdiv(Sq, cfg_q.block_m), Hq, B)](
@@ -962,7 +962,7 @@ def flash_attn_bwd(
                 *operand_strides, *scalars,
                 BLOCK_M=cfg_q.block_m, BLOCK_N=cfg_q.block_n, BLOCK_D=block_d, BLOCK_DV=block_dv,
                 **common,
-                num_warps=cfg_q.num_warps, num_stages=cfg_q.num_stages,
+                **cfg_q.options(),
             )
     return dq, dk, dv, dbias
 
@@ -1234,7 +1234,7 @@ def flash_attn_kvcache(
             HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0, HAS_SOFTCAP=softcap > 0,
             HAS_ALIBI=alibi_slopes is not None, HAS_LEFTPAD=leftpad is not None, QUANTIZED=quantized,
             INPUT_PRECISION="ieee" if q.dtype == torch.float32 else None, PAGES=pages,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            **cfg.options(),
         )
         if num_splits > 1:
             _merge_splits_kernel[(Sq, Hq, B)](
