@@ -313,26 +313,27 @@ def _capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
-def _cu_seqlens(name: str, cu, total: int, max_seqlen: int, B: int | None, device) -> int:
-    """Check cumulative sequence lengths: (B + 1,) int32 on ``device``, from 0 up to ``total``,
-    non-decreasing, no sequence longer than ``max_seqlen``. The values are read back (a device
-    sync) except inside a CUDA graph capture. Returns B."""
+def _cu_seqlens(name: str, cu, B: int | None, device) -> int:
+    """Check cumulative sequence lengths' type, shape and device: (B + 1,) int32. Returns B."""
     _check_tensor(name, cu, 1, (torch.int32,))
     if cu.device != device:
         raise ValueError(f"{name}: expected the device of q ({device}), got {cu.device}")
     if cu.shape[0] < 1 or (B is not None and cu.shape[0] != B + 1):
         raise ValueError(f"{name}: expected shape ({'B + 1' if B is None else B + 1},) (B + 1 cumulative "
                          f"lengths), got {tuple(cu.shape)}")
-    if not _capturing():
-        vals = cu.tolist()
-        lengths = [b - a for a, b in zip(vals, vals[1:])]
-        if vals[0] != 0 or any(n < 0 for n in lengths) or (total >= 0 and vals[-1] != total):
-            raise ValueError(f"{name}: expected non-decreasing values from 0 to {total if total >= 0 else 'the cache size'}, "
-                             f"got {vals if len(vals) <= 16 else vals[:8] + ['...'] + vals[-4:]}")
-        if lengths and max(lengths) > max_seqlen:
-            raise ValueError(f"{name}: expected no sequence longer than its max_seqlen ({max_seqlen}), "
-                             f"got one of {max(lengths)}")
     return cu.shape[0] - 1
+
+
+def _cu_seqlens_values(name: str, vals: list[int], total: int, max_seqlen: int) -> None:
+    """Check cumulative sequence lengths read back: from 0 up to ``total`` (-1: any), non-decreasing,
+    no sequence longer than ``max_seqlen``."""
+    lengths = [b - a for a, b in zip(vals, vals[1:])]
+    if vals[0] != 0 or any(n < 0 for n in lengths) or (total >= 0 and vals[-1] != total):
+        raise ValueError(f"{name}: expected non-decreasing values from 0 to {total if total >= 0 else 'the cache size'}, "
+                         f"got {vals if len(vals) <= 16 else vals[:8] + ['...'] + vals[-4:]}")
+    if lengths and max(lengths) > max_seqlen:
+        raise ValueError(f"{name}: expected no sequence longer than its max_seqlen ({max_seqlen}), "
+                         f"got one of {max(lengths)}")
 
 
 def _nonneg_int(name: str, value) -> int:
@@ -400,7 +401,7 @@ def flash_attn_varlen_func(
         ValueError: wrong ranks or shapes, cu_seqlens not from 0 to the total or decreasing, a
             sequence longer than its max_seqlen, a block_table too short for a sequence or naming
             a page that does not exist, and the errors of :func:`flash_attn_func`. The values of
-            cu_seqlens and block_table are read back to check them (one device sync), except
+            cu_seqlens and block_table are read back to check them (a device sync), except
             inside a CUDA graph capture, where they are trusted.
 
     Semantics: FlashAttention 2.7's ``flash_attn_varlen_func`` (Dao et al.); the LSE layout
@@ -429,9 +430,13 @@ def flash_attn_varlen_func(
         raise ValueError(f"k, v: expected a number of heads that divides Hq={Hq}, got Hkv={Hkv}")
     max_seqlen_q = _nonneg_int("max_seqlen_q", max_seqlen_q)
     max_seqlen_k = _nonneg_int("max_seqlen_k", max_seqlen_k)
-    B = _cu_seqlens("cu_seqlens_q", cu_seqlens_q, total_q, max_seqlen_q, None, q.device)
-    _cu_seqlens("cu_seqlens_k", cu_seqlens_k, -1 if block_table is not None else k.shape[0],
-                max_seqlen_k, B, q.device)
+    B = _cu_seqlens("cu_seqlens_q", cu_seqlens_q, None, q.device)
+    _cu_seqlens("cu_seqlens_k", cu_seqlens_k, B, q.device)
+    if not _capturing():  # both read back in one transfer: one device sync
+        both = torch.cat((cu_seqlens_q, cu_seqlens_k)).tolist()
+        _cu_seqlens_values("cu_seqlens_q", both[:B + 1], total_q, max_seqlen_q)
+        _cu_seqlens_values("cu_seqlens_k", both[B + 1:], -1 if block_table is not None else k.shape[0],
+                           max_seqlen_k)
     if block_table is not None:
         _check_tensor("block_table", block_table, 2, (torch.int32,))
         if block_table.device != q.device:
