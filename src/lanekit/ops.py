@@ -75,10 +75,16 @@ def _attention_bwd_samples(device):
     """The forward's samples, each with a gradient of out (dout), plus an empty query."""
     cases = list(_attention_samples(device))
     cases.append(attention_case("Sq0", device, Sq=0, Sk=7, D=16))
+    yield from _with_dout(cases, device)
+
+
+def _with_dout(cases, device):
+    """Each attention sample with a gradient of its out, dout (q's shape with v's head dim),
+    drawn from a generator seeded by the sample's name."""
     for case in cases:
         q, v = case.kwargs["q"], case.kwargs["v"]
         g = torch.Generator().manual_seed(zlib.crc32(b"dout " + case.name.encode()))
-        dout = randn(*q.shape[:3], v.shape[3], dtype=q.dtype, device=device, generator=g)
+        dout = randn(*q.shape[:-1], v.shape[-1], dtype=q.dtype, device=device, generator=g)
         yield Sample(case.name, dict(case.kwargs, dout=dout))
 
 
@@ -164,11 +170,7 @@ def _varlen_samples(device, *, paged=True):
 
 
 def _varlen_bwd_samples(device):
-    for case in _varlen_samples(device, paged=False):
-        q, v = case.kwargs["q"], case.kwargs["v"]
-        g = torch.Generator().manual_seed(zlib.crc32(b"dout " + case.name.encode()))
-        dout = randn(q.shape[0], q.shape[1], v.shape[-1], dtype=q.dtype, device=device, generator=g)
-        yield Sample(case.name, dict(case.kwargs, dout=dout))
+    yield from _with_dout(_varlen_samples(device, paged=False), device)
 
 
 register(Op(

@@ -7,6 +7,7 @@ import math
 import torch
 
 from lanekit.attention import op as _lanes
+from lanekit.kv_cache.api import _CODE_DTYPES, _caches as _kv_caches
 from lanekit.runtime.lanes import select_lane
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -40,6 +41,25 @@ def _broadcast_4d(name: str, t: torch.Tensor, shape: tuple[int, int, int, int]) 
     except RuntimeError:
         raise ValueError(f"{name}: expected a shape broadcastable to (B, Hq, Sq, Sk)={shape}, "
                          f"got {tuple(t.shape)}") from None
+
+
+def _check_heads(q_shape, D: int, Dv: int, Hq: int, Hkv: int, kv_name: str = "k, v") -> None:
+    """Head dims within 1..MAX_HEAD_DIM, at least one query head, Hkv dividing Hq (GQA/MQA)."""
+    for name, d in (("q/k head dim", D), ("v head dim", Dv)):
+        if not 1 <= d <= MAX_HEAD_DIM:
+            raise ValueError(f"{name}: expected 1..{MAX_HEAD_DIM}, got {d}")
+    if Hq == 0:
+        raise ValueError(f"q: expected at least one head, got shape {tuple(q_shape)}")
+    if Hkv == 0 or Hq % Hkv != 0:
+        raise ValueError(f"{kv_name}: expected a number of heads that divides Hq={Hq}, got Hkv={Hkv}")
+
+
+def _check_kv_like_q(q: torch.Tensor, *named) -> None:
+    for name, t in named:
+        if t.dtype != q.dtype:
+            raise TypeError(f"{name}: expected the dtype of q ({q.dtype}), got {t.dtype}")
+        if t.device != q.device:
+            raise ValueError(f"{name}: expected the device of q ({q.device}), got {t.device}")
 
 
 def _options(D: int, Sq: int, Sk: int, dropout_p, softmax_scale, softcap, causal, window_size):
@@ -173,11 +193,7 @@ def flash_attn_func(
     _check_tensor("q", q, 4, _DTYPES + (torch.float64,))
     _check_tensor("k", k, 4)
     _check_tensor("v", v, 4)
-    for name, t in (("k", k), ("v", v)):
-        if t.dtype != q.dtype:
-            raise TypeError(f"{name}: expected the dtype of q ({q.dtype}), got {t.dtype}")
-        if t.device != q.device:
-            raise ValueError(f"{name}: expected the device of q ({q.device}), got {t.device}")
+    _check_kv_like_q(q, ("k", k), ("v", v))
     B, Sq, Hq, D = q.shape
     if k.shape[0] != B or v.shape[0] != B:
         raise ValueError(f"k, v: expected batch size {B} (that of q), got {k.shape[0]} and {v.shape[0]}")
@@ -187,13 +203,7 @@ def flash_attn_func(
     if k.shape[3] != D:
         raise ValueError(f"k: expected head dim {D} (that of q), got {k.shape[3]}")
     Dv = v.shape[3]
-    for name, d in (("q/k head dim", D), ("v head dim", Dv)):
-        if not 1 <= d <= MAX_HEAD_DIM:
-            raise ValueError(f"{name}: expected 1..{MAX_HEAD_DIM}, got {d}")
-    if Hq == 0:
-        raise ValueError(f"q: expected at least one head, got shape {tuple(q.shape)}")
-    if Hkv == 0 or Hq % Hkv != 0:
-        raise ValueError(f"k, v: expected a number of heads that divides Hq={Hq}, got Hkv={Hkv}")
+    _check_heads(q.shape, D, Dv, Hq, Hkv)
     softmax_scale, left, right = _options(D, Sq, Sk, dropout_p, softmax_scale, softcap, causal, window_size)
     shape4 = (B, Hq, Sq, Sk)
     alibi_slopes = _alibi(alibi_slopes, B, Hq, q.device)
@@ -410,24 +420,14 @@ def flash_attn_varlen_func(
     _check_tensor("q", q, 3, _DTYPES + (torch.float64,))
     _check_tensor("k", k, 4 if block_table is not None else 3)
     _check_tensor("v", v, k.dim())
-    for name, t in (("k", k), ("v", v)):
-        if t.dtype != q.dtype:
-            raise TypeError(f"{name}: expected the dtype of q ({q.dtype}), got {t.dtype}")
-        if t.device != q.device:
-            raise ValueError(f"{name}: expected the device of q ({q.device}), got {t.device}")
+    _check_kv_like_q(q, ("k", k), ("v", v))
     total_q, Hq, D = q.shape
     Hkv, Dv = k.shape[-2], v.shape[-1]
     if k.shape[-1] != D:
         raise ValueError(f"k: expected head dim {D} (that of q), got {k.shape[-1]}")
     if tuple(v.shape[:-1]) != tuple(k.shape[:-1]):
         raise ValueError(f"v: expected {tuple(k.shape[:-1]) + ('Dv',)} (k's leading dimensions), got {tuple(v.shape)}")
-    for name, d in (("q/k head dim", D), ("v head dim", Dv)):
-        if not 1 <= d <= MAX_HEAD_DIM:
-            raise ValueError(f"{name}: expected 1..{MAX_HEAD_DIM}, got {d}")
-    if Hq == 0:
-        raise ValueError(f"q: expected at least one head, got shape {tuple(q.shape)}")
-    if Hkv == 0 or Hq % Hkv != 0:
-        raise ValueError(f"k, v: expected a number of heads that divides Hq={Hq}, got Hkv={Hkv}")
+    _check_heads(q.shape, D, Dv, Hq, Hkv)
     max_seqlen_q = _nonneg_int("max_seqlen_q", max_seqlen_q)
     max_seqlen_k = _nonneg_int("max_seqlen_k", max_seqlen_k)
     B = _cu_seqlens("cu_seqlens_q", cu_seqlens_q, None, q.device)
@@ -480,7 +480,6 @@ def _check_pages(block_table: torch.Tensor, seqlens: torch.Tensor, num_blocks: i
                          f"where a sequence has tokens, got {int(pages.min())}..{int(pages.max())}")
 
 
-_CODE_DTYPES = (torch.int8, torch.float8_e4m3fn)
 MAX_SPLITS = 128
 
 
@@ -590,37 +589,16 @@ def flash_attn_with_kvcache(
     _check_tensor("q", q, 4, _DTYPES + (torch.float64,))
     paged = block_table is not None
     _check_tensor("k_cache", k_cache, 4, (q.dtype,) + _CODE_DTYPES)
-    _check_tensor("v_cache", v_cache, 4, (k_cache.dtype,))
+    if k_cache.device != q.device:
+        raise ValueError(f"k_cache: expected the device of q ({q.device}), got {k_cache.device}")
     B, Sq, Hq, D = q.shape
-    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if t.device != q.device:
-            raise ValueError(f"{name}: expected the device of q ({q.device}), got {t.device}")
+    # the KV-cache ops' own checks: v_cache like k_cache, non-empty, the scales of a codes cache
+    quantized = _kv_caches(k_cache, v_cache, k_cache_scale, v_cache_scale)
     n_rows, S_cache, Hkv = k_cache.shape[:3]
     Dv = v_cache.shape[3]
-    if tuple(v_cache.shape[:3]) != (n_rows, S_cache, Hkv):
-        raise ValueError(f"v_cache: expected ({n_rows}, {S_cache}, {Hkv}, Dv) (k_cache's leading "
-                         f"dimensions), got {tuple(v_cache.shape)}")
     if k_cache.shape[3] != D:
         raise ValueError(f"k_cache: expected head dim {D} (that of q), got {k_cache.shape[3]}")
-    for name, d in (("q/k head dim", D), ("v head dim", Dv)):
-        if not 1 <= d <= MAX_HEAD_DIM:
-            raise ValueError(f"{name}: expected 1..{MAX_HEAD_DIM}, got {d}")
-    if Hq == 0 or Hkv == 0 or Hq % Hkv != 0:
-        raise ValueError(f"k_cache: expected a number of heads that divides Hq={Hq}, got Hkv={Hkv}")
-    if n_rows == 0 or S_cache == 0:
-        raise ValueError(f"k_cache: expected at least one row (page) of at least one token, got {tuple(k_cache.shape)}")
-    quantized = k_cache.dtype in _CODE_DTYPES
-    for name, scale in (("k_cache_scale", k_cache_scale), ("v_cache_scale", v_cache_scale)):
-        if quantized:
-            if scale is None:
-                raise ValueError(f"{name}: a cache of {k_cache.dtype} codes needs its scales: expected ({n_rows}, {S_cache}, {Hkv}) "
-                                 "fp32, got None")
-            _check_tensor(name, scale, 3, (torch.float32,))
-            if tuple(scale.shape) != (n_rows, S_cache, Hkv) or scale.device != q.device:
-                raise ValueError(f"{name}: expected shape ({n_rows}, {S_cache}, {Hkv}) on {q.device}, got "
-                                 f"{tuple(scale.shape)} on {scale.device}")
-        elif scale is not None:
-            raise ValueError(f"{name}: expected None for a cache of {k_cache.dtype} values, got a tensor")
+    _check_heads(q.shape, D, Dv, Hq, Hkv, "k_cache")
     if (k is None) != (v is None):
         raise ValueError(f"k, v: expected both or neither, got k={'a tensor' if k is not None else None}, "
                          f"v={'a tensor' if v is not None else None}")

@@ -292,6 +292,17 @@ def _strides_bthd(t: torch.Tensor, varlen: bool, paged: bool = False) -> tuple[i
     return tuple(t.stride())
 
 
+def _tile(table: dict, device: torch.device, bucket: int) -> tuning.TileConfig:
+    """The tile row for this device's architecture and head-dim bucket; the interpreter's own."""
+    return tuning.INTERPRETER if triton_interpreted() else tuning.lookup(table, device, bucket)
+
+
+def _check_grid(B: int, H: int, heads: str = "heads") -> None:
+    if B > MAX_GRID_YZ or H > MAX_GRID_YZ:
+        raise ValueError(f"q: the Triton lane runs at most {MAX_GRID_YZ} batches and {heads} "
+                         f"(grid dimensions 1 and 2), got B={B}, {'Hq' if heads == 'heads' else 'Hkv'}={H}")
+
+
 def flash_attn_fwd(
     *,
     q: torch.Tensor,
@@ -340,16 +351,11 @@ def flash_attn_fwd(
     Hkv, Dv = k.shape[-2], v.shape[-1]
     if out.numel() == 0 or B == 0 or Sq == 0:
         return out, lse
-    if B > MAX_GRID_YZ or Hq > MAX_GRID_YZ:
-        raise ValueError(f"q: the Triton lane runs at most {MAX_GRID_YZ} batches and heads "
-                         f"(grid dimensions 1 and 2), got B={B}, Hq={Hq}")
+    _check_grid(B, Hq)
 
     block_d, block_dv = _block(D), _block(Dv)
-    if triton_interpreted():
-        cfg = tuning.INTERPRETER
-    else:
-        table = tuning.FLASH_ATTN_FWD_FP32 if q.dtype == torch.float32 else tuning.FLASH_ATTN_FWD
-        cfg = tuning.lookup(table, q.device, max(block_d, block_dv))
+    table = tuning.FLASH_ATTN_FWD_FP32 if q.dtype == torch.float32 else tuning.FLASH_ATTN_FWD
+    cfg = _tile(table, q.device, max(block_d, block_dv))
     left, right = window_size
     # The mask is read as bytes: a bool tensor views as uint8 without a copy.
     mask = attn_mask.view(torch.uint8) if attn_mask is not None else None
@@ -889,9 +895,7 @@ def flash_attn_bwd(
     dv = alloc.empty(v.shape, dtype=v.dtype, device=q.device)
     # Entries of dbias outside every visited tile are masked out, so their gradient is 0.
     dbias = torch.zeros((B, Hq, Sq, Sk), dtype=torch.float32, device=q.device) if bias_grad else None
-    if B > MAX_GRID_YZ or Hq > MAX_GRID_YZ:
-        raise ValueError(f"q: the Triton lane runs at most {MAX_GRID_YZ} batches and heads "
-                         f"(grid dimensions 1 and 2), got B={B}, Hq={Hq}")
+    _check_grid(B, Hq)
     if varlen and (B == 0 or k.shape[0] == 0):
         dq.zero_()  # no key anywhere: every gradient is 0 (dk, dv are empty then or zeroed below)
         dk.zero_()
@@ -904,12 +908,9 @@ def flash_attn_bwd(
         return dq, dk, dv, dbias
     block_d, block_dv = _block(D), _block(Dv)
     bucket = max(block_d, block_dv)
-    if triton_interpreted():
-        cfg_kv = cfg_q = tuning.INTERPRETER
-    else:
-        fp32 = q.dtype == torch.float32
-        cfg_kv = tuning.lookup(tuning.FLASH_ATTN_BWD_DKDV_FP32 if fp32 else tuning.FLASH_ATTN_BWD_DKDV, q.device, bucket)
-        cfg_q = tuning.lookup(tuning.FLASH_ATTN_BWD_DQ_FP32 if fp32 else tuning.FLASH_ATTN_BWD_DQ, q.device, bucket)
+    fp32 = q.dtype == torch.float32
+    cfg_kv = _tile(tuning.FLASH_ATTN_BWD_DKDV_FP32 if fp32 else tuning.FLASH_ATTN_BWD_DKDV, q.device, bucket)
+    cfg_q = _tile(tuning.FLASH_ATTN_BWD_DQ_FP32 if fp32 else tuning.FLASH_ATTN_BWD_DQ, q.device, bucket)
     left, right = window_size
     mask = attn_mask.view(torch.uint8) if attn_mask is not None else None
     tile_strides = [*q.stride(), *k.stride(), *v.stride(), *dout.stride(), *_strides4(attn_bias), *_strides4(mask), Sk]
@@ -1189,14 +1190,9 @@ def flash_attn_kvcache(
     lse = alloc.empty((B, Hq, Sq), dtype=torch.float32, device=q.device)
     if out.numel() == 0:
         return out, lse
-    if B > MAX_GRID_YZ or Hkv > MAX_GRID_YZ:
-        raise ValueError(f"q: the Triton lane runs at most {MAX_GRID_YZ} batches and KV heads "
-                         f"(grid dimensions 1 and 2), got B={B}, Hkv={Hkv}")
+    _check_grid(B, Hkv, "KV heads")
     block_d, block_dv = _block(D), _block(Dv)
-    if triton_interpreted():
-        cfg = tuning.INTERPRETER
-    else:
-        cfg = tuning.lookup(tuning.FLASH_ATTN_KVCACHE, q.device, max(block_d, block_dv))
+    cfg = _tile(tuning.FLASH_ATTN_KVCACHE, q.device, max(block_d, block_dv))
     # Rows are (query, head) pairs: decode (Sq * group <= 16) takes the smallest tile tl.dot allows.
     block_m = min(cfg.block_m, max(16, triton.next_power_of_2(Sq * group)))
     m_blocks = triton.cdiv(Sq * group, block_m)

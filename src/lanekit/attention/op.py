@@ -236,6 +236,14 @@ def _cache_table(q, block_table, cache_batch_idx):
     return rows.to(torch.int32).reshape(B, 1)
 
 
+def _append_slots(table, cache_seqlens, S_new, page_size):
+    """The positions (B, S_new) int64 of the appended tokens, cache_seqlens[b] + t, and their
+    slots in the cache (B * S_new,), page * page_size + offset, through the page table."""
+    positions = cache_seqlens.to(torch.int64)[:, None] + torch.arange(S_new, device=cache_seqlens.device)
+    pages = table.to(torch.int64).gather(1, positions // page_size)
+    return positions, (pages * page_size + positions % page_size).reshape(-1)
+
+
 def flash_attn_with_kvcache_inplace(*, q, k_cache, v_cache, cache_seqlens, k, v, rotary_cos,
                                     rotary_sin, rotary_interleaved, cache_batch_idx, cache_leftpad,
                                     block_table, k_cache_scale, v_cache_scale, softmax_scale,
@@ -254,12 +262,10 @@ def flash_attn_with_kvcache_inplace(*, q, k_cache, v_cache, cache_seqlens, k, v,
     with torch.no_grad():
         if k is not None:
             S_new = k.shape[1]
-            positions = cache_seqlens.to(torch.int64)[:, None] + torch.arange(S_new, device=q.device)
+            positions, slots = _append_slots(table, cache_seqlens, S_new, page_size)
             if rotary_cos is not None:
                 k = apply_rotary_triton(x=k, cos=rotary_cos, sin=rotary_sin, interleaved=rotary_interleaved,
                                         rotary_dim=rotary_dim, position_ids=positions)
-            pages = table.to(torch.int64).gather(1, positions // page_size)
-            slots = (pages * page_size + positions % page_size).reshape(-1)
             write_cache_triton(key=k.flatten(0, 1), value=v.flatten(0, 1), k_cache=k_cache, v_cache=v_cache,
                                slot_mapping=slots, k_cache_scale=k_cache_scale, v_cache_scale=v_cache_scale)
             seqlens = (cache_seqlens + S_new).to(torch.int32)
@@ -295,13 +301,11 @@ def _write_back_reference(q, k_cache, v_cache, k_cache_scale, v_cache_scale, kw)
     k, v, cache_seqlens = kw["k"], kw["v"], kw["cache_seqlens"]
     table = _cache_table(q, kw.get("block_table"), kw.get("cache_batch_idx"))
     page_size = k_cache.shape[1]
-    positions = cache_seqlens.to(torch.int64)[:, None] + torch.arange(k.shape[1], device=q.device)
+    positions, slots = _append_slots(table, cache_seqlens, k.shape[1], page_size)
     if kw.get("rotary_cos") is not None:
         k = apply_rotary_reference(x=k, cos=kw["rotary_cos"], sin=kw["rotary_sin"],
                                    interleaved=kw["rotary_interleaved"],
                                    rotary_dim=2 * kw["rotary_cos"].shape[1], position_ids=positions)
-    pages = table.to(torch.int64).gather(1, positions // page_size)
-    slots = (pages * page_size + positions % page_size).reshape(-1)
     write_cache_reference(key=k.flatten(0, 1), value=v.flatten(0, 1), k_cache=k_cache, v_cache=v_cache,
                           slot_mapping=slots, k_cache_scale=k_cache_scale, v_cache_scale=v_cache_scale)
 

@@ -54,7 +54,7 @@ def _caches(k_cache, v_cache, k_cache_scale, v_cache_scale) -> bool:
     for name, scale in (("k_cache_scale", k_cache_scale), ("v_cache_scale", v_cache_scale)):
         if quantized:
             if scale is None:
-                raise ValueError(f"{name}: a cache of {k_cache.dtype} codes needs its scales "
+                raise ValueError(f"{name}: a cache of {k_cache.dtype} codes needs its scales: expected "
                                  f"(num_blocks, page_size, Hkv) fp32, got None")
             _tensor(name, scale, dtypes=(torch.float32,), like=k_cache)
             _shape(name, scale, (blocks, page_size, H), "(num_blocks, page_size, Hkv), the cache's")
