@@ -142,9 +142,11 @@ def test_output_does_not_depend_on_the_allocated_capacity(device):
     big_v = torch.full_like(big_k, math.nan)
     big_k[:, :300], big_v[:, :300] = kc, vc
     for splits in (1, 3):
-        small = lanekit.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens, num_splits=splits, lane="triton")
-        big = lanekit.flash_attn_with_kvcache(q, big_k, big_v, cache_seqlens=seqlens, num_splits=splits,
-                                              lane="triton")
+        with poisoned_outputs():
+            small = lanekit.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens, num_splits=splits,
+                                                    lane="triton")
+            big = lanekit.flash_attn_with_kvcache(q, big_k, big_v, cache_seqlens=seqlens, num_splits=splits,
+                                                  lane="triton")
         assert torch.equal(small, big)
 
 
@@ -165,8 +167,9 @@ def test_keys_outside_the_window_and_unowned_pages_are_never_read(device):
         cache[1, 50 - 48:] = math.nan         # sequence 0's last page (3rd of its table is page 5: tokens 32..47)
         cache[3, :] = math.nan                 # sequence 0's tokens 0..15: before its window [29, 49]
         cache[2, :] = math.nan                 # sequence 1's tokens 0..15: before its window [43, 63]
-    poisoned = lanekit.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, block_table=table,
-                                               window_size=(20, 0), num_splits=2, lane="triton")
+    with poisoned_outputs():
+        poisoned = lanekit.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, block_table=table,
+                                                   window_size=(20, 0), num_splits=2, lane="triton")
     assert torch.isfinite(poisoned).all()
     assert torch.equal(clean, poisoned)
 
@@ -203,7 +206,8 @@ def test_append_writes_the_rotated_keys_and_values_in_place(device, lane):
     seqlens = torch.tensor([3, 10], dtype=torch.int32, device=device)
     angles = torch.rand(64, 16, generator=g) * 6
     cos, sin = angles.cos().to(device), angles.sin().to(device)
-    lanekit.flash_attn_with_kvcache(q, kc, vc, k, v, cos, sin, seqlens, causal=True, lane=lane)
+    with poisoned_outputs():
+        lanekit.flash_attn_with_kvcache(q, kc, vc, k, v, cos, sin, seqlens, causal=True, lane=lane)
     rotated = ref.flash_attn_with_kvcache  # the oracle's own write, for the expected cache
     _, _, want_k, want_v = rotated(upcast(q), upcast(torch.zeros_like(kc)), upcast(torch.zeros_like(vc)),
                                    k=upcast(k), v=upcast(v), rotary_cos=cos, rotary_sin=sin, cache_seqlens=seqlens,

@@ -71,6 +71,9 @@ def greedy_generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int
     Raises:
         ValueError: no prompts, an empty prompt, max_new_tokens < 1; and the errors of lanekit's
             attention and cache functions.
+
+    Semantics: transformers' greedy ``model.generate(..., do_sample=False)`` on each prompt alone
+    (:func:`eager_generate`, the oracle the tests and ``lanekit demo`` compare with).
     """
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError(f"prompts: expected at least one prompt, each of >= 1 token, got lengths "
