@@ -2,10 +2,12 @@
 # The GPU run, on the machine with the GPU (the device tool), from the repo root:
 #   bash scripts/gpu.sh [STEP ...]
 #   steps: info tests sanitizer check check-sanitized demo tune tune-bwd tune-layers profile bench
-#   bench-layers bench-decode tune-decode (default, in this order: info tests check demo bench bench-layers
+#   bench-layers bench-decode tune-decode ncu (default, in this order: info tests check demo bench bench-layers
 #   bench-decode sanitizer).
 #   check-sanitized is lanekit check under compute-sanitizer's memcheck: every kernel on every
 #   registered sample, checked for out-of-bounds accesses as well as against its oracle.
+#   ncu profiles one launch of each NCU_CASES entry, family:case:kernel-regex (a ~ in
+#   the case stands for a space), with Nsight Compute's throughput, memory and stall sections.
 # Uses the machine's own python3 (torch, triton, transformers preinstalled); lanekit from src/.
 # Each step's log goes to $OUT/<step>.log; a line per step with its exit code and last line.
 set -u
@@ -44,6 +46,12 @@ for s in "${steps[@]}"; do
     bench-layers) run_step bench-layers python3 -m benchmarks.run layers --json "$OUT/bench-layers.json" ;;
     bench-decode) run_step bench-decode python3 -m benchmarks.run decode prefill --json "$OUT/bench-decode.json" ;;
     tune-decode) run_step tune-decode python3 -m benchmarks.tune_decode ;;
+    ncu) run_step ncu bash -c 'for spec in ${NCU_CASES:-"layers:adaln:_norm_fwd"}; do
+           IFS=: read -r fam case kernel <<<"$spec"; echo "=== $fam $case ($kernel)"
+           ncu --clock-control none -k "regex:$kernel" --launch-skip 2 --launch-count 1 \
+             --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy \
+             --section LaunchStats --section WarpStateStats --section SchedulerStats \
+             python3 -m benchmarks.run_case "$fam" "${case//\~/ }"; done' ;;
     *) echo "unknown step $s"; exit 2 ;;
   esac
 done

@@ -58,9 +58,12 @@ def _flash_attn_fwd_inner(
         else:
             k_ptrs = k_base + start_n64 * stride_kn + offs_n_local[None, :] * stride_kn + offs_d[:, None] * stride_kd
             v_ptrs = v_base + start_n64 * stride_vn + offs_n_local[:, None] * stride_vn + offs_dv[None, :] * stride_vd
-        if MASKED:
-            k = tl.load(k_ptrs, mask=n_in[None, :] & (offs_d[:, None] < D), other=0.0)     # [BLOCK_D, BLOCK_N]
-            v = tl.load(v_ptrs, mask=n_in[:, None] & (offs_dv[None, :] < Dv), other=0.0)   # [BLOCK_N, BLOCK_DV]
+        if MASKED and EVEN_D:  # no mask along D: a mask constant along D keeps the loads 16 bytes wide
+            k = tl.load(k_ptrs, mask=n_in[None, :], other=0.0)                      # [BLOCK_D, BLOCK_N]
+            v = tl.load(v_ptrs, mask=n_in[:, None], other=0.0)                      # [BLOCK_N, BLOCK_DV]
+        elif MASKED:
+            k = tl.load(k_ptrs, mask=n_in[None, :] & (offs_d[:, None] < D), other=0.0)
+            v = tl.load(v_ptrs, mask=n_in[:, None] & (offs_dv[None, :] < Dv), other=0.0)
         elif EVEN_D:
             k = tl.load(k_ptrs)
             v = tl.load(v_ptrs)
@@ -171,7 +174,9 @@ def _flash_attn_fwd_kernel(
     HAS_MASK: tl.constexpr, HAS_DROPOUT: tl.constexpr, INPUT_PRECISION: tl.constexpr,
     INT64_TILES: tl.constexpr, IS_VARLEN: tl.constexpr, PAGED: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
+    # Query blocks last to first: under a causal mask (a right window) the last ones see the
+    # most keys, and starting the longest programs first keeps the grid's last wave short.
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
     h = tl.program_id(1).to(tl.int64)
     b = tl.program_id(2).to(tl.int64)
     hk = h // GROUP
@@ -528,8 +533,12 @@ def _flash_attn_bwd_dkdv_inner(
                    + offs_m_local[:, None] * stride_dom + offs_dv[None, :] * stride_dod)
         if MASKED:
             m_in = offs_m[:, None] < Sq
-            q = tl.load(q_ptrs, mask=m_in & d_in, other=0.0)                       # [BLOCK_M, BLOCK_D]
-            do = tl.load(do_ptrs, mask=m_in & dv_in, other=0.0)                    # [BLOCK_M, BLOCK_DV]
+            if EVEN_D:  # masked by row only: the loads stay 16 bytes wide
+                q = tl.load(q_ptrs, mask=m_in, other=0.0)                          # [BLOCK_M, BLOCK_D]
+                do = tl.load(do_ptrs, mask=m_in, other=0.0)                        # [BLOCK_M, BLOCK_DV]
+            else:
+                q = tl.load(q_ptrs, mask=m_in & d_in, other=0.0)
+                do = tl.load(do_ptrs, mask=m_in & dv_in, other=0.0)
             lse2 = tl.load(Lse2 + rows + offs_m, mask=offs_m < Sq, other=float("inf"))
             delta = tl.load(Delta + rows + offs_m, mask=offs_m < Sq, other=0.0)
         else:
@@ -709,8 +718,12 @@ def _flash_attn_bwd_dq_inner(
         v_ptrs = v_base + start_n64 * stride_vn + offs_n_local[:, None] * stride_vn + offs_dv[None, :] * stride_vd
         if MASKED:
             n_in = offs_n[:, None] < Sk
-            k = tl.load(k_ptrs, mask=n_in & d_in, other=0.0)                        # [BLOCK_N, BLOCK_D]
-            v = tl.load(v_ptrs, mask=n_in & dv_in, other=0.0)                       # [BLOCK_N, BLOCK_DV]
+            if EVEN_D:  # masked by row only: the loads stay 16 bytes wide
+                k = tl.load(k_ptrs, mask=n_in, other=0.0)                           # [BLOCK_N, BLOCK_D]
+                v = tl.load(v_ptrs, mask=n_in, other=0.0)                           # [BLOCK_N, BLOCK_DV]
+            else:
+                k = tl.load(k_ptrs, mask=n_in & d_in, other=0.0)
+                v = tl.load(v_ptrs, mask=n_in & dv_in, other=0.0)
         elif EVEN_D:
             k = tl.load(k_ptrs)
             v = tl.load(v_ptrs)
@@ -759,7 +772,9 @@ def _flash_attn_bwd_dq_kernel(
     INPUT_PRECISION: tl.constexpr, INT64_TILES: tl.constexpr, IS_VARLEN: tl.constexpr,
 ):
     # One program: query block pid_m of query head h in batch b, walking the key blocks it sees.
-    pid_m = tl.program_id(0)
+    # Query blocks last to first: under a causal mask (a right window) the last ones see the
+    # most keys, and starting the longest programs first keeps the grid's last wave short.
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
     h = tl.program_id(1).to(tl.int64)
     b = tl.program_id(2).to(tl.int64)
     hk = h // GROUP
@@ -995,7 +1010,7 @@ def _flash_attn_kvcache_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, HAS_LEFTPAD: tl.constexpr, QUANTIZED: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr, PAGES: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, PAGES: tl.constexpr, EVEN_D: tl.constexpr,
 ):
     # PAGES: how keys find their page. 0: the whole sequence is one page (a contiguous cache),
     # looked up once; 1: pages hold whole key blocks (page_size a multiple of BLOCK_N, no left
@@ -1076,10 +1091,14 @@ def _flash_attn_kvcache_kernel(
                                        stride_vp, stride_vn)
             ks_off, vs_off = _paged_rows(bt_row, offs_n + lp, n_in, page_size, stride_ksp, stride_ksn,
                                          stride_vsp, stride_vsn)
-        k = tl.load(k_base + k_off[None, :] + offs_d[:, None] * stride_kd,
-                    mask=n_in[None, :] & (offs_d[:, None] < D), other=0.0)          # [BLOCK_D, BLOCK_N]
-        v = tl.load(v_base + v_off[:, None] + offs_dv[None, :] * stride_vd,
-                    mask=n_in[:, None] & (offs_dv[None, :] < Dv), other=0.0)        # [BLOCK_N, BLOCK_DV]
+        k_ptrs = k_base + k_off[None, :] + offs_d[:, None] * stride_kd             # [BLOCK_D, BLOCK_N]
+        v_ptrs = v_base + v_off[:, None] + offs_dv[None, :] * stride_vd            # [BLOCK_N, BLOCK_DV]
+        if EVEN_D:  # masked by key only: a mask that varies along D would make every load 2 bytes
+            k = tl.load(k_ptrs, mask=n_in[None, :], other=0.0)
+            v = tl.load(v_ptrs, mask=n_in[:, None], other=0.0)
+        else:
+            k = tl.load(k_ptrs, mask=n_in[None, :] & (offs_d[:, None] < D), other=0.0)
+            v = tl.load(v_ptrs, mask=n_in[:, None] & (offs_dv[None, :] < Dv), other=0.0)
         if QUANTIZED:
             # codes (int8 or e4m3) are exact in q's 16-bit type; each key's scale multiplies its
             # column of scores, each value's scale its column of probabilities
@@ -1230,7 +1249,7 @@ def flash_attn_kvcache(
             HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0, HAS_SOFTCAP=softcap > 0,
             HAS_ALIBI=alibi_slopes is not None, HAS_LEFTPAD=leftpad is not None, QUANTIZED=quantized,
             INPUT_PRECISION="ieee" if q.dtype == torch.float32 else None, PAGES=pages,
-            **cfg.options(),
+            EVEN_D=(D == block_d and Dv == block_dv), **cfg.options(),
         )
         if num_splits > 1:
             _merge_splits_kernel[(Sq, Hq, B)](
