@@ -40,12 +40,15 @@ if triton_interpreted():
 def _norm_load_h(X, R, GATE, x_row, r_row, m_row, cols, mask, stride_xn, stride_rn, stride_gn,
                  HAS_RESIDUAL: tl.constexpr, HAS_GATE: tl.constexpr):
     """(h, x) in fp32 for the columns ``cols`` of one row: h = x, or residual + [gate *] x."""
-    x = tl.load(X + x_row + cols * stride_xn, mask=mask, other=0.0).to(tl.float32)
+    # x and the residual are read once (evict_first); a gate row serves many rows (evict_last)
+    x = tl.load(X + x_row + cols * stride_xn, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
     h = x
     if HAS_GATE:
-        h = h * tl.load(GATE + m_row + cols * stride_gn, mask=mask, other=0.0).to(tl.float32)
+        h = h * tl.load(GATE + m_row + cols * stride_gn, mask=mask, other=0.0,
+                        eviction_policy="evict_last").to(tl.float32)
     if HAS_RESIDUAL:
-        h = h + tl.load(R + r_row + cols * stride_rn, mask=mask, other=0.0).to(tl.float32)
+        h = h + tl.load(R + r_row + cols * stride_rn, mask=mask, other=0.0,
+                        eviction_policy="evict_first").to(tl.float32)
     return h, x
 
 
@@ -54,14 +57,17 @@ def _norm_affine(xhat, W, B, SCALE, SHIFT, scale_row, shift_row, cols, mask, off
                  stride_w, stride_b, stride_sn, stride_tn, HAS_WEIGHT: tl.constexpr,
                  HAS_BIAS: tl.constexpr, HAS_MOD: tl.constexpr):
     """xhat [* (offset + w)] [+ b] [* (1 + scale) + shift]."""
-    y = xhat
+    y = xhat  # the parameters serve every row: evict_last keeps them in L2 beside the stream of x
     if HAS_WEIGHT:
-        y = y * (offset + tl.load(W + cols * stride_w, mask=mask, other=0.0).to(tl.float32))
+        y = y * (offset + tl.load(W + cols * stride_w, mask=mask, other=0.0,
+                                  eviction_policy="evict_last").to(tl.float32))
     if HAS_BIAS:
-        y = y + tl.load(B + cols * stride_b, mask=mask, other=0.0).to(tl.float32)
+        y = y + tl.load(B + cols * stride_b, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
     if HAS_MOD:
-        scale = tl.load(SCALE + scale_row + cols * stride_sn, mask=mask, other=0.0).to(tl.float32)
-        shift = tl.load(SHIFT + shift_row + cols * stride_tn, mask=mask, other=0.0).to(tl.float32)
+        scale = tl.load(SCALE + scale_row + cols * stride_sn, mask=mask, other=0.0,
+                        eviction_policy="evict_last").to(tl.float32)
+        shift = tl.load(SHIFT + shift_row + cols * stride_tn, mask=mask, other=0.0,
+                        eviction_policy="evict_last").to(tl.float32)
         y = y * (1.0 + scale) + shift
     return y
 
@@ -816,8 +822,11 @@ def _glu_block(N, BLOCK_N: tl.constexpr):
 def _glu_fwd_kernel(G, U, Y, stride_gm, stride_gn, stride_um, stride_un, stride_ym, stride_yn,
                     N, ACT: tl.constexpr, BLOCK_N: tl.constexpr):
     row, cols, mask = _glu_block(N, BLOCK_N)
-    g = tl.load(G + row * stride_gm + cols * stride_gn, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(U + row * stride_um + cols * stride_un, mask=mask, other=0.0).to(tl.float32)
+    # every element is read once: evict_first keeps the stream from displacing other data in L2
+    g = tl.load(G + row * stride_gm + cols * stride_gn, mask=mask, other=0.0,
+                eviction_policy="evict_first").to(tl.float32)
+    u = tl.load(U + row * stride_um + cols * stride_un, mask=mask, other=0.0,
+                eviction_policy="evict_first").to(tl.float32)
     act, _ = _glu_act(g, ACT)
     tl.store(Y + row * stride_ym + cols * stride_yn, (act * u).to(Y.dtype.element_ty), mask=mask)
 
