@@ -58,12 +58,9 @@ def _flash_attn_fwd_inner(
         else:
             k_ptrs = k_base + start_n64 * stride_kn + offs_n_local[None, :] * stride_kn + offs_d[:, None] * stride_kd
             v_ptrs = v_base + start_n64 * stride_vn + offs_n_local[:, None] * stride_vn + offs_dv[None, :] * stride_vd
-        if MASKED and EVEN_D:  # no mask along D: a mask constant along D keeps the loads 16 bytes wide
-            k = tl.load(k_ptrs, mask=n_in[None, :], other=0.0)                      # [BLOCK_D, BLOCK_N]
-            v = tl.load(v_ptrs, mask=n_in[:, None], other=0.0)                      # [BLOCK_N, BLOCK_DV]
-        elif MASKED:
-            k = tl.load(k_ptrs, mask=n_in[None, :] & (offs_d[:, None] < D), other=0.0)
-            v = tl.load(v_ptrs, mask=n_in[:, None] & (offs_dv[None, :] < Dv), other=0.0)
+        if MASKED:
+            k = tl.load(k_ptrs, mask=n_in[None, :] & (offs_d[:, None] < D), other=0.0)     # [BLOCK_D, BLOCK_N]
+            v = tl.load(v_ptrs, mask=n_in[:, None] & (offs_dv[None, :] < Dv), other=0.0)   # [BLOCK_N, BLOCK_DV]
         elif EVEN_D:
             k = tl.load(k_ptrs)
             v = tl.load(v_ptrs)
@@ -174,6 +171,9 @@ def _flash_attn_fwd_kernel(
     HAS_MASK: tl.constexpr, HAS_DROPOUT: tl.constexpr, INPUT_PRECISION: tl.constexpr,
     INT64_TILES: tl.constexpr, IS_VARLEN: tl.constexpr, PAGED: tl.constexpr,
 ):
+    if EVEN_D:  # D fills its block: masks along D then compare with a constant (see _even_d)
+        D = BLOCK_D
+        Dv = BLOCK_DV
     # Query blocks last to first: under a causal mask (a right window) the last ones see the
     # most keys, and starting the longest programs first keeps the grid's last wave short.
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -533,12 +533,8 @@ def _flash_attn_bwd_dkdv_inner(
                    + offs_m_local[:, None] * stride_dom + offs_dv[None, :] * stride_dod)
         if MASKED:
             m_in = offs_m[:, None] < Sq
-            if EVEN_D:  # masked by row only: the loads stay 16 bytes wide
-                q = tl.load(q_ptrs, mask=m_in, other=0.0)                          # [BLOCK_M, BLOCK_D]
-                do = tl.load(do_ptrs, mask=m_in, other=0.0)                        # [BLOCK_M, BLOCK_DV]
-            else:
-                q = tl.load(q_ptrs, mask=m_in & d_in, other=0.0)
-                do = tl.load(do_ptrs, mask=m_in & dv_in, other=0.0)
+            q = tl.load(q_ptrs, mask=m_in & d_in, other=0.0)                       # [BLOCK_M, BLOCK_D]
+            do = tl.load(do_ptrs, mask=m_in & dv_in, other=0.0)                    # [BLOCK_M, BLOCK_DV]
             lse2 = tl.load(Lse2 + rows + offs_m, mask=offs_m < Sq, other=float("inf"))
             delta = tl.load(Delta + rows + offs_m, mask=offs_m < Sq, other=0.0)
         else:
@@ -608,6 +604,9 @@ def _flash_attn_bwd_dkdv_kernel(
     HAS_MASK: tl.constexpr, HAS_DROPOUT: tl.constexpr, HAS_DBIAS: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, INT64_TILES: tl.constexpr, IS_VARLEN: tl.constexpr,
 ):
+    if EVEN_D:  # D fills its block: masks along D then compare with a constant (see _even_d)
+        D = BLOCK_D
+        Dv = BLOCK_DV
     # One program: key block pid_n of KV head hk in batch b. Tiles are transposed, keys as rows
     # ([BLOCK_N, BLOCK_M]), so that P^T and dS^T feed the dot products without a transpose.
     pid_n = tl.program_id(0)
@@ -718,12 +717,8 @@ def _flash_attn_bwd_dq_inner(
         v_ptrs = v_base + start_n64 * stride_vn + offs_n_local[:, None] * stride_vn + offs_dv[None, :] * stride_vd
         if MASKED:
             n_in = offs_n[:, None] < Sk
-            if EVEN_D:  # masked by row only: the loads stay 16 bytes wide
-                k = tl.load(k_ptrs, mask=n_in, other=0.0)                           # [BLOCK_N, BLOCK_D]
-                v = tl.load(v_ptrs, mask=n_in, other=0.0)                           # [BLOCK_N, BLOCK_DV]
-            else:
-                k = tl.load(k_ptrs, mask=n_in & d_in, other=0.0)
-                v = tl.load(v_ptrs, mask=n_in & dv_in, other=0.0)
+            k = tl.load(k_ptrs, mask=n_in & d_in, other=0.0)                        # [BLOCK_N, BLOCK_D]
+            v = tl.load(v_ptrs, mask=n_in & dv_in, other=0.0)                       # [BLOCK_N, BLOCK_DV]
         elif EVEN_D:
             k = tl.load(k_ptrs)
             v = tl.load(v_ptrs)
@@ -771,6 +766,9 @@ def _flash_attn_bwd_dq_kernel(
     HAS_MASK: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, INT64_TILES: tl.constexpr, IS_VARLEN: tl.constexpr,
 ):
+    if EVEN_D:  # D fills its block: masks along D then compare with a constant (see _even_d)
+        D = BLOCK_D
+        Dv = BLOCK_DV
     # One program: query block pid_m of query head h in batch b, walking the key blocks it sees.
     # Query blocks last to first: under a causal mask (a right window) the last ones see the
     # most keys, and starting the longest programs first keeps the grid's last wave short.
@@ -1015,6 +1013,9 @@ def _flash_attn_kvcache_kernel(
     # PAGES: how keys find their page. 0: the whole sequence is one page (a contiguous cache),
     # looked up once; 1: pages hold whole key blocks (page_size a multiple of BLOCK_N, no left
     # padding), one lookup per block; 2: any page_size, one lookup per key.
+    if EVEN_D:  # D fills its block: masks along D then compare with a constant (see _even_d)
+        D = BLOCK_D
+        Dv = BLOCK_DV
     pid = tl.program_id(0)
     hk = tl.program_id(1).to(tl.int64)
     b = tl.program_id(2).to(tl.int64)
@@ -1091,14 +1092,10 @@ def _flash_attn_kvcache_kernel(
                                        stride_vp, stride_vn)
             ks_off, vs_off = _paged_rows(bt_row, offs_n + lp, n_in, page_size, stride_ksp, stride_ksn,
                                          stride_vsp, stride_vsn)
-        k_ptrs = k_base + k_off[None, :] + offs_d[:, None] * stride_kd             # [BLOCK_D, BLOCK_N]
-        v_ptrs = v_base + v_off[:, None] + offs_dv[None, :] * stride_vd            # [BLOCK_N, BLOCK_DV]
-        if EVEN_D:  # masked by key only: a mask that varies along D would make every load 2 bytes
-            k = tl.load(k_ptrs, mask=n_in[None, :], other=0.0)
-            v = tl.load(v_ptrs, mask=n_in[:, None], other=0.0)
-        else:
-            k = tl.load(k_ptrs, mask=n_in[None, :] & (offs_d[:, None] < D), other=0.0)
-            v = tl.load(v_ptrs, mask=n_in[:, None] & (offs_dv[None, :] < Dv), other=0.0)
+        k = tl.load(k_base + k_off[None, :] + offs_d[:, None] * stride_kd,
+                    mask=n_in[None, :] & (offs_d[:, None] < D), other=0.0)          # [BLOCK_D, BLOCK_N]
+        v = tl.load(v_base + v_off[:, None] + offs_dv[None, :] * stride_vd,
+                    mask=n_in[:, None] & (offs_dv[None, :] < Dv), other=0.0)        # [BLOCK_N, BLOCK_DV]
         if QUANTIZED:
             # codes (int8 or e4m3) are exact in q's 16-bit type; each key's scale multiplies its
             # column of scores, each value's scale its column of probabilities
