@@ -1,4 +1,4 @@
-"""Sweep the fused layers' tile tables on the GPU: `python -m benchmarks.tune_layers`.
+"""Sweep the fused layers' tile tables on the GPU: `python -m benchmarks.tune_layers [TABLE[:op] ...]`.
 
 For each table in lanekit.runtime.tuning that the layers read (NORM, ROTARY, GLU), every candidate
 replaces this GPU's row in turn and the bench shapes of benchmarks/layers.py are timed; prints GB/s
@@ -20,8 +20,9 @@ CANDIDATES = {
     "NORM": ([dict(max_block_n=b, num_warps=w) for b, w in itertools.product((4096, 8192), (4, 8, 16))],
              ["rms_norm", "rms_norm+residual", "layer_norm", "adaln+gated residual"]),
     # each op reads its own fields: apply_rotary block_rows and num_warps, the q-and-k kernels
-    # norm_block_rows or quant_block_rows and norm_num_warps
-    "ROTARY": ([dict(block_rows=r, num_warps=w, norm_block_rows=r, quant_block_rows=r, norm_num_warps=w)
+    # norm_block_rows and norm_num_warps, or quant_block_rows and quant_num_warps
+    "ROTARY": ([dict(block_rows=r, num_warps=w, norm_block_rows=r, quant_block_rows=r, norm_num_warps=w,
+                     quant_num_warps=w)
                 for r, w in itertools.product((8, 16, 32, 64, 128), (1, 2, 4, 8))],
                ["apply_rotary q", "rms_norm_rope q,k", "qk_norm_rope_quant e4m3"]),
     "GLU": ([dict(block_n=b, num_warps=w) for b, w in itertools.product((1024, 2048, 4096, 8192), (4, 8, 16))],
@@ -34,7 +35,11 @@ def main() -> int:
         print("needs a GPU", file=sys.stderr)
         return 2
     arch = tuning.arch_id(torch.device("cuda"))
+    wanted = sys.argv[1:]  # NORM, ROTARY:qk_norm_rope_quant e4m3, ... (default: every table and op)
     for table_name, (candidates, ops) in CANDIDATES.items():
+        if wanted and not any(w.split(":")[0] == table_name for w in wanted):
+            continue
+        ops = [op for op in ops if not wanted or table_name in wanted or f"{table_name}:{op}" in wanted]
         table = getattr(tuning, table_name)
         config_type = type(table["generic"] if table_name != "NORM" else table["generic"][4096])
         saved = dict(table)

@@ -40,12 +40,12 @@ for s in "${steps[@]}"; do
     demo) run_step demo python3 -m lanekit demo --model-dir .gpu/minilm ;;
     tune) run_step tune python3 -m benchmarks.tune_attention ;;
     profile) run_step profile python3 -m benchmarks.profile_attention --dims ${DIMS:-64 128} ;;
-    tune-layers) run_step tune-layers python3 -m benchmarks.tune_layers ;;
+    tune-layers) IFS=, read -ra tables <<<"${TUNE_TABLES:-}"; run_step tune-layers python3 -m benchmarks.tune_layers "${tables[@]}" ;;
     tune-bwd) run_step tune-bwd python3 -m benchmarks.tune_attention --backward --dims ${DIMS:-64 128} ;;
     bench) run_step bench python3 -m benchmarks.run attention attention_train --json "$OUT/bench.json" ;;
     bench-layers) run_step bench-layers python3 -m benchmarks.run layers --json "$OUT/bench-layers.json" ;;
     bench-decode) run_step bench-decode python3 -m benchmarks.run decode prefill --json "$OUT/bench-decode.json" ;;
-    tune-decode) run_step tune-decode python3 -m benchmarks.tune_decode ;;
+    tune-decode) run_step tune-decode python3 -m benchmarks.tune_decode ${TUNE_ARGS:-} ;;
     ncu) run_step ncu bash -c 'for spec in ${NCU_CASES:-"layers:adaln:_norm_fwd"}; do
            IFS=: read -r fam case kernel <<<"$spec"; echo "=== $fam $case ($kernel)"
            ncu --clock-control none -k "regex:$kernel" --launch-skip 2 --launch-count 1 \

@@ -15,7 +15,8 @@ NEW_TOKENS = 64
 
 @pytest.fixture(scope="module")
 def model():
-    return tiny_llama()
+    # on the GPU when there is one: the Triton lane runs natively there (interpreted on a CPU)
+    return tiny_llama(device="cuda" if torch.cuda.is_available() else "cpu")
 
 
 @pytest.fixture(scope="module")

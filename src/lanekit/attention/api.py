@@ -493,12 +493,15 @@ def _index_vector(name: str, t, B: int, device) -> None:
 
 def num_splits_heuristic(batch_programs: int, max_seqlen_k: int | None, device: torch.device,
                          block_n: int = 64) -> int:
-    """How many programs split each row's keys: enough for about four programs per SM, while each
+    """How many programs split each row's keys: enough for about two programs per SM, while each
     keeps at least four key blocks of the longest sequence (``max_seqlen_k``, the used length, not
     the cache's capacity; None inside a CUDA graph capture, where it cannot be read: occupancy
-    alone decides, and the programs past a sequence's end exit at once)."""
+    alone decides, and the programs past a sequence's end exit at once). On the H200 with the sm90
+    tile (128 keys a step, about one resident program per SM), 1 and 2 programs per SM read a 32k
+    cache at the same speed and 3 (the former four-per-SM count) no faster
+    (``benchmarks.tune_decode``)."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-    splits = -(-4 * sms // max(batch_programs, 1))
+    splits = -(-2 * sms // max(batch_programs, 1))
     if max_seqlen_k is not None:
         splits = min(splits, max(1, -(-max_seqlen_k // block_n) // 4))
     return max(1, min(splits, MAX_SPLITS))

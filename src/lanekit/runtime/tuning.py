@@ -104,9 +104,15 @@ FLASH_ATTN_KVCACHE: dict[str, dict[int, TileConfig]] = {
         128: TileConfig(64, 64, 4, 2),
         256: TileConfig(32, 32, 4, 1),
     },
-    # CDNA 3 (`benchmarks.tune_targets --target gfx942 --sweep attn_kvcache`): 64 keys a step
+    # sm90: `python -m benchmarks.tune_decode --quick` on the H200 (2026-12-01, B=32, 32 query and 8 KV
+# heads of 128, bf16, 32k keys, copy at 4248 GB/s): 128 keys a step, 8 warps, 3 stages read a
+# contiguous cache at 4518 GB/s with 1 or 2 splits (64 keys: 4497 at best), pages of 256 at
+# 4458 / 4433; pages of 16 (a page lookup per key) at 3989 with 2 splits, where 64 keys, 4 warps
+# and 2 stages led (4201). Before the K/V loads were 16 bytes wide no tile passed 2531.
+# CDNA 3 (`benchmarks.tune_targets --target gfx942 --sweep attn_kvcache`): 64 keys a step
     # spilled, and at D=128 with 2 stages needed 68 KiB of LDS; 32 keys fit. The samples exercise
     # D=64 and D=128 only.
+    "sm90": {128: TileConfig(64, 128, 8, 3)},
     "gfx942": {64: TileConfig(128, 32, 4, 2), 128: TileConfig(128, 32, 4, 2)},
     # RDNA (the same sweep, gfx1201): 32 keys a step at D=64; at D=128 every candidate spills (its
     # fp32 sample), 16 keys with 8 warps least (targets.SPILL_ALLOWANCES).
@@ -322,7 +328,8 @@ class RotaryConfig:
     norm_block_rows: int = 16   # the same for RMSNorm + RoPE of q and k (without quantization)
     bwd_block_s: int = 16       # tokens per program of rms_norm_rope's backward (loops over heads)
     quant_block_rows: int = 32  # the same for RMSNorm + RoPE + quantization of q and k
-    norm_num_warps: int = 4     # warps of those two (q and k in one launch)
+    norm_num_warps: int = 4     # warps of RMSNorm + RoPE of q and k (one launch)
+    quant_num_warps: int = 4    # warps of RMSNorm + RoPE + quantization of q and k
 
 
 # sm90: `python -m benchmarks.tune_layers` on the H200 (CUDA-graph timing, Llama-3-8B shapes):
@@ -338,8 +345,12 @@ class RotaryConfig:
 # Timed on the H200 (2026-12-01): RMSNorm + RoPE at 32 rows 3466 GB/s (82% of copy; two launches:
 # 3310); the quantized form at 64 rows 2139 GB/s (50%; two launches at 32 rows: 2548): its 153
 # registers cost more than the instructions saved. 32 rows for it (25.7 per element) is not yet timed.
+# Swept on the H200 (`benchmarks.tune_layers ROTARY:...`, 2026-12-01): the quantized form at 8 rows
+# and 1 warp 2644 GB/s (62% of copy), 16 rows and 2 warps 2574, 32 rows and 4 warps 2267: small
+# programs, many of them resident (88 registers capped the 4-warp programs at 31% occupancy).
 ROTARY: dict[str, RotaryConfig] = {
     "generic": RotaryConfig(32, 4, norm_block_rows=32, quant_block_rows=32, norm_num_warps=4),
+    "sm90": RotaryConfig(32, 4, norm_block_rows=32, quant_block_rows=8, norm_num_warps=4, quant_num_warps=1),
     "gfx1201": RotaryConfig(32, 4, norm_block_rows=16, bwd_block_s=8, quant_block_rows=32, norm_num_warps=4),
 }
 ROTARY["gfx1151"] = ROTARY["gfx1201"]
@@ -352,8 +363,9 @@ class EltwiseConfig:
 
 
 # sm90: the same sweep, SwiGLU at 8k x 14336: 8192 features and 16 warps 4248 GB/s, against 4152 to
-# 4191 for 1024 to 4096 features with 4 to 16 warps.
-GLU: dict[str, EltwiseConfig] = {"generic": EltwiseConfig(1024, 4), "sm90": EltwiseConfig(8192, 16)}
+# 4191 for 1024 to 4096 features with 4 to 16 warps. Again on 2026-12-01 (`tune_layers GLU`): 4096
+# and 16 warps 4366, 2048 and 8 warps 4357 (4356 fused), 8192 and 16 warps 4336: all within 1%.
+GLU: dict[str, EltwiseConfig] = {"generic": EltwiseConfig(1024, 4), "sm90": EltwiseConfig(4096, 16)}
 
 # Under the interpreter every program runs in Python: fewer, larger programs are faster.
 INTERPRETER_NORM_BWD_PROGRAMS = 4
