@@ -52,6 +52,8 @@ def main() -> int:
         torch.cuda.empty_cache()
     if saved is None:
         tuning.FLASH_ATTN_KVCACHE.pop(arch, None)
+    else:
+        tuning.FLASH_ATTN_KVCACHE[arch] = saved
     return 0
 
 

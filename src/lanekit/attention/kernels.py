@@ -1208,7 +1208,8 @@ def flash_attn_kvcache(
         return out, lse
     _check_grid(B, Hkv, "KV heads")
     block_d, block_dv = _block(D), _block(Dv)
-    cfg = _tile(tuning.FLASH_ATTN_KVCACHE, q.device, max(block_d, block_dv))
+    cfg = _tile(tuning.FLASH_ATTN_KVCACHE_FP32 if q.dtype == torch.float32 else tuning.FLASH_ATTN_KVCACHE,
+                q.device, max(block_d, block_dv))
     # Rows are (query, head) pairs: decode (Sq * group <= 16) takes the smallest tile tl.dot allows.
     block_m = min(cfg.block_m, max(16, triton.next_power_of_2(Sq * group)))
     m_blocks = triton.cdiv(Sq * group, block_m)

@@ -347,9 +347,7 @@ def _amdgcn_resources(amdgcn: str) -> tuple[int, int, int]:
 
 
 def _cubin_resources(cubin: bytes) -> tuple[int, int]:
-    """(registers, bytes per thread spilled) from ``cuobjdump -res-usage``, bundled with Triton.
-    ptxas puts a spill in the thread's stack frame (STACK), not in LOCAL, which counts local arrays:
-    both are scratch memory, so both count."""
+    """(registers, local-memory bytes per thread) from ``cuobjdump -res-usage``, bundled with Triton."""
     import triton
 
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
@@ -358,5 +356,5 @@ def _cubin_resources(cubin: bytes) -> tuple[int, int]:
         f.flush()
         out = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
     regs = re.search(r"REG:(\d+)", out)
-    scratch = sum(int(m) for m in re.findall(r"(?:LOCAL|STACK):(\d+)", out))
-    return int(regs.group(1)) if regs else 0, scratch
+    local = re.search(r"LOCAL:(\d+)", out)
+    return int(regs.group(1)) if regs else 0, int(local.group(1)) if local else 0

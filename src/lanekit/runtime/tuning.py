@@ -119,6 +119,10 @@ FLASH_ATTN_KVCACHE: dict[str, dict[int, TileConfig]] = {
     "gfx1201": {64: TileConfig(128, 32, 4, 2), 128: TileConfig(128, 16, 8, 1)},
 }
 FLASH_ATTN_KVCACHE["gfx1151"] = FLASH_ATTN_KVCACHE["gfx1201"]
+# fp32 caches: the 16-bit rows but sm90's, whose 128 fp32 keys of D=128 over 3 stages need 272 KB of
+# shared memory (over the H200's 227 KB); the generic row there.
+FLASH_ATTN_KVCACHE_FP32: dict[str, dict[int, TileConfig]] = {
+    arch: rows for arch, rows in FLASH_ATTN_KVCACHE.items() if arch != "sm90"}
 
 # fp32 inputs: twice the bytes per tile, and fp32 is chosen for accuracy rather than speed, so
 # small tiles on every architecture. Sized with the compiler's report of shared memory for sm90
