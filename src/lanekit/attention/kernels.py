@@ -1208,8 +1208,19 @@ def flash_attn_kvcache(
         return out, lse
     _check_grid(B, Hkv, "KV heads")
     block_d, block_dv = _block(D), _block(Dv)
-    cfg = _tile(tuning.FLASH_ATTN_KVCACHE_FP32 if q.dtype == torch.float32 else tuning.FLASH_ATTN_KVCACHE,
-                q.device, max(block_d, block_dv))
+    fp32 = q.dtype == torch.float32
+    cfg = _tile(tuning.FLASH_ATTN_KVCACHE_FP32 if fp32 else tuning.FLASH_ATTN_KVCACHE, q.device,
+                max(block_d, block_dv))
+    if block_table.shape[1] == 1:
+        pages = 0   # one page per sequence: a contiguous cache (or a single page)
+    elif k_cache.shape[1] % cfg.block_n == 0 and leftpad is None:
+        pages = 1
+    else:
+        pages = 2
+    if pages == 2 and not fp32:  # a page lookup per key has a row of its own
+        cfg = _tile(tuning.FLASH_ATTN_KVCACHE_PER_KEY_PAGES, q.device, max(block_d, block_dv))
+        if k_cache.shape[1] % cfg.block_n == 0 and leftpad is None:
+            pages = 1   # its key blocks hold whole pages after all
     # Rows are (query, head) pairs: decode (Sq * group <= 16) takes the smallest tile tl.dot allows.
     block_m = min(cfg.block_m, max(16, triton.next_power_of_2(Sq * group)))
     m_blocks = triton.cdiv(Sq * group, block_m)
@@ -1224,12 +1235,6 @@ def flash_attn_kvcache(
         o_strides, l_strides = (0, *out.stride()), (0, *lse.stride())
     quantized = k_cache_scale is not None
     scale_strides = (*k_cache_scale.stride(), *v_cache_scale.stride()) if quantized else (0,) * 6
-    if block_table.shape[1] == 1:
-        pages = 0   # one page per sequence: a contiguous cache (or a single page)
-    elif k_cache.shape[1] % cfg.block_n == 0 and leftpad is None:
-        pages = 1
-    else:
-        pages = 2
     with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
         _flash_attn_kvcache_kernel[(m_blocks * num_splits, Hkv, B)](
             q, k_cache, v_cache,

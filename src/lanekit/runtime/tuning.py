@@ -119,6 +119,11 @@ FLASH_ATTN_KVCACHE: dict[str, dict[int, TileConfig]] = {
     "gfx1201": {64: TileConfig(128, 32, 4, 2), 128: TileConfig(128, 16, 8, 1)},
 }
 FLASH_ATTN_KVCACHE["gfx1151"] = FLASH_ATTN_KVCACHE["gfx1201"]
+# Pages smaller than a key block (a page lookup per key): the same rows but sm90's, where
+# `benchmarks.tune_decode --quick` (2026-12-01, pages of 16, 32k keys) led with 64 keys a step, 4
+# warps and 2 stages at 4201 GB/s (2 splits), against 3989 for the 128-key row above.
+FLASH_ATTN_KVCACHE_PER_KEY_PAGES: dict[str, dict[int, TileConfig]] = {
+    **FLASH_ATTN_KVCACHE, "sm90": {128: TileConfig(64, 64, 4, 2)}}
 # fp32 caches: the 16-bit rows but sm90's, whose 128 fp32 keys of D=128 over 3 stages need 272 KB of
 # shared memory (over the H200's 227 KB); the generic row there.
 FLASH_ATTN_KVCACHE_FP32: dict[str, dict[int, TileConfig]] = {
