@@ -1,8 +1,9 @@
 """Sweep the decode kernel's tile and split count on the GPU: `python -m benchmarks.tune_decode [--quick]`.
 
-For each bench case of benchmarks/decode.py, every (block_n, warps, stages) replaces this GPU's row
-of FLASH_ATTN_KVCACHE and every split count is timed (CUDA graphs); prints GB/s best first. Copy
-the winners into tuning.py (and the heuristic) by hand, with the figures as comment.
+For each bench case of benchmarks/decode.py, every (block_n, warps, stages) replaces this GPU's rows
+of FLASH_ATTN_KVCACHE and FLASH_ATTN_KVCACHE_PER_KEY_PAGES and every split count is timed (CUDA
+graphs); prints GB/s best first. Copy the winners into tuning.py (and the heuristic) by hand, with
+the figures as comment.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ def main() -> int:
         print("needs a GPU", file=sys.stderr)
         return 2
     arch = tuning.arch_id(torch.device("cuda"))
-    saved = tuning.FLASH_ATTN_KVCACHE.get(arch)
+    tables = (tuning.FLASH_ATTN_KVCACHE, tuning.FLASH_ATTN_KVCACHE_PER_KEY_PAGES)
+    saved = [t.get(arch) for t in tables]
     quick = "--quick" in sys.argv[1:]
     tiles, splits_swept = (QUICK_TILES, QUICK_SPLITS) if quick else (TILES, SPLITS)
     for case in decode.cases():
@@ -38,7 +40,8 @@ def main() -> int:
         q, k, v, kc, vc, seqlens, table = decode.make_inputs(case)
         results = []
         for tile, splits in itertools.product(tiles, splits_swept):
-            tuning.FLASH_ATTN_KVCACHE[arch] = {key: tile for key in tuning.FLASH_ATTN_KVCACHE["generic"]}
+            for t in tables:  # the candidate for every layout, per-key pages included
+                t[arch] = {key: tile for key in tuning.FLASH_ATTN_KVCACHE["generic"]}
             try:
                 ms = bench_graph(lambda: lanekit.flash_attn_with_kvcache(
                     q, kc, vc, cache_seqlens=seqlens, block_table=table, num_splits=splits))
@@ -50,10 +53,11 @@ def main() -> int:
             print(f"  {gbps:7.0f} GB/s  block_n={tile.block_n} warps={tile.num_warps} stages={tile.num_stages} splits={splits}")
         del q, k, v, kc, vc
         torch.cuda.empty_cache()
-    if saved is None:
-        tuning.FLASH_ATTN_KVCACHE.pop(arch, None)
-    else:
-        tuning.FLASH_ATTN_KVCACHE[arch] = saved
+    for t, rows in zip(tables, saved):
+        if rows is None:
+            t.pop(arch, None)
+        else:
+            t[arch] = rows
     return 0
 
 

@@ -149,7 +149,10 @@ def _tanh(x):
 
 
 # Lengths, window sizes and the RNG state change from call to call: not specializing them keeps one
-# compiled kernel per set of flags and tile sizes.
+# compiled kernel per set of flags and tile sizes. So a mask along D (a runtime int) is not known to
+# be constant in runs of 8, and every masked load along D would be 2 bytes wide, without cp.async:
+# where D fills its block (EVEN_D), each kernel replaces D and Dv with the block sizes, constants,
+# and its loads and stores along D stay 16 bytes wide.
 @triton.jit(do_not_specialize=["Hq", "GROUP", "Sq", "Sk", "D", "Dv", "window_left", "window_right",
                                "dropout_p", "seed", "rng_offset", "stride_lb", "stride_lh", "rng_stride",
                                "page_size"])
@@ -171,7 +174,7 @@ def _flash_attn_fwd_kernel(
     HAS_MASK: tl.constexpr, HAS_DROPOUT: tl.constexpr, INPUT_PRECISION: tl.constexpr,
     INT64_TILES: tl.constexpr, IS_VARLEN: tl.constexpr, PAGED: tl.constexpr,
 ):
-    if EVEN_D:  # D fills its block: masks along D then compare with a constant (see _even_d)
+    if EVEN_D:  # D fills its block: see EVEN_D above _flash_attn_fwd_kernel
         D = BLOCK_D
         Dv = BLOCK_DV
     # Query blocks last to first: under a causal mask (a right window) the last ones see the
@@ -604,7 +607,7 @@ def _flash_attn_bwd_dkdv_kernel(
     HAS_MASK: tl.constexpr, HAS_DROPOUT: tl.constexpr, HAS_DBIAS: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, INT64_TILES: tl.constexpr, IS_VARLEN: tl.constexpr,
 ):
-    if EVEN_D:  # D fills its block: masks along D then compare with a constant (see _even_d)
+    if EVEN_D:  # D fills its block: see EVEN_D above _flash_attn_fwd_kernel
         D = BLOCK_D
         Dv = BLOCK_DV
     # One program: key block pid_n of KV head hk in batch b. Tiles are transposed, keys as rows
@@ -766,7 +769,7 @@ def _flash_attn_bwd_dq_kernel(
     HAS_MASK: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, INT64_TILES: tl.constexpr, IS_VARLEN: tl.constexpr,
 ):
-    if EVEN_D:  # D fills its block: masks along D then compare with a constant (see _even_d)
+    if EVEN_D:  # D fills its block: see EVEN_D above _flash_attn_fwd_kernel
         D = BLOCK_D
         Dv = BLOCK_DV
     # One program: query block pid_m of query head h in batch b, walking the key blocks it sees.
@@ -1013,7 +1016,7 @@ def _flash_attn_kvcache_kernel(
     # PAGES: how keys find their page. 0: the whole sequence is one page (a contiguous cache),
     # looked up once; 1: pages hold whole key blocks (page_size a multiple of BLOCK_N, no left
     # padding), one lookup per block; 2: any page_size, one lookup per key.
-    if EVEN_D:  # D fills its block: masks along D then compare with a constant (see _even_d)
+    if EVEN_D:  # D fills its block: see EVEN_D above _flash_attn_fwd_kernel
         D = BLOCK_D
         Dv = BLOCK_DV
     pid = tl.program_id(0)
@@ -1208,19 +1211,23 @@ def flash_attn_kvcache(
         return out, lse
     _check_grid(B, Hkv, "KV heads")
     block_d, block_dv = _block(D), _block(Dv)
-    fp32 = q.dtype == torch.float32
-    cfg = _tile(tuning.FLASH_ATTN_KVCACHE_FP32 if fp32 else tuning.FLASH_ATTN_KVCACHE, q.device,
-                max(block_d, block_dv))
-    if block_table.shape[1] == 1:
-        pages = 0   # one page per sequence: a contiguous cache (or a single page)
-    elif k_cache.shape[1] % cfg.block_n == 0 and leftpad is None:
-        pages = 1
-    else:
-        pages = 2
-    if pages == 2 and not fp32:  # a page lookup per key has a row of its own
-        cfg = _tile(tuning.FLASH_ATTN_KVCACHE_PER_KEY_PAGES, q.device, max(block_d, block_dv))
-        if k_cache.shape[1] % cfg.block_n == 0 and leftpad is None:
-            pages = 1   # its key blocks hold whole pages after all
+    fp32, bucket = q.dtype == torch.float32, max(block_d, block_dv)
+
+    def tile(per_key_pages):
+        if triton_interpreted():
+            return tuning.INTERPRETER
+        return tuning.kvcache_config(q.device, bucket, fp32=fp32, per_key_pages=per_key_pages)
+
+    def pages_for(block_n):  # how keys find their page: see _flash_attn_kvcache_kernel's PAGES
+        if block_table.shape[1] == 1:
+            return 0   # one page per sequence: a contiguous cache (or a single page)
+        return 1 if k_cache.shape[1] % block_n == 0 and leftpad is None else 2
+
+    cfg = tile(False)
+    pages = pages_for(cfg.block_n)
+    if pages == 2:  # a page lookup per key may have a row of its own
+        cfg = tile(True)
+        pages = pages_for(cfg.block_n)
     # Rows are (query, head) pairs: decode (Sq * group <= 16) takes the smallest tile tl.dot allows.
     block_m = min(cfg.block_m, max(16, triton.next_power_of_2(Sq * group)))
     m_blocks = triton.cdiv(Sq * group, block_m)

@@ -104,30 +104,30 @@ FLASH_ATTN_KVCACHE: dict[str, dict[int, TileConfig]] = {
         128: TileConfig(64, 64, 4, 2),
         256: TileConfig(32, 32, 4, 1),
     },
-    # sm90: `python -m benchmarks.tune_decode --quick` on the H200 (2026-12-01, B=32, 32 query and 8 KV
-# heads of 128, bf16, 32k keys, copy at 4248 GB/s): 128 keys a step, 8 warps, 3 stages read a
-# contiguous cache at 4518 GB/s with 1 or 2 splits (64 keys: 4497 at best), pages of 256 at
-# 4458 / 4433; pages of 16 (a page lookup per key) at 3989 with 2 splits, where 64 keys, 4 warps
-# and 2 stages led (4201). Before the K/V loads were 16 bytes wide no tile passed 2531.
-# CDNA 3 (`benchmarks.tune_targets --target gfx942 --sweep attn_kvcache`): 64 keys a step
+    # sm90: `python -m benchmarks.tune_decode --quick` on the H200 (2026-12-01, B=32, 32 query and
+    # 8 KV heads of 128, bf16, 32k keys, copy at 4248 GB/s): 128 keys a step, 8 warps, 3 stages read
+    # a contiguous cache at 4518 GB/s with 1 or 2 splits (64 keys: 4497 at best), pages of 256 at
+    # 4458 / 4433. Before the K/V loads were 16 bytes wide no tile passed 2531.
+    "sm90": {128: TileConfig(64, 128, 8, 3)},
+    # CDNA 3 (`benchmarks.tune_targets --target gfx942 --sweep attn_kvcache`): 64 keys a step
     # spilled, and at D=128 with 2 stages needed 68 KiB of LDS; 32 keys fit. The samples exercise
     # D=64 and D=128 only.
-    "sm90": {128: TileConfig(64, 128, 8, 3)},
     "gfx942": {64: TileConfig(128, 32, 4, 2), 128: TileConfig(128, 32, 4, 2)},
     # RDNA (the same sweep, gfx1201): 32 keys a step at D=64; at D=128 every candidate spills (its
     # fp32 sample), 16 keys with 8 warps least (targets.SPILL_ALLOWANCES).
     "gfx1201": {64: TileConfig(128, 32, 4, 2), 128: TileConfig(128, 16, 8, 1)},
 }
 FLASH_ATTN_KVCACHE["gfx1151"] = FLASH_ATTN_KVCACHE["gfx1201"]
-# Pages smaller than a key block (a page lookup per key): the same rows but sm90's, where
-# `benchmarks.tune_decode --quick` (2026-12-01, pages of 16, 32k keys) led with 64 keys a step, 4
-# warps and 2 stages at 4201 GB/s (2 splits), against 3989 for the 128-key row above.
+# Rows that replace FLASH_ATTN_KVCACHE's for 16-bit caches whose pages are smaller than a key block
+# (a page lookup per key). sm90: the same sweep with pages of 16 led with 64 keys a step, 4 warps
+# and 2 stages at 4201 GB/s (2 splits), against 3989 for the 128-key row.
 FLASH_ATTN_KVCACHE_PER_KEY_PAGES: dict[str, dict[int, TileConfig]] = {
-    **FLASH_ATTN_KVCACHE, "sm90": {128: TileConfig(64, 64, 4, 2)}}
-# fp32 caches: the 16-bit rows but sm90's, whose 128 fp32 keys of D=128 over 3 stages need 272 KB of
-# shared memory (over the H200's 227 KB); the generic row there.
-FLASH_ATTN_KVCACHE_FP32: dict[str, dict[int, TileConfig]] = {
-    arch: rows for arch, rows in FLASH_ATTN_KVCACHE.items() if arch != "sm90"}
+    "sm90": {128: TileConfig(64, 64, 4, 2)},
+}
+# Architectures whose FLASH_ATTN_KVCACHE rows do not fit an fp32 cache, which takes the generic rows
+# there. sm90: 128 fp32 keys of D=128 over 3 stages need 272 KB of shared memory (the H200 has 227).
+FLASH_ATTN_KVCACHE_FP32_GENERIC = ("sm90",)
+
 
 # fp32 inputs: twice the bytes per tile, and fp32 is chosen for accuracy rather than speed, so
 # small tiles on every architecture. Sized with the compiler's report of shared memory for sm90
@@ -294,6 +294,19 @@ def lookup(table: dict[str, dict[int, TileConfig]], device: torch.device, bucket
     """The config for ``bucket`` on ``device``'s architecture, else the generic one."""
     rows = table.get(arch_id(device), table["generic"])
     return rows.get(bucket, table["generic"][bucket])
+
+
+def kvcache_config(device: torch.device, bucket: int, *, fp32: bool, per_key_pages: bool) -> TileConfig:
+    """The flash_attn_with_kvcache tile for this device and head-dim bucket: FLASH_ATTN_KVCACHE's
+    row, but the generic one for fp32 where that row does not fit, and a per-key-page row where the
+    architecture has one. Read at each call, so that a sweep replacing a row is seen."""
+    arch = arch_id(device)
+    if fp32:
+        if arch in FLASH_ATTN_KVCACHE_FP32_GENERIC:
+            return FLASH_ATTN_KVCACHE["generic"][bucket]
+    elif per_key_pages and bucket in FLASH_ATTN_KVCACHE_PER_KEY_PAGES.get(arch, {}):
+        return FLASH_ATTN_KVCACHE_PER_KEY_PAGES[arch][bucket]
+    return lookup(FLASH_ATTN_KVCACHE, device, bucket)
 
 
 # ---- fused layers (lanekit.layers) ----
