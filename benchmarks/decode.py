@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import lanekit
-from lanekit.attention.api import num_splits_heuristic
+from lanekit.attention.api import kvcache_num_splits
 from lanekit.reference import attention as ref
 from lanekit.testing import compare, upcast
 
@@ -62,21 +62,20 @@ def make_inputs(c, device="cuda"):
     return [q, k, v, kc, vc, seqlens, table]
 
 
-def _splits(c) -> int:
-    group = HQ // HKV
-    return num_splits_heuristic(B * HKV * -(-group // 64), c["sk"], torch.device("cuda"))
+def _splits(c, q, kc, vc, table) -> int:
+    return kvcache_num_splits(q, kc, vc, table, max_seqlen_k=c["sk"])
 
 
 def check(c, q, k, v, kc, vc, seqlens, table) -> str | None:
     """Two sequences against the float64 oracle."""
-    out = lanekit.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens, block_table=table, num_splits=_splits(c))
+    out = lanekit.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens, block_table=table, num_splits=_splits(c, q, kc, vc, table))
     expected, _ = ref.flash_attn(upcast(q[:2]), upcast(k[:2]), upcast(v[:2]), softmax_scale=D ** -0.5)
     result = compare(out[:2], expected, "attention_fwd")
     return None if result.ok else result.detail
 
 
 def runners(c, q, k, v, kc, vc, seqlens, table):
-    splits = _splits(c)
+    splits = _splits(c, q, kc, vc, table)
     qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
 
     def sdpa(backend):

@@ -1,4 +1,4 @@
-"""Sweep the decode kernel's tile and split count on the GPU: `python -m benchmarks.tune_decode [--quick]`.
+"""Sweep the decode kernel's tile and split count on the GPU: `python -m benchmarks.tune_decode [--quick] [--tiles=BN/W/S,...] [--splits=S,...] [CASE ...]`.
 
 For each bench case of benchmarks/decode.py, every (block_n, warps, stages) replaces this GPU's rows
 of FLASH_ATTN_KVCACHE and FLASH_ATTN_KVCACHE_PER_KEY_PAGES and every split count is timed (CUDA
@@ -18,8 +18,12 @@ from benchmarks import decode
 from benchmarks.run import bench_graph
 from lanekit.runtime import tuning
 
-TILES = [tuning.TileConfig(64, bn, w, s) for bn, w, s in itertools.product((32, 64, 128), (4, 8), (2, 3, 4))]
-SPLITS = (1, 2, 4, 8, 16)
+# (block_n, warps, stages): the rows that led earlier sweeps, with room around them; 16 and 32 keys
+# a step make pages of 16 whole blocks (one lookup per block, not per key)
+TILES = [tuning.TileConfig(64, bn, w, s) for bn, w, s in (
+    (128, 8, 2), (128, 8, 3), (128, 4, 2), (64, 4, 2), (64, 4, 3), (64, 4, 4), (64, 8, 3),
+    (32, 4, 3), (32, 4, 4), (32, 2, 4), (16, 2, 4), (16, 2, 6), (16, 4, 4), (16, 1, 6))]
+SPLITS = (1, 2, 3, 4)
 # --quick: the 32k cases (issue 4's bar), the tiles and splits that led the last full sweep's
 QUICK_TILES = [tuning.TileConfig(64, bn, w, s) for bn, w, s in itertools.product((64, 128), (4, 8), (2, 3, 4))]
 QUICK_SPLITS = (1, 2, 3, 4)
@@ -34,8 +38,15 @@ def main() -> int:
     saved = [t.get(arch) for t in tables]
     quick = "--quick" in sys.argv[1:]
     tiles, splits_swept = (QUICK_TILES, QUICK_SPLITS) if quick else (TILES, SPLITS)
+    args = sys.argv[1:]
+    only = [a for a in args if not a.startswith("--")]  # case names, e.g. "decode Sk=4k paged 16"
+    for a in args:  # --tiles=BN/WARPS/STAGES,... and --splits=S,...: a sweep of one's own
+        if a.startswith("--tiles="):
+            tiles = [tuning.TileConfig(64, *map(int, t.split("/"))) for t in a[8:].split(",")]
+        elif a.startswith("--splits="):
+            splits_swept = tuple(map(int, a[9:].split(",")))
     for case in decode.cases():
-        if (case["layout"] == "paged 256" and not quick) or (quick and case["sk"] < 32768):
+        if (quick and case["sk"] < 32768) or (only and decode.name(case) not in only):
             continue
         q, k, v, kc, vc, seqlens, table = decode.make_inputs(case)
         results = []
@@ -48,7 +59,7 @@ def main() -> int:
                 results.append((decode.bytes_moved(case) / ms / 1e6, tile, splits))
             except Exception as exc:  # a tile that does not compile or fit
                 print(f"{tile} splits={splits}: {type(exc).__name__}")
-        print(f"== {decode.name(case)} (heuristic picks {decode._splits(case)} splits)")
+        print(f"== {decode.name(case)} (heuristic picks {decode._splits(case, q, kc, vc, table)} splits)")
         for gbps, tile, splits in sorted(results, key=lambda r: -r[0])[:8]:
             print(f"  {gbps:7.0f} GB/s  block_n={tile.block_n} warps={tile.num_warps} stages={tile.num_stages} splits={splits}")
         del q, k, v, kc, vc

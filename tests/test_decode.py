@@ -150,6 +150,21 @@ def test_output_does_not_depend_on_the_allocated_capacity(device):
         assert torch.equal(small, big)
 
 
+def test_split_count_follows_the_used_length_and_the_batch_not_the_capacity(device):
+    from lanekit.attention.api import kvcache_num_splits
+
+    def cache(B, n):  # shapes only: the split count reads no values
+        return torch.zeros(1, 1, 1, 128, dtype=torch.bfloat16, device=device).expand(B, n, 1, 128)
+
+    one = torch.zeros(1, 1, 2, 128, dtype=torch.bfloat16, device=device)
+    used = kvcache_num_splits(one, cache(1, 4096), cache(1, 4096), max_seqlen_k=4096)
+    assert used > 1                                     # one program per row: split to fill the SMs
+    assert kvcache_num_splits(one, cache(1, 65536), cache(1, 65536), max_seqlen_k=4096) == used
+    assert kvcache_num_splits(one, cache(1, 65536), cache(1, 65536), max_seqlen_k=64) == 1  # too short
+    many = torch.zeros(512, 1, 2, 128, dtype=torch.bfloat16, device=device)
+    assert kvcache_num_splits(many, cache(512, 4096), cache(512, 4096), max_seqlen_k=4096) == 1
+
+
 def test_keys_outside_the_window_and_unowned_pages_are_never_read(device):
     # The kernel's property (the oracle reads whole caches): the Triton lane, interpreted on a CPU.
     g = gen(2)

@@ -8,6 +8,7 @@ import torch
 
 from lanekit.attention import op as _lanes
 from lanekit.kv_cache.api import _CODE_DTYPES, _caches as _kv_caches
+from lanekit.runtime import tuning
 from lanekit.runtime.lanes import select_lane
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -492,19 +493,36 @@ def _index_vector(name: str, t, B: int, device) -> None:
 
 
 def num_splits_heuristic(batch_programs: int, max_seqlen_k: int | None, device: torch.device,
-                         block_n: int = 64) -> int:
-    """How many programs split each row's keys: enough for about two programs per SM, while each
-    keeps at least four key blocks of the longest sequence (``max_seqlen_k``, the used length, not
-    the cache's capacity; None inside a CUDA graph capture, where it cannot be read: occupancy
-    alone decides, and the programs past a sequence's end exit at once). On the H200 with the sm90
-    tile (128 keys a step, about one resident program per SM), 1 and 2 programs per SM read a 32k
-    cache at the same speed and 3 (the former four-per-SM count) no faster
-    (``benchmarks.tune_decode``)."""
+                         block_n: int = 64, programs_per_sm: int = 1) -> int:
+    """How many programs split each row's keys: enough for one wave of the programs the SMs hold
+    at once (``programs_per_sm`` each), while each keeps at least four key blocks of the longest
+    sequence (``max_seqlen_k``, the used length, not the cache's capacity; None inside a CUDA
+    graph capture, where it cannot be read: occupancy alone decides, and the programs past a
+    sequence's end exit at once). On the H200 (``benchmarks.tune_decode``, B=32, 8 KV heads, D=128,
+    4k keys): the 128-key tile (one program per SM) at 4298 GB/s unsplit against at most 4163 in
+    two (the two per SM this heuristic aimed at before); the 16-key tile of pages of 16 (four per
+    SM) at 4134 in three and 4154 in two."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-    splits = -(-2 * sms // max(batch_programs, 1))
+    splits = -(-sms * max(programs_per_sm, 1) // max(batch_programs, 1))
     if max_seqlen_k is not None:
         splits = min(splits, max(1, -(-max_seqlen_k // block_n) // 4))
     return max(1, min(splits, MAX_SPLITS))
+
+
+def kvcache_num_splits(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       block_table: torch.Tensor | None = None, cache_leftpad: torch.Tensor | None = None,
+                       max_seqlen_k: int | None = None) -> int:
+    """The split count ``flash_attn_with_kvcache(..., num_splits=0)`` picks for these tensors:
+    :func:`num_splits_heuristic` with the decode tile this device takes for the cache's layout."""
+    B, Sq, Hq, D = q.shape
+    page_size, Hkv, Dv = k_cache.shape[1], k_cache.shape[2], v_cache.shape[3]
+    pad = lambda d: max(16, 1 << (d - 1).bit_length())  # noqa: E731  (the kernel's block of a head dim)
+    cfg, _ = tuning.kvcache_tile(q.device, max(pad(D), pad(Dv)), fp32=q.dtype == torch.float32,
+                                 page_size=page_size, one_page=block_table is None or block_table.shape[1] == 1,
+                                 leftpad=cache_leftpad is not None)
+    resident = tuning.resident_programs(q.device, cfg, cfg.block_n * (pad(D) + pad(Dv)) * k_cache.element_size())
+    m_blocks = -(-Sq * (Hq // Hkv) // 64)
+    return num_splits_heuristic(B * Hkv * max(m_blocks, 1), max_seqlen_k, q.device, cfg.block_n, resident)
 
 
 def flash_attn_with_kvcache(
@@ -667,9 +685,7 @@ def flash_attn_with_kvcache(
             cache_seqlens, cache_leftpad, cache_batch_idx, block_table, S_new, capacity, n_rows, S_cache,
             Sq, rotary_cos.shape[0] if rotary_cos is not None else None, left >= 0 or right >= 0)
     if num_splits == 0:
-        group = Hq // Hkv
-        m_blocks = -(-Sq * group // 64)
-        num_splits = num_splits_heuristic(B * Hkv * max(m_blocks, 1), max_used, q.device)
+        num_splits = kvcache_num_splits(q, k_cache, v_cache, block_table, cache_leftpad, max_used)
 
     chosen = select_lane(q.device, lane)
     if q.dtype == torch.float64 and chosen != "reference":

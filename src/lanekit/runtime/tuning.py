@@ -107,7 +107,9 @@ FLASH_ATTN_KVCACHE: dict[str, dict[int, TileConfig]] = {
     # sm90: `python -m benchmarks.tune_decode --quick` on the H200 (2026-12-01, B=32, 32 query and
     # 8 KV heads of 128, bf16, 32k keys, copy at 4248 GB/s): 128 keys a step, 8 warps, 3 stages read
     # a contiguous cache at 4518 GB/s with 1 or 2 splits (64 keys: 4497 at best), pages of 256 at
-    # 4458 / 4433. Before the K/V loads were 16 bytes wide no tile passed 2531.
+    # 4458 / 4433. Before the K/V loads were 16 bytes wide no tile passed 2531. At 4k keys
+    # (2026-12-02) it reads 4298 GB/s unsplit, 64 keys with 4 warps and 3 stages 4390 (two programs
+    # per SM, but 4564 against 4606 at 32k): kept.
     "sm90": {128: TileConfig(64, 128, 8, 3)},
     # CDNA 3 (`benchmarks.tune_targets --target gfx942 --sweep attn_kvcache`): 64 keys a step
     # spilled, and at D=128 with 2 stages needed 68 KiB of LDS; 32 keys fit. The samples exercise
@@ -119,10 +121,12 @@ FLASH_ATTN_KVCACHE: dict[str, dict[int, TileConfig]] = {
 }
 FLASH_ATTN_KVCACHE["gfx1151"] = FLASH_ATTN_KVCACHE["gfx1201"]
 # Rows that replace FLASH_ATTN_KVCACHE's for 16-bit caches whose pages are smaller than a key block
-# (a page lookup per key). sm90: the same sweep with pages of 16 led with 64 keys a step, 4 warps
-# and 2 stages at 4201 GB/s (2 splits), against 3989 for the 128-key row.
+# (a page lookup per key). sm90: 16 keys a step, 2 warps, 6 stages, so that pages of 16 or more
+# hold whole blocks (one lookup per block), about four programs per SM: tune_decode, pages of 16,
+# 4496 GB/s at 32k (3 splits) and 4134 at 4k, against 4467 and 4128 for 64 keys, 4 warps and 2
+# stages with a lookup per key (its page shifted out, not divided: 3582 and 3315 before).
 FLASH_ATTN_KVCACHE_PER_KEY_PAGES: dict[str, dict[int, TileConfig]] = {
-    "sm90": {128: TileConfig(64, 64, 4, 2)},
+    "sm90": {128: TileConfig(64, 16, 2, 6)},
 }
 # Architectures whose FLASH_ATTN_KVCACHE rows do not fit an fp32 cache, which takes the generic rows
 # there. sm90: 128 fp32 keys of D=128 over 3 stages need 272 KB of shared memory (the H200 has 227).
@@ -307,6 +311,42 @@ def kvcache_config(device: torch.device, bucket: int, *, fp32: bool, per_key_pag
     elif per_key_pages and bucket in FLASH_ATTN_KVCACHE_PER_KEY_PAGES.get(arch, {}):
         return FLASH_ATTN_KVCACHE_PER_KEY_PAGES[arch][bucket]
     return lookup(FLASH_ATTN_KVCACHE, device, bucket)
+
+
+def kvcache_tile(device: torch.device, bucket: int, *, fp32: bool, page_size: int, one_page: bool,
+                 leftpad: bool, interpreted: bool = False) -> tuple[TileConfig, int]:
+    """(tile, page layout) of the decode kernel for a cache of pages of ``page_size`` tokens
+    (``one_page``: a block table one page wide, as a contiguous cache is passed). The layout is the
+    kernel's PAGES: 0 one page per sequence, 1 pages holding whole key blocks (no left padding), 2
+    a page lookup per key, which may take a row of its own (kvcache_config). ``interpreted``: the
+    Triton interpreter's tile."""
+    def layout(block_n):
+        if one_page:
+            return 0
+        return 1 if page_size % block_n == 0 and not leftpad else 2
+
+    if interpreted:
+        return INTERPRETER, layout(INTERPRETER.block_n)
+    cfg = kvcache_config(device, bucket, fp32=fp32, per_key_pages=False)
+    pages = layout(cfg.block_n)
+    if pages == 2:
+        cfg = kvcache_config(device, bucket, fp32=fp32, per_key_pages=True)
+        pages = layout(cfg.block_n)
+    return cfg, pages
+
+
+def resident_programs(device: torch.device, cfg: TileConfig, stage_bytes: int) -> int:
+    """How many programs of ``cfg`` one SM (CU) holds at once, by shared memory (``stage_bytes``
+    per pipeline stage; one stage short of num_stages on NVIDIA, where the last buffer is the
+    registers, is not counted on) and by threads: an estimate for sizing a grid, not a promise."""
+    if device.type != "cuda":
+        return 1
+    props = torch.cuda.get_device_properties(device)
+    smem = getattr(props, "shared_memory_per_multiprocessor", 0) or 64 * 1024
+    threads = getattr(props, "max_threads_per_multi_processor", 0) or 2048
+    by_smem = smem // max(cfg.num_stages * stage_bytes + 1024, 1)   # ~1 KB a program for the runtime
+    by_threads = threads // (cfg.num_warps * getattr(props, "warp_size", 32))
+    return max(1, min(by_smem, by_threads, 32))
 
 
 # ---- fused layers (lanekit.layers) ----
