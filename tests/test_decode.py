@@ -150,19 +150,41 @@ def test_output_does_not_depend_on_the_allocated_capacity(device):
         assert torch.equal(small, big)
 
 
-def test_split_count_follows_the_used_length_and_the_batch_not_the_capacity(device):
-    from lanekit.attention.api import kvcache_num_splits
+def test_split_count_follows_the_used_length_and_the_batch_not_the_capacity(device, monkeypatch):
+    from lanekit.attention import api
 
-    def cache(B, n):  # shapes only: the split count reads no values
-        return torch.zeros(1, 1, 1, 128, dtype=torch.bfloat16, device=device).expand(B, n, 1, 128)
+    seen = []
+    heuristic = api.num_splits_heuristic
+    monkeypatch.setattr(api, "num_splits_heuristic", lambda *a, **kw: seen.append(a) or heuristic(*a, **kw))
+    picks = {}
+    for capacity in (300, 1000):   # same used length (300 + 1 appended), two allocated capacities
+        q, kc, vc, seqlens = decode_inputs(device, B=1, Sk=300, Hq=2, Hkv=1, D=64, capacity=capacity)
+        new = torch.zeros(1, 1, 1, 64, dtype=q.dtype, device=device)
+        seqlens = torch.full_like(seqlens, 299)
+        lanekit.flash_attn_with_kvcache(q, kc, vc, new, new, cache_seqlens=seqlens, lane="triton")
+        picks[capacity] = seen[-1]
+    assert picks[300] == picks[1000]
+    assert picks[300][1] == 300                         # the used length, the appended key included
+    one = api.kvcache_num_splits(q, kc, vc, max_seqlen_k=4096)
+    assert one > 1                                      # one program per row: split to fill the SMs
+    many = torch.zeros(512, 1, 2, 64, dtype=torch.bfloat16, device=device)
+    wide = torch.zeros(1, 1, 1, 64, dtype=torch.bfloat16, device=device).expand(512, 300, 1, 64)
+    assert api.kvcache_num_splits(many, wide, wide, max_seqlen_k=300) == 1    # the batch fills them
+    assert api.kvcache_num_splits(q, kc, vc, max_seqlen_k=16) == 1             # too short to split
 
-    one = torch.zeros(1, 1, 2, 128, dtype=torch.bfloat16, device=device)
-    used = kvcache_num_splits(one, cache(1, 4096), cache(1, 4096), max_seqlen_k=4096)
-    assert used > 1                                     # one program per row: split to fill the SMs
-    assert kvcache_num_splits(one, cache(1, 65536), cache(1, 65536), max_seqlen_k=4096) == used
-    assert kvcache_num_splits(one, cache(1, 65536), cache(1, 65536), max_seqlen_k=64) == 1  # too short
-    many = torch.zeros(512, 1, 2, 128, dtype=torch.bfloat16, device=device)
-    assert kvcache_num_splits(many, cache(512, 4096), cache(512, 4096), max_seqlen_k=4096) == 1
+
+@pytest.mark.parametrize("quant", [None, torch.int8])
+def test_power_of_two_pages_with_left_padding_match_the_oracle(device, quant):
+    # pages of 4 take the per-key lookup (a shift, not a division) on every tile; left padding
+    # keeps pages from holding whole blocks
+    from lanekit import check
+    from lanekit.ops import kvcache_case
+    from lanekit.runtime.lanes import get_op
+
+    sample = kvcache_case("page 4 leftpad", device, page_size=4, leftpad=(3, 9), seqlens=(7, 30),
+                          capacity=40, quant=quant, num_splits=2)
+    result = check.check_sample(get_op("flash_attn_with_kvcache"), "triton", sample)
+    assert result.ok, result.detail
 
 
 def test_keys_outside_the_window_and_unowned_pages_are_never_read(device):

@@ -9,7 +9,7 @@ import torch
 from lanekit.attention import op as _lanes
 from lanekit.kv_cache.api import _CODE_DTYPES, _caches as _kv_caches
 from lanekit.runtime import tuning
-from lanekit.runtime.lanes import select_lane
+from lanekit.runtime.lanes import select_lane, triton_interpreted
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
@@ -519,9 +519,10 @@ def kvcache_num_splits(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     pad = lambda d: max(16, 1 << (d - 1).bit_length())  # noqa: E731  (the kernel's block of a head dim)
     cfg, _ = tuning.kvcache_tile(q.device, max(pad(D), pad(Dv)), fp32=q.dtype == torch.float32,
                                  page_size=page_size, one_page=block_table is None or block_table.shape[1] == 1,
-                                 leftpad=cache_leftpad is not None)
+                                 leftpad=cache_leftpad is not None, interpreted=triton_interpreted())
     resident = tuning.resident_programs(q.device, cfg, cfg.block_n * (pad(D) + pad(Dv)) * k_cache.element_size())
-    m_blocks = -(-Sq * (Hq // Hkv) // 64)
+    rows = Sq * (Hq // Hkv)   # (query, head) rows, in the launcher's blocks of them
+    m_blocks = -(-rows // min(cfg.block_m, max(16, 1 << max(rows - 1, 0).bit_length())))
     return num_splits_heuristic(B * Hkv * max(m_blocks, 1), max_seqlen_k, q.device, cfg.block_n, resident)
 
 

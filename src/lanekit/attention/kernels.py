@@ -1255,7 +1255,7 @@ def flash_attn_kvcache(
             HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0, HAS_SOFTCAP=softcap > 0,
             HAS_ALIBI=alibi_slopes is not None, HAS_LEFTPAD=leftpad is not None, QUANTIZED=quantized,
             INPUT_PRECISION="ieee" if q.dtype == torch.float32 else None, PAGES=pages,
-            EVEN_D=(D == block_d and Dv == block_dv), POW2_PAGE=page_size & (page_size - 1) == 0,
+            EVEN_D=(D == block_d and Dv == block_dv), POW2_PAGE=pages == 2 and page_size & (page_size - 1) == 0,
             **cfg.options(),
         )
         if num_splits > 1:
