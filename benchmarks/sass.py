@@ -3,7 +3,7 @@
     python -m benchmarks.sass [case ...] [--dump DIR]
 
 Runs a case of benchmarks.layers through its real launcher on CPU tensors of the benchmark's
-shapes; every kernel launch is caught before it runs, compiled by Triton for sm90 with the
+shapes, with sm90's tuning rows; every kernel launch is caught before it runs, compiled by Triton for sm90 with the
 specialization the launch would get on the GPU (dtypes, strides of 1, 16-byte alignment), and
 disassembled with the cuobjdump Triton bundles. Prints, per launch: the grid, registers per thread,
 the static SASS instruction count, that count per element each thread handles (the kernels here are
@@ -28,6 +28,7 @@ from triton.compiler import ASTSource, compile as triton_compile, make_backend
 from triton.runtime import jit as triton_jit
 
 from benchmarks import layers as bench
+from lanekit.runtime import tuning
 
 TARGET = GPUTarget("cuda", 90, 32)
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
@@ -154,7 +155,7 @@ def _triton_lane_on_cpu():
 def report(case: dict, dump: str | None = None) -> list[dict]:
     _triton_lane_on_cpu()
     inputs = bench.make_inputs(case, device="cpu")
-    with _Capture() as cap:
+    with tuning.compiling_for("sm90"), _Capture() as cap:   # sm90's tuning rows, as on the H200
         bench._lanekit(case)(*inputs)
     rows = []
     for i, (name, grid, bound, kernel) in enumerate(cap.launches):
