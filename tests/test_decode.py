@@ -258,7 +258,7 @@ def test_append_writes_the_rotated_keys_and_values_in_place(device, lane):
 @pytest.mark.parametrize("case", [
     "cache_seqlens past capacity", "leftpad past seqlens", "page out of range", "table too short",
     "repeated batch_idx with append", "rotary too short", "num_splits too big", "k without v",
-    "codes without scales", "int64 seqlens",
+    "codes without scales", "int64 seqlens", "v_cache is k_cache with append", "expanded cache with append",
 ])
 def test_kvcache_bad_input_raises_and_writes_nothing(device, case):
     g = gen(5)
@@ -289,11 +289,62 @@ def test_kvcache_bad_input_raises_and_writes_nothing(device, case):
         kc, vc = kc.to(torch.int8), vc.to(torch.int8)
     elif case == "int64 seqlens":
         kw["cache_seqlens"] = kw["cache_seqlens"].long()
+    elif case == "v_cache is k_cache with append":   # the new values would land on the new keys
+        vc = kc
+    elif case == "expanded cache with append":       # one row of memory behind every sequence
+        kc = kc[:1].expand(2, 16, 2, 32)
     before = (kc.clone(), vc.clone())
     with pytest.raises((ValueError, TypeError)) as info:
         lanekit.flash_attn_with_kvcache(q, kc, vc, **kw)
     assert ":" in str(info.value) and "expected" in str(info.value)
     assert torch.equal(kc, before[0]) and torch.equal(vc, before[1])
+
+
+def test_strided_index_tensors_are_read_as_their_values(device):
+    # a view such as t[::2] holds its values at a stride: the kernels must not read the gaps
+    g = gen(6)
+    q = randn(2, 1, 4, 32, dtype=torch.bfloat16, device=device, generator=g)
+    kc = randn(8, 16, 2, 32, dtype=torch.bfloat16, device=device, generator=g)
+    vc = randn(8, 16, 2, 32, dtype=torch.bfloat16, device=device, generator=g)
+
+    def spaced(values, filler):   # the values at even positions of a vector twice as long
+        t = torch.full((len(values), 2), filler, dtype=torch.int32, device=device)
+        t[:, 0] = torch.tensor(values, dtype=torch.int32)
+        return t.flatten()[::2]
+
+    table = torch.tensor([[0, 1, 2], [3, 4, 5]], dtype=torch.int32, device=device)
+    spaced_table = torch.full((2, 6), 99, dtype=torch.int32, device=device)
+    spaced_table[:, ::2] = table
+    plain = dict(cache_seqlens=torch.tensor([20, 37], dtype=torch.int32, device=device), block_table=table,
+                 cache_leftpad=torch.tensor([3, 5], dtype=torch.int32, device=device))
+    strided = dict(cache_seqlens=spaced([20, 37], 0), block_table=spaced_table[:, ::2],
+                   cache_leftpad=spaced([3, 5], 1000))
+    assert not strided["block_table"].is_contiguous() and not strided["cache_seqlens"].is_contiguous()
+    want = lanekit.flash_attn_with_kvcache(q, kc, vc, **plain, num_splits=2, lane="triton")
+    got = lanekit.flash_attn_with_kvcache(q, kc, vc, **strided, num_splits=2, lane="triton")
+    assert torch.equal(got, want)
+
+    qp = randn(10, 4, 32, dtype=torch.bfloat16, device=device, generator=g)
+    kp = randn(10, 2, 32, dtype=torch.bfloat16, device=device, generator=g)
+    cu_q = torch.tensor([0, 3, 10], dtype=torch.int32, device=device)
+    want = lanekit.flash_attn_varlen_func(qp, kp, kp, cu_q, cu_q, 7, 7, causal=True, lane="triton")
+    got = lanekit.flash_attn_varlen_func(qp, kp, kp, spaced([0, 3, 10], 99), spaced([0, 3, 10], 99), 7, 7,
+                                         causal=True, lane="triton")
+    assert torch.equal(got, want)
+
+
+def test_reference_lane_takes_an_empty_batch_and_float64(device):
+    g = gen(7)
+    q = randn(2, 1, 4, 32, dtype=torch.float64, device=device, generator=g)
+    kc = randn(2, 16, 2, 32, dtype=torch.float64, device=device, generator=g)
+    seqlens = torch.tensor([5, 16], dtype=torch.int32, device=device)
+    out = lanekit.flash_attn_with_kvcache(q, kc, kc, cache_seqlens=seqlens, lane="reference")
+    want, _ = ref.flash_attn(q[1:], kc[1:], kc[1:], softmax_scale=32 ** -0.5)
+    assert out.dtype == torch.float64 and torch.allclose(out[1:], want)
+    no_pages = torch.zeros(0, 1, dtype=torch.int32, device=device)   # a paged cache, no sequence
+    empty = lanekit.flash_attn_with_kvcache(q[:0], kc, kc, cache_seqlens=seqlens[:0], block_table=no_pages,
+                                            lane="reference")
+    assert empty.shape == (0, 1, 4, 32)
 
 
 @pytest.mark.parametrize("case", ["cu_seqlens not ending at total", "decreasing", "longer than max_seqlen",

@@ -184,6 +184,16 @@ def _sequences(device, *, page_size, lengths, H=2, D=32, kv_dtype=None, seed=3):
     return cache, key, value
 
 
+def test_a_strided_cache_seqlens_is_read_as_its_values(device):
+    cache, key, value = _sequences(device, page_size=4, lengths=[9, 3])
+    table = cache.block_table([0, 1])
+    lengths = torch.tensor([9, 3], dtype=torch.int32, device=device)
+    spaced = torch.tensor([9, 1000, 3, 1000], dtype=torch.int32, device=device)[::2]   # gaps not read
+    want = KV.gather_cache(cache.k_cache, cache.v_cache, table, lengths, lane="triton")
+    got = KV.gather_cache(cache.k_cache, cache.v_cache, table, spaced, lane="triton")
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
 @pytest.mark.parametrize("page_size", [1, 2, 3, 5, 7, 16, 100, 256])
 def test_any_page_size_gives_back_what_was_written(device, page_size):
     lengths = [2 * page_size + 1, 0, 3]
@@ -444,6 +454,8 @@ def test_bad_paged_kv_cache_calls_name_the_argument_and_change_nothing(device):
         cache.append([1, 2], [3])
     with pytest.raises(ValueError, match="^seq_ids: "):
         cache.append([1, 1], [1, 1])
+    with pytest.raises(TypeError, match="^num_tokens: "):
+        cache.append(1, 2.0)
     with pytest.raises(ValueError, match="^n: "):
         cache.trim(0, 4)
     with pytest.raises(ValueError, match="^seq_id: "):

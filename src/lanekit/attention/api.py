@@ -10,6 +10,7 @@ from lanekit.attention import op as _lanes
 from lanekit.kv_cache.api import _CODE_DTYPES, _caches as _kv_caches
 from lanekit.runtime import tuning
 from lanekit.runtime.lanes import select_lane, triton_interpreted
+from lanekit.runtime.validate import check_writable
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
@@ -457,8 +458,9 @@ def flash_attn_varlen_func(
         raise TypeError(f"q: expected dtype in {[str(d) for d in _DTYPES]} on the {chosen} lane, got "
                         "torch.float64 (float64 runs on the reference lane only: lane='reference')")
     out, lse = getattr(_lanes, f"flash_attn_varlen_{chosen}")(
-        q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, block_table=block_table,
+        q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q.contiguous(), cu_seqlens_k=cu_seqlens_k.contiguous(),
+        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+        block_table=block_table.contiguous() if block_table is not None else None,
         softmax_scale=softmax_scale, window_size=(left, right), softcap=float(softcap),
         alibi_slopes=alibi_slopes, dropout_p=float(dropout_p), seed=dropout_seed, offset=dropout_offset,
     )
@@ -599,7 +601,9 @@ def flash_attn_with_kvcache(
         TypeError: a non-tensor, an unsupported dtype, index tensors not int32.
         ValueError: wrong shapes; cache_seqlens, cache_leftpad or a new token past the cache's
             capacity (S_cache, or max_pages * page_size) or negative; leftpad past cache_seqlens;
-            a page that does not exist; repeated cache_batch_idx rows with an append; rotary
+            a page that does not exist; repeated cache_batch_idx rows with an append; with an
+            append, a cache (or scale) whose elements share memory (an expanded view) or that
+            overlaps q, k or v, and v_cache the same elements as k_cache; rotary
             positions past S_ro; scales missing or superfluous; num_splits outside 0..128; and
             the errors of :func:`flash_attn_func`. Index values are read back to check them (one
             device sync), except inside a CUDA graph capture, where they are trusted. Nothing is
@@ -615,7 +619,7 @@ def flash_attn_with_kvcache(
         raise ValueError(f"k_cache: expected the device of q ({q.device}), got {k_cache.device}")
     B, Sq, Hq, D = q.shape
     # the KV-cache ops' own checks: v_cache like k_cache, non-empty, the scales of a codes cache
-    quantized = _kv_caches(k_cache, v_cache, k_cache_scale, v_cache_scale)
+    quantized = _kv_caches(k_cache, v_cache, k_cache_scale, v_cache_scale, float64=q.dtype == torch.float64)
     n_rows, S_cache, Hkv = k_cache.shape[:3]
     Dv = v_cache.shape[3]
     if k_cache.shape[3] != D:
@@ -633,6 +637,14 @@ def flash_attn_with_kvcache(
             if tuple(t.shape) != (B, S_new, Hkv, d) or t.device != q.device:
                 raise ValueError(f"{name}: expected shape ({B}, S_new, {Hkv}, {d}) on {q.device} (q's batch, "
                                  f"the cache's heads and head dim), got {tuple(t.shape)} on {t.device}")
+        # the append writes the caches (and their scales) in place: each element once, into no input
+        for name, t in (("k_cache", k_cache), ("v_cache", v_cache), ("k_cache_scale", k_cache_scale),
+                        ("v_cache_scale", v_cache_scale)):
+            if t is not None:
+                check_writable(name, t, q, k, v)
+        if k_cache.numel() and (k_cache.data_ptr(), k_cache.stride()) == (v_cache.data_ptr(), v_cache.stride()):
+            raise ValueError("v_cache: expected memory of its own (the new values would overwrite the new "
+                             "keys), got the same elements as k_cache")
     if paged:
         _check_tensor("block_table", block_table, 2, (torch.int32,))
         if block_table.shape[0] != B or block_table.device != q.device:
@@ -692,6 +704,10 @@ def flash_attn_with_kvcache(
     if q.dtype == torch.float64 and chosen != "reference":
         raise TypeError(f"q: expected dtype in {[str(d) for d in _DTYPES]} on the {chosen} lane, got "
                         "torch.float64 (float64 runs on the reference lane only: lane='reference')")
+    # the kernels index these as packed vectors and rows: a strided view is read as its copy
+    cache_seqlens = cache_seqlens.contiguous()
+    cache_leftpad = cache_leftpad.contiguous() if cache_leftpad is not None else None
+    block_table = block_table.contiguous() if block_table is not None else None
     impl = _lanes.flash_attn_with_kvcache_inplace if chosen == "triton" else _lanes.flash_attn_with_kvcache_reference_inplace
     out, lse = impl(
         q=q, k_cache=k_cache, v_cache=v_cache, cache_seqlens=cache_seqlens, k=k, v=v,

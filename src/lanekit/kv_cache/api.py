@@ -39,9 +39,10 @@ def _int(name: str, value, low: int = 0) -> int:
     return value
 
 
-def _caches(k_cache, v_cache, k_cache_scale, v_cache_scale) -> bool:
-    """Check the caches (and a quantized cache's scales); returns whether they hold codes."""
-    _tensor("k_cache", k_cache, dtypes=_CACHE_DTYPES, ndim=4)
+def _caches(k_cache, v_cache, k_cache_scale, v_cache_scale, float64: bool = False) -> bool:
+    """Check the caches (and a quantized cache's scales); returns whether they hold codes.
+    ``float64``: float64 caches are accepted too (the reference lane's attention takes them)."""
+    _tensor("k_cache", k_cache, dtypes=_CACHE_DTYPES + ((torch.float64,) if float64 else ()), ndim=4)
     _tensor("v_cache", v_cache, dtypes=(k_cache.dtype,), ndim=4, like=k_cache)
     blocks, page_size, H, D = k_cache.shape
     if tuple(v_cache.shape[:3]) != (blocks, page_size, H):
@@ -223,7 +224,7 @@ def gather_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torc
         raise ValueError(f"max_seqlen: expected an int >= the longest sequence ({longest}), got {max_seqlen!r}")
     chosen = select_lane(k_cache.device, lane)
     return getattr(_lanes, f"gather_cache_{chosen}")(
-        k_cache=k_cache, v_cache=v_cache, block_table=block_table, cache_seqlens=cache_seqlens,
+        k_cache=k_cache, v_cache=v_cache, block_table=block_table, cache_seqlens=cache_seqlens.contiguous(),
         k_cache_scale=k_cache_scale, v_cache_scale=v_cache_scale, dtype=dtype, max_seqlen=max_seqlen)
 
 
@@ -462,7 +463,14 @@ class PagedKVCache:
                 changed then. ValueError: ids repeated, counts negative or of another length.
         """
         ids = self._ids(seq_ids, known=False)
-        counts = [num_tokens] if isinstance(num_tokens, int) else list(num_tokens)
+        if isinstance(num_tokens, int):
+            counts = [num_tokens]
+        else:
+            try:
+                counts = list(num_tokens)
+            except TypeError:
+                raise TypeError(f"num_tokens: expected an int or an iterable of ints, got "
+                                f"{type(num_tokens).__name__}") from None
         if len(counts) != len(ids):
             raise ValueError(f"num_tokens: expected one count per id ({len(ids)}), got {len(counts)}")
         for n in counts:

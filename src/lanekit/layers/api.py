@@ -198,6 +198,8 @@ def _rotary_common(name, x, cos, sin, rotary_dim, position_ids, seqlen_offsets, 
         seqlen_offsets = int(seqlen_offsets)
     if position_ids is not None and (isinstance(seqlen_offsets, torch.Tensor) or seqlen_offsets != 0):
         raise ValueError("seqlen_offsets: position_ids give every position already; pass one or the other")
+    if isinstance(seqlen_offsets, torch.Tensor):
+        seqlen_offsets = seqlen_offsets.contiguous()  # the kernels read it as a packed vector
     return rotary_dim, position_ids, seqlen_offsets
 
 
@@ -288,8 +290,8 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interlea
     chosen = _lane(x, lane)
     return getattr(_lanes, f"apply_rotary_{chosen}")(
         x=x, cos=cos, sin=sin, interleaved=interleaved, rotary_dim=rotary_dim,
-        position_ids=position_ids, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen or 0,
-        seqlen_offsets=seqlen_offsets, inplace=inplace)
+        position_ids=position_ids, cu_seqlens=cu_seqlens.contiguous() if cu_seqlens is not None else None,
+        max_seqlen=max_seqlen or 0, seqlen_offsets=seqlen_offsets, inplace=inplace)
 
 
 def _qk_common(q, k, q_weight, k_weight, cos, sin, eps, offset, interleaved, rotary_dim,

@@ -323,6 +323,10 @@ def flash_attn_with_kvcache(
                           alibi_slopes=alibi_slopes[b:b + 1] if alibi_slopes is not None else None)
         outs.append(o)
         lses.append(l)
+    if B == 0:   # an empty batch: empty results of the documented shapes
+        Dv = v_cache.shape[-1]
+        outs = [torch.empty((0, Sq, q.shape[2], Dv), dtype=dtype)]
+        lses = [torch.empty((0, q.shape[2], Sq), dtype=dtype)]
     out, lse = torch.cat(outs), torch.cat(lses)
     if quantized:
         k_cache = kvref.dequantize_kv(k_cache, k_cache_scale)
