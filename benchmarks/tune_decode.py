@@ -36,6 +36,14 @@ def main() -> int:
     arch = tuning.arch_id(torch.device("cuda"))
     tables = (tuning.FLASH_ATTN_KVCACHE, tuning.FLASH_ATTN_KVCACHE_PER_KEY_PAGES)
     saved = [t.get(arch) for t in tables]
+
+    def restore():  # this GPU's shipped rows back in both tables
+        for t, rows in zip(tables, saved):
+            if rows is None:
+                t.pop(arch, None)
+            else:
+                t[arch] = rows
+
     quick = "--quick" in sys.argv[1:]
     tiles, splits_swept = (QUICK_TILES, QUICK_SPLITS) if quick else (TILES, SPLITS)
     args = sys.argv[1:]
@@ -49,11 +57,7 @@ def main() -> int:
         if (quick and case["sk"] < 32768) or (only and decode.name(case) not in only):
             continue
         q, k, v, kc, vc, seqlens, table = decode.make_inputs(case)
-        for t, rows in zip(tables, saved):  # the shipped rows, for the heuristic's own pick
-            if rows is None:
-                t.pop(arch, None)
-            else:
-                t[arch] = rows
+        restore()  # the shipped rows, for the heuristic's own pick
         picked = decode._splits(case, q, kc, vc, table)
         results = []
         for tile, splits in itertools.product(tiles, splits_swept):
@@ -70,11 +74,7 @@ def main() -> int:
             print(f"  {gbps:7.0f} GB/s  block_n={tile.block_n} warps={tile.num_warps} stages={tile.num_stages} splits={splits}")
         del q, k, v, kc, vc
         torch.cuda.empty_cache()
-    for t, rows in zip(tables, saved):
-        if rows is None:
-            t.pop(arch, None)
-        else:
-            t[arch] = rows
+    restore()
     return 0
 
 

@@ -515,16 +515,26 @@ def kvcache_num_splits(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
                        block_table: torch.Tensor | None = None, cache_leftpad: torch.Tensor | None = None,
                        max_seqlen_k: int | None = None) -> int:
     """The split count ``flash_attn_with_kvcache(..., num_splits=0)`` picks for these tensors:
-    :func:`num_splits_heuristic` with the decode tile this device takes for the cache's layout."""
+    :func:`num_splits_heuristic` with the decode tile this device takes for the cache's layout.
+
+    Arguments: q (B, Sq, Hq, D); k_cache (B_cache, S_cache, Hkv, D) or paged (num_blocks,
+    page_size, Hkv, D), any dtype the cache takes; v_cache (..., Dv); block_table (B, max_pages)
+    int32 or None; cache_leftpad (B,) int32 or None; max_seqlen_k the longest used length in keys
+    (None: unknown, as inside a CUDA graph capture). Only shapes, dtypes and the device are read,
+    never values, so nothing syncs. Returns an int in 1..MAX_SPLITS. Raises nothing of its own:
+    the arguments are those ``flash_attn_with_kvcache`` has already checked.
+
+    Source: lanekit's heuristic (FlashDecoding's split-KV, sized by occupancy as FlashAttention's
+    ``num_splits_heuristic`` is)."""
     B, Sq, Hq, D = q.shape
     page_size, Hkv, Dv = k_cache.shape[1], k_cache.shape[2], v_cache.shape[3]
-    pad = lambda d: max(16, 1 << (d - 1).bit_length())  # noqa: E731  (the kernel's block of a head dim)
-    cfg, _ = tuning.kvcache_tile(q.device, max(pad(D), pad(Dv)), fp32=q.dtype == torch.float32,
+    block_d, block_dv = tuning.head_dim_block(D), tuning.head_dim_block(Dv)
+    cfg, _ = tuning.kvcache_tile(q.device, max(block_d, block_dv), fp32=q.dtype == torch.float32,
                                  page_size=page_size, one_page=block_table is None or block_table.shape[1] == 1,
                                  leftpad=cache_leftpad is not None, interpreted=triton_interpreted())
-    resident = tuning.resident_programs(q.device, cfg, cfg.block_n * (pad(D) + pad(Dv)) * k_cache.element_size())
+    resident = tuning.resident_programs(q.device, cfg, cfg.block_n * (block_d + block_dv) * k_cache.element_size())
     rows = Sq * (Hq // Hkv)   # (query, head) rows, in the launcher's blocks of them
-    m_blocks = -(-rows // min(cfg.block_m, max(16, 1 << max(rows - 1, 0).bit_length())))
+    m_blocks = -(-rows // tuning.kvcache_block_m(cfg, rows))
     return num_splits_heuristic(B * Hkv * max(m_blocks, 1), max_seqlen_k, q.device, cfg.block_n, resident)
 
 

@@ -296,7 +296,7 @@ def _strides4(t: torch.Tensor | None) -> tuple[int, int, int, int]:
 
 
 def _block(d: int) -> int:
-    return max(16, triton.next_power_of_2(d))
+    return tuning.head_dim_block(d)
 
 
 def _strides_bthd(t: torch.Tensor, varlen: bool, paged: bool = False) -> tuple[int, int, int, int]:
@@ -1225,7 +1225,7 @@ def flash_attn_kvcache(
                                      one_page=block_table.shape[1] == 1, leftpad=leftpad is not None,
                                      interpreted=triton_interpreted())
     # Rows are (query, head) pairs: decode (Sq * group <= 16) takes the smallest tile tl.dot allows.
-    block_m = min(cfg.block_m, max(16, triton.next_power_of_2(Sq * group)))
+    block_m = tuning.kvcache_block_m(cfg, Sq * group)
     m_blocks = triton.cdiv(Sq * group, block_m)
     left, right = window_size
     if num_splits > 1:

@@ -335,10 +335,20 @@ def kvcache_tile(device: torch.device, bucket: int, *, fp32: bool, page_size: in
     return cfg, pages
 
 
+def head_dim_block(d: int) -> int:
+    """The block the attention kernels pad a head dim to: a power of two, at least 16."""
+    return max(16, 1 << max(d - 1, 0).bit_length())
+
+
+def kvcache_block_m(cfg: TileConfig, rows: int) -> int:
+    """The decode kernel's block of (query, head) rows: cfg.block_m, or the least power of two at
+    least 16 (the smallest tile tl.dot takes) that holds ``rows`` (decode: Sq * group is small)."""
+    return min(cfg.block_m, max(16, 1 << max(rows - 1, 0).bit_length()))
+
+
 def resident_programs(device: torch.device, cfg: TileConfig, stage_bytes: int) -> int:
-    """How many programs of ``cfg`` one SM (CU) holds at once, by shared memory (``stage_bytes``
-    per pipeline stage; one stage short of num_stages on NVIDIA, where the last buffer is the
-    registers, is not counted on) and by threads: an estimate for sizing a grid, not a promise."""
+    """How many programs of ``cfg`` one SM (CU) holds at once, by shared memory (num_stages
+    buffers of ``stage_bytes``) and by threads: an estimate for sizing a grid, not a promise."""
     if device.type != "cuda":
         return 1
     props = torch.cuda.get_device_properties(device)
