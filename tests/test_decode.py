@@ -320,16 +320,21 @@ def test_strided_index_tensors_are_read_as_their_values(device):
     strided = dict(cache_seqlens=spaced([20, 37], 0), block_table=spaced_table[:, ::2],
                    cache_leftpad=spaced([3, 5], 1000))
     assert not strided["block_table"].is_contiguous() and not strided["cache_seqlens"].is_contiguous()
-    want = lanekit.flash_attn_with_kvcache(q, kc, vc, **plain, num_splits=2, lane="triton")
-    got = lanekit.flash_attn_with_kvcache(q, kc, vc, **strided, num_splits=2, lane="triton")
+    with poisoned_outputs():
+        want = lanekit.flash_attn_with_kvcache(q, kc, vc, **plain, num_splits=2, lane="triton")
+        got = lanekit.flash_attn_with_kvcache(q, kc, vc, **strided, num_splits=2, lane="triton")
+    oracle = lanekit.flash_attn_with_kvcache(upcast(q), upcast(kc), upcast(vc), **plain, lane="reference")
+    assert_close(want, oracle, "attention_fwd")
     assert torch.equal(got, want)
 
     qp = randn(10, 4, 32, dtype=torch.bfloat16, device=device, generator=g)
     kp = randn(10, 2, 32, dtype=torch.bfloat16, device=device, generator=g)
     cu_q = torch.tensor([0, 3, 10], dtype=torch.int32, device=device)
-    want = lanekit.flash_attn_varlen_func(qp, kp, kp, cu_q, cu_q, 7, 7, causal=True, lane="triton")
-    got = lanekit.flash_attn_varlen_func(qp, kp, kp, spaced([0, 3, 10], 99), spaced([0, 3, 10], 99), 7, 7,
-                                         causal=True, lane="triton")
+    with poisoned_outputs():
+        want = lanekit.flash_attn_varlen_func(qp, kp, kp, cu_q, cu_q, 7, 7, causal=True, lane="triton")
+        got = lanekit.flash_attn_varlen_func(qp, kp, kp, spaced([0, 3, 10], 99), spaced([0, 3, 10], 99), 7, 7,
+                                             causal=True, lane="triton")
+    assert_close(want, oracle_varlen(qp, kp, kp, cu_q, cu_q, [3, 7], [3, 7])[0], "attention_fwd")
     assert torch.equal(got, want)
 
 
@@ -338,7 +343,8 @@ def test_reference_lane_takes_an_empty_batch_and_float64(device):
     q = randn(2, 1, 4, 32, dtype=torch.float64, device=device, generator=g)
     kc = randn(2, 16, 2, 32, dtype=torch.float64, device=device, generator=g)
     seqlens = torch.tensor([5, 16], dtype=torch.int32, device=device)
-    out = lanekit.flash_attn_with_kvcache(q, kc, kc, cache_seqlens=seqlens, lane="reference")
+    with poisoned_outputs():
+        out = lanekit.flash_attn_with_kvcache(q, kc, kc, cache_seqlens=seqlens, lane="reference")
     want, _ = ref.flash_attn(q[1:], kc[1:], kc[1:], softmax_scale=32 ** -0.5)
     assert out.dtype == torch.float64 and torch.allclose(out[1:], want)
     no_pages = torch.zeros(0, 1, dtype=torch.int32, device=device)   # a paged cache, no sequence

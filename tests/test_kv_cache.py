@@ -189,8 +189,13 @@ def test_a_strided_cache_seqlens_is_read_as_its_values(device):
     table = cache.block_table([0, 1])
     lengths = torch.tensor([9, 3], dtype=torch.int32, device=device)
     spaced = torch.tensor([9, 1000, 3, 1000], dtype=torch.int32, device=device)[::2]   # gaps not read
-    want = KV.gather_cache(cache.k_cache, cache.v_cache, table, lengths, lane="triton")
-    got = KV.gather_cache(cache.k_cache, cache.v_cache, table, spaced, lane="triton")
+    with poisoned_outputs():
+        want = KV.gather_cache(cache.k_cache, cache.v_cache, table, lengths, lane="triton")
+        got = KV.gather_cache(cache.k_cache, cache.v_cache, table, spaced, lane="triton")
+    # what was written, sequence by sequence, then zeros (the oracle of a 16-bit cache: exact)
+    for b, (start, n) in enumerate(((0, 9), (9, 3))):
+        assert torch.equal(want[0][b, :n], key[start:start + n]) and (want[0][b, n:] == 0).all()
+        assert torch.equal(want[1][b, :n], value[start:start + n]) and (want[1][b, n:] == 0).all()
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
