@@ -2,8 +2,8 @@
 
 For each bench case of benchmarks/decode.py, every (block_n, warps, stages) replaces this GPU's rows
 of FLASH_ATTN_KVCACHE and FLASH_ATTN_KVCACHE_PER_KEY_PAGES and every split count is timed (CUDA
-graphs); prints GB/s best first. Copy the winners into tuning.py (and the heuristic) by hand, with
-the figures as comment.
+graphs); prints GB/s best first, beside SDPA's cuDNN backend (the bar) timed in the same run. Copy
+the winners into tuning.py (and the heuristic) by hand, with the figures as comment.
 """
 
 from __future__ import annotations
@@ -59,6 +59,7 @@ def main() -> int:
         q, k, v, kc, vc, seqlens, table = decode.make_inputs(case)
         restore()  # the shipped rows, for the heuristic's own pick
         picked = decode._splits(case, q, kc, vc, table)
+        cudnn = bench_graph(decode.runners(case, q, k, v, kc, vc, seqlens, table)["sdpa-cudnn"])
         results = []
         for tile, splits in itertools.product(tiles, splits_swept):
             for t in tables:  # the candidate for every layout, per-key pages included
@@ -69,7 +70,8 @@ def main() -> int:
                 results.append((decode.bytes_moved(case) / ms / 1e6, tile, splits))
             except Exception as exc:  # a tile that does not compile or fit
                 print(f"{tile} splits={splits}: {type(exc).__name__}")
-        print(f"== {decode.name(case)} (heuristic picks {picked} splits)")
+        print(f"== {decode.name(case)} (heuristic picks {picked} splits; SDPA cuDNN on the contiguous "
+              f"cache {decode.bytes_moved(case) / cudnn / 1e6:.0f} GB/s)")
         for gbps, tile, splits in sorted(results, key=lambda r: -r[0])[:8]:
             print(f"  {gbps:7.0f} GB/s  block_n={tile.block_n} warps={tile.num_warps} stages={tile.num_stages} splits={splits}")
         del q, k, v, kc, vc

@@ -6,8 +6,10 @@
 #   bench-decode sanitizer).
 #   check-sanitized is lanekit check under compute-sanitizer's memcheck: every kernel on every
 #   registered sample, checked for out-of-bounds accesses as well as against its oracle.
-#   ncu profiles one launch of each NCU_CASES entry, family:case:kernel-regex (a ~ in
-#   the case stands for a space), with Nsight Compute's throughput, memory and stall sections.
+#   ncu profiles one launch of each NCU_CASES entry, family:case:kernel-regex[:TABLE.field=value+...]
+#   (a ~ in the case stands for a space; the settings replace fields of this GPU's tuning rows, as
+#   benchmarks.run_case --set does), with Nsight Compute's throughput, memory and stall sections
+#   (and any more named in NCU_SECTIONS, e.g. "--section SourceCounters").
 # Uses the machine's own python3 (torch, triton, transformers preinstalled); lanekit from src/.
 # Each step's log goes to $OUT/<step>.log; a line per step with its exit code and last line.
 set -u
@@ -47,11 +49,11 @@ for s in "${steps[@]}"; do
     bench-decode) run_step bench-decode python3 -m benchmarks.run decode prefill --json "$OUT/bench-decode.json" ;;
     tune-decode) run_step tune-decode python3 -m benchmarks.tune_decode ${TUNE_ARGS:-} ;;
     ncu) run_step ncu bash -c 'for spec in ${NCU_CASES:-"layers:adaln:_norm_fwd"}; do
-           IFS=: read -r fam case kernel <<<"$spec"; echo "=== $fam $case ($kernel)"
+           IFS=: read -r fam case kernel sets <<<"$spec"; echo "=== $fam $case ($kernel) $sets"
            ncu --clock-control none -k "regex:$kernel" --launch-skip 2 --launch-count 1 \
              --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy \
-             --section LaunchStats --section WarpStateStats --section SchedulerStats \
-             python3 -m benchmarks.run_case "$fam" "${case//\~/ }"; done' ;;
+             --section LaunchStats --section WarpStateStats --section SchedulerStats ${NCU_SECTIONS:-} \
+             python3 -m benchmarks.run_case "$fam" "${case//\~/ }" $(for x in ${sets//+/ }; do echo --set $x; done); done' ;;
     *) echo "unknown step $s"; exit 2 ;;
   esac
 done
