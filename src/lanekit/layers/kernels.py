@@ -1008,6 +1008,7 @@ def qk_norm_rope_fwd(*, q, k, q_out, k_out, q_weight, k_weight, cos, sin, rot_st
         num_warps=cfg.norm_num_warps if quant_dtype is None else cfg.quant_num_warps,
         # the quantized path is specified as exactly rounded steps: no fused multiply-adds
         **({"enable_fp_fusion": False} if quant else {}),
+        **({"maxnreg": cfg.quant_maxnreg} if quant and cfg.quant_maxnreg else {}),
     )
 
 

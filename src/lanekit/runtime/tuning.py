@@ -402,6 +402,7 @@ class RotaryConfig:
     quant_block_rows: int = 32  # the same for RMSNorm + RoPE + quantization of q and k
     norm_num_warps: int = 4     # warps of RMSNorm + RoPE of q and k (one launch)
     quant_num_warps: int = 4    # warps of RMSNorm + RoPE + quantization of q and k
+    quant_maxnreg: int = 0      # registers a thread of it may use (NVIDIA rows only; 0: ptxas picks)
 
 
 # sm90: `python -m benchmarks.tune_layers` on the H200 (CUDA-graph timing, Llama-3-8B shapes):
@@ -420,9 +421,19 @@ class RotaryConfig:
 # Swept on the H200 (`benchmarks.tune_layers ROTARY:...`, 2026-12-01): the quantized form at 8 rows
 # and 1 warp 2644 GB/s (62% of copy), 16 rows and 2 warps 2574, 32 rows and 4 warps 2267: small
 # programs, many of them resident (88 registers capped the 4-warp programs at 31% occupancy).
+# Swept again (2026-12-02, `benchmarks.tune_layers ROTARY_MAXNREG "ROTARY:rms_norm_rope q,k"`): capped
+# at 72 registers (28 one-warp programs an SM resident, not 25; no spills) the quantized form reads
+# 2725 GB/s against 2621 uncapped, and 2530 at 64 (spilling). It is bound by loads in flight: ncu on
+# a 96-register variant showed 20 warps an SM resident, 0.63 instructions issued a cycle, and most
+# stalls on loads (long scoreboard, 37%). Three variants, tried on throwaway code and swept the same
+# way, were slower: programs looping over 2 to 32 tiles of tokens with the weights loaded once
+# (17.6 instructions an element, not 24.5, but 128 registers: 2435 GB/s at best), that loop with
+# its loads pipelined through shared memory (2 or 3 stages: 2112), and cos and sin loaded beside x
+# (2385). RMSNorm + RoPE at 8 rows and 1 warp: 3594 GB/s, against 3433 at the earlier 32 rows and 4 warps.
 ROTARY: dict[str, RotaryConfig] = {
     "generic": RotaryConfig(32, 4, norm_block_rows=32, quant_block_rows=32, norm_num_warps=4),
-    "sm90": RotaryConfig(32, 4, norm_block_rows=32, quant_block_rows=8, norm_num_warps=4, quant_num_warps=1),
+    "sm90": RotaryConfig(32, 4, norm_block_rows=8, quant_block_rows=8, norm_num_warps=1, quant_num_warps=1,
+                         quant_maxnreg=72),
     "gfx1201": RotaryConfig(32, 4, norm_block_rows=16, bwd_block_s=8, quant_block_rows=32, norm_num_warps=4),
 }
 ROTARY["gfx1151"] = ROTARY["gfx1201"]
