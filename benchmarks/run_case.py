@@ -28,10 +28,20 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     arch = tuning.arch_id(torch.device("cuda"))
     for item in args.set:
-        name, value = item.split("=", 1)
-        table_name, field = name.split(".", 1)
-        table = getattr(tuning, table_name)
-        table[arch] = dataclasses.replace(table.get(arch, table["generic"]), **{field: int(value)})
+        name, _, value = item.partition("=")
+        table_name, _, field = name.partition(".")
+        table = getattr(tuning, table_name, None)
+        if not isinstance(table, dict) or "generic" not in table:
+            p.error(f"--set: expected TABLE.field=value with TABLE a tuning table, got {item!r}")
+        row = table.get(arch, table["generic"])
+        # a row, or (NORM, FLASH_ATTN_*) rows by bucket: the field is replaced in every bucket
+        rows = row if isinstance(row, dict) else {None: row}
+        first = next(iter(rows.values()))
+        if field not in {f.name for f in dataclasses.fields(first)} or not value.lstrip("-").isdigit():
+            p.error(f"--set: expected an int field of {type(first).__name__} "
+                    f"({', '.join(f.name for f in dataclasses.fields(first))}), got {item!r}")
+        replaced = {k: dataclasses.replace(r, **{field: int(value)}) for k, r in rows.items()}
+        table[arch] = replaced if isinstance(row, dict) else replaced[None]
     module = FAMILIES[args.family]
     cases = {module.name(c): c for c in module.cases(False)}
     if args.case not in cases:

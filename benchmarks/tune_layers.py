@@ -1,8 +1,9 @@
 """Sweep the fused layers' tile tables on the GPU: `python -m benchmarks.tune_layers [TABLE[:op] ...]`.
 
-For each table in lanekit.runtime.tuning that the layers read (NORM, ROTARY, GLU), every candidate
-replaces this GPU's row in turn and the bench shapes of benchmarks/layers.py are timed; prints GB/s
-per candidate, best first. Copy the winners into tuning.py by hand, with the figures as comment.
+For each sweep (NORM, ROTARY, GLU: the tables of lanekit.runtime.tuning that the layers read, by
+name; ROTARY_MAXNREG: ROTARY's register cap, as TABLE_OF maps it), every candidate replaces this
+GPU's row in turn and the bench shapes of benchmarks/layers.py are timed; prints GB/s per
+candidate, best first. Copy the winners into tuning.py by hand, with the figures as comment.
 """
 
 from __future__ import annotations
