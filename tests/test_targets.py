@@ -108,6 +108,43 @@ def test_a_16_bit_dot_uses_each_targets_matrix_instructions_and_the_check_names_
     assert problems == ["multiplies f16 matrices without wgmma instructions"]
 
 
+def test_spills_to_ptxas_stack_are_counted_and_judged(tmp_path):
+    """ptxas puts register spills in the stack frame (cuobjdump's STACK, not LOCAL): a kernel held
+    to 32 registers that needs more reports them, and fails the check without an allowance."""
+    (tmp_path / "toy.py").write_text(textwrap.dedent("""
+        import triton
+        import triton.language as tl
+
+        @triton.jit
+        def _toy_wide_kernel(X, Y, BLOCK: tl.constexpr):
+            offs = tl.arange(0, BLOCK)
+            x = tl.load(X + offs)
+            tl.store(Y + offs, x * tl.sum(x * x, axis=0) + tl.cumsum(x, axis=0))
+    """))
+    out = _compiled_python("""
+        import json
+        from toy import _toy_wide_kernel
+        from lanekit.runtime.targets import Specialization, compile_spec
+        sig = {"X": "*fp32", "Y": "*fp32", "BLOCK": "constexpr"}
+        attrs = {(i,): [["tt.divisibility", 16]] for i in range(2)}
+        found = {}
+        for cap in (0, 32):
+            options = {"num_warps": 1, "num_stages": 1, **({"maxnreg": cap} if cap else {})}
+            spec = Specialization("_toy_wide_kernel", "toy", "sm90", sig, {"BLOCK": 2048}, {}, options,
+                                  fn=_toy_wide_kernel, triton_args=(sig, {(2,): 2048}, attrs),
+                                  compile_options=options)
+            report = compile_spec(spec)[1]
+            found[cap] = [report.registers, report.scratch, report.problems]
+        print(json.dumps(found))
+    """, tmp_path)
+    found = json.loads(out.splitlines()[-1])
+    registers, scratch, problems = found["0"]
+    assert registers > 32 and scratch == 0 and problems == [], found
+    registers, scratch, problems = found["32"]
+    assert registers <= 32 and scratch > 0, found
+    assert problems == [f"spills {scratch} bytes per thread to scratch (budget 0)"]
+
+
 def test_judge_names_each_problem():
     report = Report("k-0", "k", "gfx1201", True, registers=256, shared=80 * 1024, scratch=16, dot="bf16")
     assert judge(report, GPU_TARGETS["gfx1201"]) == [

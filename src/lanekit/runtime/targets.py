@@ -47,6 +47,9 @@ _RDNA_DQ_FP32 = ("fp32 at D=256: dQ and the q tile (block_m x 256 fp32 each) bes
                  "attn_bwd_dq_fp32)")
 _RDNA_KVCACHE = ("fp32 at D=128 (its one fp32 sample): every candidate tile spills on wave32, 16 keys a step with "
                  "8 warps least (benchmarks.tune_targets --sweep attn_kvcache); the 16-bit paths do not spill")
+_NVIDIA_UNCOUNTED = ("spills that ptxas reports as STACK, which the record read as 0 until 2026-12-02 (it "
+                     "read LOCAL only): found then, not yet tuned away; the worst are fp32 at D=128 and 256, "
+                     "a bias with a mask at D=111, and the backward at odd head dims")
 SPILL_ALLOWANCES: dict[tuple[str, str], tuple[int, str]] = {
     **{(kernel, rdna): (limit, why) for rdna in ("gfx1151", "gfx1201") for kernel, limit, why in (
         ("_flash_attn_fwd_kernel", 796, _RDNA_FP32_D256),
@@ -55,6 +58,17 @@ SPILL_ALLOWANCES: dict[tuple[str, str], tuple[int, str]] = {
     )},
     ("_flash_attn_kvcache_kernel", "gfx1151"): (168, _RDNA_KVCACHE),
     ("_flash_attn_kvcache_kernel", "gfx1201"): (36, _RDNA_KVCACHE),
+    # NVIDIA: the spills there since before the record counted them (largest per kernel; the
+    # record itself pins each specialization's figure, so any change still fails --check)
+    **{(kernel, target): (limit, _NVIDIA_UNCOUNTED) for kernel, target, limit in (
+        ("_flash_attn_fwd_kernel", "sm80", 7336), ("_flash_attn_fwd_kernel", "sm90", 6952),
+        ("_flash_attn_bwd_dkdv_kernel", "sm80", 976), ("_flash_attn_bwd_dkdv_kernel", "sm90", 2112),
+        ("_flash_attn_bwd_dq_kernel", "sm80", 656), ("_flash_attn_bwd_dq_kernel", "sm90", 1416),
+        ("_gru_cell_fwd_kernel", "sm80", 72), ("_gru_cell_fwd_kernel", "sm90", 280),
+        ("_lstm_cell_fwd_kernel", "sm80", 96), ("_lstm_cell_fwd_kernel", "sm90", 472),
+        ("_norm_bwd_kernel", "sm80", 112), ("_norm_bwd_kernel", "sm90", 128),
+        ("_rms_norm_rope_bwd_kernel", "sm80", 24), ("_rms_norm_rope_bwd_kernel", "sm90", 24),
+    )},
 }
 
 # Where a kernel may use another matrix instruction than the target's own: (kernel, target) ->
@@ -347,7 +361,8 @@ def _amdgcn_resources(amdgcn: str) -> tuple[int, int, int]:
 
 
 def _cubin_resources(cubin: bytes) -> tuple[int, int]:
-    """(registers, local-memory bytes per thread) from ``cuobjdump -res-usage``, bundled with Triton."""
+    """(registers, spill bytes per thread) from ``cuobjdump -res-usage``, bundled with Triton: its
+    STACK (the stack frame, where ptxas spills registers) plus LOCAL (local arrays)."""
     import triton
 
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
@@ -356,5 +371,5 @@ def _cubin_resources(cubin: bytes) -> tuple[int, int]:
         f.flush()
         out = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
     regs = re.search(r"REG:(\d+)", out)
-    local = re.search(r"LOCAL:(\d+)", out)
-    return int(regs.group(1)) if regs else 0, int(local.group(1)) if local else 0
+    spill = sum(int(m.group(1)) for m in re.finditer(r"(?:STACK|LOCAL):(\d+)", out))
+    return int(regs.group(1)) if regs else 0, spill

@@ -402,7 +402,8 @@ class RotaryConfig:
     quant_block_rows: int = 32  # the same for RMSNorm + RoPE + quantization of q and k
     norm_num_warps: int = 4     # warps of RMSNorm + RoPE of q and k (one launch)
     quant_num_warps: int = 4    # warps of RMSNorm + RoPE + quantization of q and k
-    quant_maxnreg: int = 0      # registers a thread of it may use (NVIDIA rows only; 0: ptxas picks)
+    quant_maxnreg: int = 0      # registers a thread of it may use (NVIDIA rows only; 0: ptxas picks),
+                                # at the shapes it fits without spills (kernels._register_cap_fits)
 
 
 # sm90: `python -m benchmarks.tune_layers` on the H200 (CUDA-graph timing, Llama-3-8B shapes):
@@ -422,7 +423,8 @@ class RotaryConfig:
 # and 1 warp 2644 GB/s (62% of copy), 16 rows and 2 warps 2574, 32 rows and 4 warps 2267: small
 # programs, many of them resident (88 registers capped the 4-warp programs at 31% occupancy).
 # Swept again (2026-12-02, `benchmarks.tune_layers ROTARY_MAXNREG "ROTARY:rms_norm_rope q,k"`): capped
-# at 72 registers (28 one-warp programs an SM resident, not 25; no spills) the quantized form reads
+# at 72 registers (28 one-warp programs an SM resident, not 25; no spills at D=128 with RoPE on all
+# features, the shape swept; other shapes keep ptxas's count, see _register_cap_fits) the quantized form reads
 # 2725 GB/s against 2621 uncapped, and 2530 at 64 (spilling). It is bound by loads in flight: ncu on
 # a 96-register variant showed 20 warps an SM resident, 0.63 instructions issued a cycle, and most
 # stalls on loads (long scoreboard, 37%). Three variants, tried on throwaway code and swept the same
