@@ -942,15 +942,6 @@ def _one_launch(q, k, q_weight, k_weight) -> bool:
     return q_weight is None or q_weight.dtype == k_weight.dtype
 
 
-def _register_cap_fits(cfg, D, rotary_dim, interleaved) -> bool:
-    """Whether the quantized launch takes its row's register cap (quant_maxnreg): only at the shapes
-    it was swept at and compiles without spilling under, NeoX RoPE over all of a power-of-two D of up
-    to 128 (sm90: D=64 and 128 take no stack; interleaved, partial rotary, D=96 and D=256 spill 16
-    to 264 bytes a thread, so they keep the compiler's own register count)."""
-    return (bool(cfg.quant_maxnreg) and rotary_dim == D and not interleaved and D <= 128
-            and D & (D - 1) == 0)
-
-
 def _inner_int32(t):
     """t, or a contiguous copy when the offsets along its last dim (up to size * stride) do not fit
     int32, as _qk_norm_rope_fwd_kernel takes them (int32 there saves registers and instructions;
@@ -1001,6 +992,7 @@ def qk_norm_rope_fwd(*, q, k, q_out, k_out, q_weight, k_weight, cos, sin, rot_st
     # absent tensors: q's own in both slots (never read; the kernel's picks need one type)
     q_w, k_w = (q_weight, k_weight) if q_weight is not None else (q, q)
     q_sc, k_sc = (q_scale, k_scale) if quant else (q_out, q_out)
+    cap = tuning.quant_register_cap(cfg, D, rotary_dim, interleaved) if quant else 0
     _qk_norm_rope_fwd_kernel[grid](
         q, k, q_out, k_out, q_w, k_w, q_sc, k_sc, cos, sin, pos,
         seqlen_offsets if offsets_tensor else None,
@@ -1017,7 +1009,7 @@ def qk_norm_rope_fwd(*, q, k, q_out, k_out, q_weight, k_weight, cos, sin, rot_st
         num_warps=cfg.norm_num_warps if quant_dtype is None else cfg.quant_num_warps,
         # the quantized path is specified as exactly rounded steps: no fused multiply-adds
         **({"enable_fp_fusion": False} if quant else {}),
-        **({"maxnreg": cfg.quant_maxnreg} if quant and _register_cap_fits(cfg, D, rotary_dim, interleaved) else {}),
+        **({"maxnreg": cap} if cap else {}),
     )
 
 

@@ -335,15 +335,20 @@ def kvcache_tile(device: torch.device, bucket: int, *, fp32: bool, page_size: in
     return cfg, pages
 
 
+def _block16(n: int) -> int:
+    """The least power of two that holds n, and at least 16 (the smallest tile tl.dot takes)."""
+    return max(16, 1 << max(n - 1, 0).bit_length())
+
+
 def head_dim_block(d: int) -> int:
     """The block the attention kernels pad a head dim to: a power of two, at least 16."""
-    return max(16, 1 << max(d - 1, 0).bit_length())
+    return _block16(d)
 
 
 def kvcache_block_m(cfg: TileConfig, rows: int) -> int:
     """The decode kernel's block of (query, head) rows: cfg.block_m, or the least power of two at
-    least 16 (the smallest tile tl.dot takes) that holds ``rows`` (decode: Sq * group is small)."""
-    return min(cfg.block_m, max(16, 1 << max(rows - 1, 0).bit_length()))
+    least 16 that holds ``rows`` (decode: Sq * group is small)."""
+    return min(cfg.block_m, _block16(rows))
 
 
 def resident_programs(device: torch.device, cfg: TileConfig, stage_bytes: int) -> int:
@@ -403,7 +408,7 @@ class RotaryConfig:
     norm_num_warps: int = 4     # warps of RMSNorm + RoPE of q and k (one launch)
     quant_num_warps: int = 4    # warps of RMSNorm + RoPE + quantization of q and k
     quant_maxnreg: int = 0      # registers a thread of it may use (NVIDIA rows only; 0: ptxas picks),
-                                # at the shapes it fits without spills (kernels._register_cap_fits)
+                                # at the shapes it fits without spills (quant_register_cap)
 
 
 # sm90: `python -m benchmarks.tune_layers` on the H200 (CUDA-graph timing, Llama-3-8B shapes):
@@ -424,8 +429,8 @@ class RotaryConfig:
 # programs, many of them resident (88 registers capped the 4-warp programs at 31% occupancy).
 # Swept again (2026-12-02, `benchmarks.tune_layers ROTARY_MAXNREG "ROTARY:rms_norm_rope q,k"`): capped
 # at 72 registers (28 one-warp programs an SM resident, not 25; no spills at D=128 with RoPE on all
-# features, the shape swept; other shapes keep ptxas's count, see _register_cap_fits) the quantized form reads
-# 2725 GB/s against 2621 uncapped, and 2530 at 64 (spilling). It is bound by loads in flight: ncu on
+# features, the shape swept; other shapes keep ptxas's count: quant_register_cap) the quantized form
+# reads 2725 GB/s against 2621 uncapped, and 2530 at 64 (spilling). It is bound by loads in flight: ncu on
 # a 96-register variant showed 20 warps an SM resident, 0.63 instructions issued a cycle, and most
 # stalls on loads (long scoreboard, 37%). Three variants, tried on throwaway code and swept the same
 # way, were slower: programs looping over 2 to 32 tiles of tokens with the weights loaded once
@@ -462,7 +467,7 @@ def _arch_row(table: dict, device: torch.device):
 
 def norm_config(device: torch.device, N: int) -> NormConfig:
     rows = _arch_row(NORM, device)
-    width = max(16, 1 << max(N - 1, 0).bit_length())
+    width = _block16(N)
     key = min((k for k in rows if k >= width), default=max(rows))
     return rows[key]
 
@@ -475,6 +480,16 @@ def norm_bwd_programs(device: torch.device) -> int:
 
 def rotary_config(device: torch.device) -> RotaryConfig:
     return _arch_row(ROTARY, device)
+
+
+def quant_register_cap(cfg: RotaryConfig, D: int, rotary_dim: int, interleaved: bool) -> int:
+    """The register cap (Triton's maxnreg; 0 for none) of a quantized q-and-k launch: the row's
+    quant_maxnreg, but only at the shapes it was swept at and compiles without spilling under,
+    NeoX RoPE over all of a power-of-two D of up to 128 (sm90 at 72: D=64 and 128 take no stack;
+    interleaved, partial rotary, D=96 and D=256 spill 16 to 264 bytes a thread, so they keep
+    ptxas's own register count)."""
+    fits = rotary_dim == D and not interleaved and D <= 128 and D & (D - 1) == 0
+    return cfg.quant_maxnreg if fits else 0
 
 
 def glu_config(device: torch.device) -> EltwiseConfig:
