@@ -37,7 +37,8 @@ def flops(c) -> float:
 def make_inputs(c, device="cuda"):
     g = torch.Generator(device=device).manual_seed(0)
     shape = (c["B"], c["S"], c["H"], c["D"])
-    return [torch.randn(shape, generator=g, device=device, dtype=torch.bfloat16) for _ in range(3)]
+    dtype = c.get("dtype", torch.bfloat16)
+    return [torch.randn(shape, generator=g, device=device, dtype=dtype) for _ in range(3)]
 
 
 def check(c, q, k, v) -> str | None:
@@ -61,8 +62,8 @@ def runners(c, q, k, v):
                 return F.scaled_dot_product_attention(qt, kt, vt, is_causal=c["causal"])
         return run
 
-    return {
-        "lanekit": lambda: lanekit.flash_attn_func(q, k, v, causal=c["causal"]),
-        "sdpa-flash": sdpa(SDPBackend.FLASH_ATTENTION),
-        "sdpa-cudnn": sdpa(SDPBackend.CUDNN_ATTENTION),
-    }
+    if q.dtype == torch.float32:  # SDPA's flash and cuDNN backends take 16-bit inputs only
+        peers = {"sdpa-efficient": sdpa(SDPBackend.EFFICIENT_ATTENTION)}
+    else:
+        peers = {"sdpa-flash": sdpa(SDPBackend.FLASH_ATTENTION), "sdpa-cudnn": sdpa(SDPBackend.CUDNN_ATTENTION)}
+    return {"lanekit": lambda: lanekit.flash_attn_func(q, k, v, causal=c["causal"]), **peers}

@@ -1,7 +1,8 @@
 """Sweep tile configurations of the attention kernels on this GPU and print the fastest per head
 dim, to fill runtime/tuning.py's tables for this architecture:
-`python -m benchmarks.tune_attention [--backward] [--dims 64 128]`. Every candidate is checked
-against the oracle before it is timed. The backward sweep times forward + backward, first over the
+`python -m benchmarks.tune_attention [--backward | --fp32] [--dims 64 128]`. Every candidate is
+checked against the oracle before it is timed. --fp32 sweeps the forward's fp32 table
+(FLASH_ATTN_FWD_FP32: no tensor cores, the scores and products on the FMA units) at S=2048. The backward sweep times forward + backward, first over the
 dK/dV kernel's tiles, then over the dQ kernel's."""
 
 from __future__ import annotations
@@ -18,6 +19,12 @@ from lanekit.runtime.tuning import TileConfig
 CANDIDATES = [TileConfig(bm, bn, w, s) for bm, bn, w, s in [
     (128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 128, 8, 2), (128, 32, 4, 3),
     (64, 64, 4, 3), (64, 128, 4, 3), (128, 64, 4, 4), (128, 128, 4, 3),
+]]
+# fp32: the shipped generic rows, and small tiles (the FMA-unit products hold a tile's operands in
+# registers: at 64 x 32 and D=128 ptxas spills about 7 KB a thread on sm80 and sm90)
+FP32_CANDIDATES = [TileConfig(bm, bn, w, s) for bm, bn, w, s in [
+    (64, 32, 4, 2), (32, 32, 4, 1), (32, 16, 4, 2), (16, 32, 4, 2), (16, 16, 4, 2), (16, 16, 4, 1),
+    (16, 16, 8, 1), (16, 16, 2, 2),
 ]]
 BWD_DKDV_CANDIDATES = [TileConfig(bm, bn, w, s) for bm, bn, w, s in [
     (64, 128, 8, 2), (64, 128, 8, 3), (32, 128, 8, 3), (32, 128, 8, 2), (64, 64, 4, 3),
@@ -68,12 +75,20 @@ def backward(dims) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.tune_attention")
     parser.add_argument("--backward", action="store_true", help="sweep the backward's tiles")
+    parser.add_argument("--fp32", action="store_true", help="sweep the fp32 forward's tiles")
     parser.add_argument("--dims", type=int, nargs="*", default=[64, 128])
     args = parser.parse_args()
     if args.backward:
         backward(args.dims)
         return
     arch = tuning.arch_id(torch.device("cuda"))
+    if args.fp32:
+        table = tuning.FLASH_ATTN_FWD_FP32.setdefault(arch, dict(tuning.FLASH_ATTN_FWD_FP32["generic"]))
+        for D in args.dims:
+            for causal in (False, True):
+                case = dict(D=D, S=2048, causal=causal, B=8, H=2048 // D, dtype=torch.float32)
+                sweep(attention, case, table, D, FP32_CANDIDATES)
+        return
     table = tuning.FLASH_ATTN_FWD.setdefault(arch, dict(tuning.FLASH_ATTN_FWD["generic"]))
     for D in args.dims:
         for causal in (False, True):

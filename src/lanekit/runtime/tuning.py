@@ -145,6 +145,16 @@ FLASH_ATTN_FWD_FP32: dict[str, dict[int, TileConfig]] = {
         128: TileConfig(64, 32, 4, 2),
         256: TileConfig(32, 32, 4, 1),
     },
+    # NVIDIA: the products run on the FMA units, each thread holding its share of both operands:
+    # the generic 64 x 32 tile at D=128 made ptxas spill about 7 KB a thread (32 registers and the
+    # rest on the stack, sm80 and sm90 alike) and ran at 0.9 TFLOP/s on the H200, 32 x 32 at D=256
+    # 3 KB. `python -m benchmarks.tune_attention --fp32 --dims 128 256` (H200, 2026-12-02, S=2048,
+    # 16k tokens, full / causal): D=128 32 x 32, 4 warps, 1 stage 8.8 / 8.6 TFLOP/s (584 bytes of
+    # spills; 16 x 16 spills nothing, 6.5), D=256 16 x 16, 4 warps, 1 stage 6.4 / 6.2 (no spills;
+    # was 3.1 / 3.7); SDPA's memory-efficient backend 45 / 43 beside them. sm80 (not timed here):
+    # the tiles its compiler report passes without spills (benchmarks.tune_targets' resources).
+    "sm90": {128: TileConfig(32, 32, 4, 1), 256: TileConfig(16, 16, 4, 1)},
+    "sm80": {128: TileConfig(32, 32, 4, 2), 256: TileConfig(16, 16, 4, 1)},
     # RDNA: the same sweep (attn_fwd_fp32) over flash_attn_func's samples (D=1 and D=256): at
     # D=256 every candidate spills on RDNA, 16x16 with 8 warps least (targets.SPILL_ALLOWANCES
     # says why). D=128 (a varlen sample) takes the same tile, not yet swept.
