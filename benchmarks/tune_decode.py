@@ -2,7 +2,8 @@
 
 For each bench case of benchmarks/decode.py, every (block_n, warps, stages) replaces this GPU's rows
 of FLASH_ATTN_KVCACHE and FLASH_ATTN_KVCACHE_PER_KEY_PAGES and every split count is timed (CUDA
-graphs); prints GB/s best first, beside SDPA's cuDNN backend (the bar) timed in the same run. Copy
+graphs), each candidate checked against the oracle first (a wrong one is printed, not timed);
+prints GB/s best first, beside SDPA's cuDNN backend (the bar) timed in the same run. Copy
 the winners into tuning.py (and the heuristic) by hand, with the figures as comment.
 """
 
@@ -65,6 +66,10 @@ def main() -> int:
             for t in tables:  # the candidate for every layout, per-key pages included
                 t[arch] = {key: tile for key in tuning.FLASH_ATTN_KVCACHE["generic"]}
             try:
+                error = decode.check(case, q, k, v, kc, vc, seqlens, table, num_splits=splits)
+                if error:
+                    print(f"{tile} splits={splits}: WRONG {error}")
+                    continue
                 ms = bench_graph(lambda: lanekit.flash_attn_with_kvcache(
                     q, kc, vc, cache_seqlens=seqlens, block_table=table, num_splits=splits))
                 results.append((decode.bytes_moved(case) / ms / 1e6, tile, splits))
