@@ -109,7 +109,12 @@ FLASH_ATTN_KVCACHE: dict[str, dict[int, TileConfig]] = {
     # a contiguous cache at 4518 GB/s with 1 or 2 splits (64 keys: 4497 at best), pages of 256 at
     # 4458 / 4433. Before the K/V loads were 16 bytes wide no tile passed 2531. At 4k keys
     # (2026-12-02) it reads 4298 GB/s unsplit, 64 keys with 4 warps and 3 stages 4390 (two programs
-    # per SM, but 4564 against 4606 at 32k): kept.
+    # per SM, but 4564 against 4606 at 32k): kept. A persistent grid did not close 4k's gap to cuDNN
+    # (throwaway code, 2026-12-02): programs looping over (row block, split, KV head, sequence)
+    # items, the key loops flattened into that loop (tl.range(flatten=True)) so that an item's first
+    # loads could overlap the last one's tail, read 4256 to 4267 GB/s at 1, 2 or 4 programs an SM,
+    # as a program per item did (4266; cuDNN 4441 in that run); pages of 256 fell to 2987 (4237 in
+    # the last bench record).
     "sm90": {128: TileConfig(64, 128, 8, 3)},
     # CDNA 3 (`benchmarks.tune_targets --target gfx942 --sweep attn_kvcache`): 64 keys a step
     # spilled, and at D=128 with 2 stages needed 68 KiB of LDS; 32 keys fit. The samples exercise
@@ -447,6 +452,13 @@ class RotaryConfig:
 # (17.6 instructions an element, not 24.5, but 128 registers: 2435 GB/s at best), that loop with
 # its loads pipelined through shared memory (2 or 3 stages: 2112), and cos and sin loaded beside x
 # (2385). RMSNorm + RoPE at 8 rows and 1 warp: 3594 GB/s, against 3433 at the earlier 32 rows and 4 warps.
+# Loads in flight are not what binds it (2026-12-02): a throwaway kernel that streamed the tiles in
+# through tensor descriptors (TMA; persistent programs holding the weights, 2 to 4 tiles in flight
+# in shared memory, no registers spent on them) swept 84 tiles, programs an SM, stages and caps
+# beside the shipped row in one run: at best 2397 GB/s (16 one-warp programs an SM, 8 rows, 3
+# stages) against 2727. Its SASS issues about 24 instructions an element, 14 of them the exact fp32
+# steps and fp64 sum of squares that reference.layers.qk_norm_rope_quant specifies; at the ~2.7
+# instructions a cycle an SM that 2727 GB/s implies, 80% of copy needs about 20.
 ROTARY: dict[str, RotaryConfig] = {
     "generic": RotaryConfig(32, 4, norm_block_rows=32, quant_block_rows=32, norm_num_warps=4),
     "sm90": RotaryConfig(32, 4, norm_block_rows=8, quant_block_rows=8, norm_num_warps=1, quant_num_warps=1,
