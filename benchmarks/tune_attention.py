@@ -1,9 +1,9 @@
 """Sweep tile configurations of the attention kernels on this GPU and print the fastest per head
 dim, to fill runtime/tuning.py's tables for this architecture:
 `python -m benchmarks.tune_attention [--backward | --fp32] [--dims 64 128]`. Every candidate is
-checked against the oracle before it is timed. --fp32 sweeps the forward's fp32 table
-(FLASH_ATTN_FWD_FP32: no tensor cores, the scores and products on the FMA units) at S=2048. The backward sweep times forward + backward, first over the
-dK/dV kernel's tiles, then over the dQ kernel's."""
+checked against the oracle before it is timed. The backward sweep times forward + backward, first
+over the dK/dV kernel's tiles, then over the dQ kernel's. --fp32 sweeps the forward's fp32 table
+(FLASH_ATTN_FWD_FP32: no tensor cores, the products on the FMA units) at S=2048."""
 
 from __future__ import annotations
 

@@ -156,8 +156,8 @@ FLASH_ATTN_FWD_FP32: dict[str, dict[int, TileConfig]] = {
     # 3 KB. `python -m benchmarks.tune_attention --fp32 --dims 128 256` (H200, 2026-12-02, S=2048,
     # 16k tokens, full / causal): D=128 32 x 32, 4 warps, 1 stage 8.8 / 8.6 TFLOP/s (584 bytes of
     # spills; 16 x 16 spills nothing, 6.5), D=256 16 x 16, 4 warps, 1 stage 6.4 / 6.2 (no spills;
-    # was 3.1 / 3.7); SDPA's memory-efficient backend 45 / 43 beside them. sm80 (not timed here):
-    # the tiles its compiler report passes without spills (benchmarks.tune_targets' resources).
+    # was 3.1 / 3.7); SDPA's memory-efficient backend 45 / 43 beside them. sm80 (not timed: no
+    # A100 here): tiles its compile report shows without spills (192 and 168 registers).
     "sm90": {128: TileConfig(32, 32, 4, 1), 256: TileConfig(16, 16, 4, 1)},
     "sm80": {128: TileConfig(32, 32, 4, 2), 256: TileConfig(16, 16, 4, 1)},
     # RDNA: the same sweep (attn_fwd_fp32) over flash_attn_func's samples (D=1 and D=256): at
@@ -456,9 +456,10 @@ class RotaryConfig:
 # through tensor descriptors (TMA; persistent programs holding the weights, 2 to 4 tiles in flight
 # in shared memory, no registers spent on them) swept 84 tiles, programs an SM, stages and caps
 # beside the shipped row in one run: at best 2397 GB/s (16 one-warp programs an SM, 8 rows, 3
-# stages) against 2727. Its SASS issues about 24 instructions an element, 14 of them the exact fp32
-# steps and fp64 sum of squares that reference.layers.qk_norm_rope_quant specifies; at the ~2.7
-# instructions a cycle an SM that 2727 GB/s implies, 80% of copy needs about 20.
+# stages) against 2727. The shipped kernel's SASS issues about 24 instructions an element, 14 of
+# them the exact fp32 steps and fp64 sum of squares that reference.layers.qk_norm_rope_quant
+# specifies; at the ~2.6 instructions a cycle an SM that 2727 GB/s implies, 80% of copy needs
+# about 20.
 ROTARY: dict[str, RotaryConfig] = {
     "generic": RotaryConfig(32, 4, norm_block_rows=32, quant_block_rows=32, norm_num_warps=4),
     "sm90": RotaryConfig(32, 4, norm_block_rows=8, quant_block_rows=8, norm_num_warps=1, quant_num_warps=1,
