@@ -2,7 +2,8 @@
 
 Shapes (issue 2): bf16, D in {64, 128}, Sq = Sk in {1k, 4k, 16k}, causal and not, B * S = 16k
 tokens, 2048 / D heads. FLOPs counted as FlashAttention does: 4 * B * H * Sq * Sk * D, halved
-when causal.
+when causal. A case may name another dtype (tune_attention --fp32 does); fp32 cases have SDPA's
+memory-efficient backend as their peer, as the flash and cuDNN backends take 16-bit inputs only.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ def cases(quick: bool = False):
 
 
 def name(c) -> str:
-    return f"fwd D={c['D']} S={c['S']} B={c['B']} H={c['H']} {'causal' if c['causal'] else 'full'}"
+    dtype = f" {str(c['dtype']).removeprefix('torch.')}" if "dtype" in c else ""
+    return f"fwd D={c['D']} S={c['S']} B={c['B']} H={c['H']} {'causal' if c['causal'] else 'full'}{dtype}"
 
 
 def flops(c) -> float:
@@ -62,7 +64,7 @@ def runners(c, q, k, v):
                 return F.scaled_dot_product_attention(qt, kt, vt, is_causal=c["causal"])
         return run
 
-    if q.dtype == torch.float32:  # SDPA's flash and cuDNN backends take 16-bit inputs only
+    if q.dtype == torch.float32:
         peers = {"sdpa-efficient": sdpa(SDPBackend.EFFICIENT_ATTENTION)}
     else:
         peers = {"sdpa-flash": sdpa(SDPBackend.FLASH_ATTENTION), "sdpa-cudnn": sdpa(SDPBackend.CUDNN_ATTENTION)}

@@ -20,11 +20,12 @@ CANDIDATES = [TileConfig(bm, bn, w, s) for bm, bn, w, s in [
     (128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 128, 8, 2), (128, 32, 4, 3),
     (64, 64, 4, 3), (64, 128, 4, 3), (128, 64, 4, 4), (128, 128, 4, 3),
 ]]
-# fp32: the shipped generic rows, and small tiles (the FMA-unit products hold a tile's operands in
-# registers: at 64 x 32 and D=128 ptxas spills about 7 KB a thread on sm80 and sm90)
+# fp32: the generic rows (64 x 64 up to D=64, 64 x 32 at D=128, 32 x 32 at D=256), and small tiles
+# (the FMA-unit products hold a tile's operands in registers: at 64 x 32 and D=128 ptxas spills
+# about 7 KB a thread on sm80 and sm90)
 FP32_CANDIDATES = [TileConfig(bm, bn, w, s) for bm, bn, w, s in [
-    (64, 32, 4, 2), (32, 32, 4, 1), (32, 16, 4, 2), (16, 32, 4, 2), (16, 16, 4, 2), (16, 16, 4, 1),
-    (16, 16, 8, 1), (16, 16, 2, 2),
+    (64, 64, 4, 2), (64, 32, 4, 2), (32, 32, 4, 2), (32, 32, 4, 1), (32, 16, 4, 2), (16, 32, 4, 2),
+    (16, 16, 4, 2), (16, 16, 4, 1), (16, 16, 8, 1), (16, 16, 2, 2),
 ]]
 BWD_DKDV_CANDIDATES = [TileConfig(bm, bn, w, s) for bm, bn, w, s in [
     (64, 128, 8, 2), (64, 128, 8, 3), (32, 128, 8, 3), (32, 128, 8, 2), (64, 64, 4, 3),
@@ -74,8 +75,9 @@ def backward(dims) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.tune_attention")
-    parser.add_argument("--backward", action="store_true", help="sweep the backward's tiles")
-    parser.add_argument("--fp32", action="store_true", help="sweep the fp32 forward's tiles")
+    which = parser.add_mutually_exclusive_group()
+    which.add_argument("--backward", action="store_true", help="sweep the backward's tiles")
+    which.add_argument("--fp32", action="store_true", help="sweep the fp32 forward's tiles")
     parser.add_argument("--dims", type=int, nargs="*", default=[64, 128])
     args = parser.parse_args()
     if args.backward:

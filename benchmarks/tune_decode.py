@@ -61,12 +61,13 @@ def main() -> int:
         restore()  # the shipped rows, for the heuristic's own pick
         picked = decode._splits(case, q, kc, vc, table)
         cudnn = bench_graph(decode.runners(case, q, k, v, kc, vc, seqlens, table)["sdpa-cudnn"])
+        oracle = decode.expected(q, k, v)  # once per case: every candidate is checked against it
         results = []
         for tile, splits in itertools.product(tiles, splits_swept):
             for t in tables:  # the candidate for every layout, per-key pages included
                 t[arch] = {key: tile for key in tuning.FLASH_ATTN_KVCACHE["generic"]}
             try:
-                error = decode.check(case, q, k, v, kc, vc, seqlens, table, num_splits=splits)
+                error = decode.check(case, q, k, v, kc, vc, seqlens, table, num_splits=splits, oracle=oracle)
                 if error:
                     print(f"{tile} splits={splits}: WRONG {error}")
                     continue
@@ -79,7 +80,7 @@ def main() -> int:
               f"cache {decode.bytes_moved(case) / cudnn / 1e6:.0f} GB/s)")
         for gbps, tile, splits in sorted(results, key=lambda r: -r[0])[:8]:
             print(f"  {gbps:7.0f} GB/s  block_n={tile.block_n} warps={tile.num_warps} stages={tile.num_stages} splits={splits}")
-        del q, k, v, kc, vc
+        del q, k, v, kc, vc, oracle
         torch.cuda.empty_cache()
     restore()
     return 0

@@ -152,12 +152,14 @@ FLASH_ATTN_FWD_FP32: dict[str, dict[int, TileConfig]] = {
     },
     # NVIDIA: the products run on the FMA units, each thread holding its share of both operands:
     # the generic 64 x 32 tile at D=128 made ptxas spill about 7 KB a thread (32 registers and the
-    # rest on the stack, sm80 and sm90 alike) and ran at 0.9 TFLOP/s on the H200, 32 x 32 at D=256
-    # 3 KB. `python -m benchmarks.tune_attention --fp32 --dims 128 256` (H200, 2026-12-02, S=2048,
-    # 16k tokens, full / causal): D=128 32 x 32, 4 warps, 1 stage 8.8 / 8.6 TFLOP/s (584 bytes of
-    # spills; 16 x 16 spills nothing, 6.5), D=256 16 x 16, 4 warps, 1 stage 6.4 / 6.2 (no spills;
-    # was 3.1 / 3.7); SDPA's memory-efficient backend 45 / 43 beside them. sm80 (not timed: no
-    # A100 here): tiles its compile report shows without spills (192 and 168 registers).
+    # rest on the stack, sm80 and sm90 alike) and ran at 0.9 TFLOP/s on the H200; 32 x 32 at D=256
+    # spilled 3 KB on sm90 (1 KB on sm80). `python -m benchmarks.tune_attention --fp32 --dims 128
+    # 256` (H200, 2026-12-02, S=2048, 16k tokens, full / causal): D=128 32 x 32, 4 warps, 1 stage
+    # 8.8 / 8.6 TFLOP/s (584 bytes of spills; 16 x 16 spills nothing, 6.5), D=256 16 x 16, 4 warps,
+    # 1 stage 6.4 / 6.2 (no spills; was 3.1 / 3.7); SDPA's memory-efficient backend beside them 45 /
+    # 42 at D=128 and 43 / 39 at D=256. sm80 (not timed: no A100 here): tiles its compile report
+    # shows without spills (192 and 168 registers). Not yet tuned: D <= 64 keeps the generic 64 x
+    # 64, which spills 1136 bytes a thread at D=64 on sm90 (1064 on sm80; no fp32 sample has D=64).
     "sm90": {128: TileConfig(32, 32, 4, 1), 256: TileConfig(16, 16, 4, 1)},
     "sm80": {128: TileConfig(32, 32, 4, 2), 256: TileConfig(16, 16, 4, 1)},
     # RDNA: the same sweep (attn_fwd_fp32) over flash_attn_func's samples (D=1 and D=256): at
@@ -445,9 +447,10 @@ class RotaryConfig:
 # Swept again (2026-12-02, `benchmarks.tune_layers ROTARY_MAXNREG "ROTARY:rms_norm_rope q,k"`): capped
 # at 72 registers (28 one-warp programs an SM resident, not 25; no spills at D=128 with RoPE on all
 # features, the shape swept; other shapes keep ptxas's count: quant_register_cap) the quantized form
-# reads 2725 GB/s against 2621 uncapped, and 2530 at 64 (spilling). It is bound by loads in flight: ncu on
-# a 96-register variant showed 20 warps an SM resident, 0.63 instructions issued a cycle, and most
-# stalls on loads (long scoreboard, 37%). Three variants, tried on throwaway code and swept the same
+# reads 2725 GB/s against 2621 uncapped, and 2530 at 64 (spilling). ncu on a 96-register variant
+# showed 20 warps an SM resident, 0.63 instructions issued a cycle, and the most stalls on loads
+# (long scoreboard, 37%), which read as loads in flight binding it (but see the TMA variant
+# below: more loads in flight did not help). Three variants, tried on throwaway code and swept the same
 # way, were slower: programs looping over 2 to 32 tiles of tokens with the weights loaded once
 # (17.6 instructions an element, not 24.5, but 128 registers: 2435 GB/s at best), that loop with
 # its loads pipelined through shared memory (2 or 3 stages: 2112), and cos and sin loaded beside x
