@@ -2,7 +2,7 @@
 
 Shapes (issue 2): bf16, D in {64, 128}, Sq = Sk in {1k, 4k, 16k}, causal and not, B * S = 16k
 tokens, 2048 / D heads. FLOPs counted as FlashAttention does: 4 * B * H * Sq * Sk * D, halved
-when causal. A case may name another dtype (tune_attention --fp32 does); fp32 cases have SDPA's
+when causal. A case may name another dtype (benchmarks.attention_fp32's do); fp32 cases have SDPA's
 memory-efficient backend as their peer, as the flash and cuDNN backends take 16-bit inputs only.
 """
 

@@ -17,10 +17,10 @@ import triton
 from rich.console import Console
 from rich.table import Table
 
-from benchmarks import attention, attention_train, decode, layers, prefill, report
+from benchmarks import attention, attention_fp32, attention_train, decode, layers, prefill, report
 
-FAMILIES = {"attention": attention, "attention_train": attention_train, "layers": layers, "decode": decode,
-            "prefill": prefill}
+FAMILIES = {"attention": attention, "attention_train": attention_train, "attention_fp32": attention_fp32,
+            "layers": layers, "decode": decode, "prefill": prefill}
 
 
 def machine() -> dict:

@@ -3,7 +3,8 @@ dim, to fill runtime/tuning.py's tables for this architecture:
 `python -m benchmarks.tune_attention [--backward | --fp32] [--dims 64 128]`. Every candidate is
 checked against the oracle before it is timed. The backward sweep times forward + backward, first
 over the dK/dV kernel's tiles, then over the dQ kernel's. --fp32 sweeps the forward's fp32 table
-(FLASH_ATTN_FWD_FP32: no tensor cores, the products on the FMA units) at S=2048."""
+(FLASH_ATTN_FWD_FP32: no tensor cores, the products on the FMA units) at benchmarks.attention_fp32's
+shapes."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import argparse
 import torch
 import triton
 
-from benchmarks import attention, attention_train
+from benchmarks import attention, attention_fp32, attention_train
 from lanekit.runtime import tuning
 from lanekit.runtime.tuning import TileConfig
 
@@ -86,10 +87,9 @@ def main() -> None:
     arch = tuning.arch_id(torch.device("cuda"))
     if args.fp32:
         table = tuning.FLASH_ATTN_FWD_FP32.setdefault(arch, dict(tuning.FLASH_ATTN_FWD_FP32["generic"]))
-        for D in args.dims:
-            for causal in (False, True):
-                case = dict(D=D, S=2048, causal=causal, B=8, H=2048 // D, dtype=torch.float32)
-                sweep(attention, case, table, D, FP32_CANDIDATES)
+        for case in attention_fp32.cases():
+            if case["D"] in args.dims:
+                sweep(attention_fp32, case, table, case["D"], FP32_CANDIDATES)
         return
     table = tuning.FLASH_ATTN_FWD.setdefault(arch, dict(tuning.FLASH_ATTN_FWD["generic"]))
     for D in args.dims:

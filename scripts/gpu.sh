@@ -44,7 +44,7 @@ for s in "${steps[@]}"; do
     profile) run_step profile python3 -m benchmarks.profile_attention --dims ${DIMS:-64 128} ;;
     tune-layers) IFS=, read -ra tables <<<"${TUNE_TABLES:-}"; run_step tune-layers python3 -m benchmarks.tune_layers "${tables[@]}" ;;
     tune-bwd) run_step tune-bwd python3 -m benchmarks.tune_attention --backward --dims ${DIMS:-64 128} ;;
-    bench) run_step bench python3 -m benchmarks.run attention attention_train --json "$OUT/bench.json" ;;
+    bench) run_step bench python3 -m benchmarks.run attention attention_train attention_fp32 --json "$OUT/bench.json" ;;
     bench-layers) run_step bench-layers python3 -m benchmarks.run layers --json "$OUT/bench-layers.json" ;;
     bench-decode) run_step bench-decode python3 -m benchmarks.run decode prefill --json "$OUT/bench-decode.json" ;;
     tune-decode) run_step tune-decode python3 -m benchmarks.tune_decode ${TUNE_ARGS:-} ;;
