@@ -114,7 +114,12 @@ FLASH_ATTN_KVCACHE: dict[str, dict[int, TileConfig]] = {
     # items, the key loops flattened into that loop (tl.range(flatten=True)) so that an item's first
     # loads could overlap the last one's tail, read 4256 to 4267 GB/s at 1, 2 or 4 programs an SM,
     # as a program per item did (4266; cuDNN 4441 in that run); pages of 256 fell to 2987 (4237 in
-    # the last bench record).
+    # the last bench record). Nor did key blocks without masks (2026-12-02, throwaway code): a
+    # sequence's blocks that every row sees walked with no key or window mask, the masked blocks
+    # only at its ends, as the prefill kernel does. Timed against the shipped kernel in alternation
+    # (`benchmarks.run decode`, two runs of each): 4k contiguous 4200 / 4196 GB/s against 4305 /
+    # 4312, pages of 16 4078 / 4098 against 4150 / 4119, 32k within 0.5% and below. The masks are
+    # not what costs at 4k; the three loops' extra pipeline prologues cost more than they saved.
     "sm90": {128: TileConfig(64, 128, 8, 3)},
     # CDNA 3 (`benchmarks.tune_targets --target gfx942 --sweep attn_kvcache`): 64 keys a step
     # spilled, and at D=128 with 2 stages needed 68 KiB of LDS; 32 keys fit. The samples exercise
@@ -463,6 +468,22 @@ class RotaryConfig:
 # them the exact fp32 steps and fp64 sum of squares that reference.layers.qk_norm_rope_quant
 # specifies; at the ~2.6 instructions a cycle an SM that 2727 GB/s implies, 80% of copy needs
 # about 20.
+# Where its cycles go (ncu on the H200, 2026-12-02, `gpu.sh ncu` and the warp-stall metrics):
+# instructions issued on 69% of cycles; per issued instruction a warp waits 9.0 cycles, of which
+# 2.75 on global loads (long scoreboard), 1.9 not selected (another warp issued), 1.23 on fixed
+# latencies, 0.66 on a busy pipe; no pipe above 41% (ALU 41, FMA 37, FP64 10); 28 one-warp
+# programs an SM resident (72 registers), 6.25 warps a scheduler active. RMSNorm + RoPE without
+# quantization: issued on 45% of cycles, 9.9 of its 15 cycles on global loads. Two more variants
+# (throwaway code, 2026-12-02), both timed by tune_layers beside the shipped kernel:
+# - persistent programs that issue the next tile's loads into registers before computing this
+#   one's (the rows worked out again per tile, not held): at best 2741 GB/s (16 programs an SM,
+#   128 registers) against 2743 for the shipped kernel, and RMSNorm + RoPE 3487 against 3590. The
+#   loads in flight are hidden, but with fewer warps resident the other waits are not.
+# - q's or k's pointers and row strides chosen by one branch on the program's flag instead of a
+#   select of each pair (uniform registers instead of ~20 vector instructions): 2828 GB/s (one
+#   run; 2743 for the shipped kernel the same day). Not kept: the branch's arms must agree in
+#   type, and every way to make them agree for all inputs (a cast in the arms, or unspecialized
+#   strides) makes the compiler copy the whole kernel into both arms (2400+ SASS instructions).
 ROTARY: dict[str, RotaryConfig] = {
     "generic": RotaryConfig(32, 4, norm_block_rows=32, quant_block_rows=32, norm_num_warps=4),
     "sm90": RotaryConfig(32, 4, norm_block_rows=8, quant_block_rows=8, norm_num_warps=1, quant_num_warps=1,
