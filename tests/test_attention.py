@@ -268,6 +268,17 @@ def test_random_configurations_match_the_oracle(device, Sq, Sk, group, Hkv, D, d
     assert result.ok, result.detail
 
 
+@pytest.mark.parametrize("D", [48, 64])
+def test_fp32_head_dims_48_and_64_with_every_mask_match_the_oracle(D, device):
+    """fp32 at D in (32, 64] takes a tile of its own on NVIDIA (the generic one spilled): checked
+    with a bias, a mask, ALiBi, softcap and a window on at once, the most registers it needs."""
+    sample = attention_case(f"fp32 d{D} bias+mask+alibi+softcap+window", device, B=2, Sq=19, Sk=41, Hq=2,
+                            D=D, dtype=torch.float32, bias_shape=(1, 2, 19, 41), mask_shape=(2, 1, 1, 41),
+                            alibi="batch", softcap=30.0, window_size=(8, 3))
+    result = check.check_sample(OP, "triton", sample)
+    assert result.ok, result.detail
+
+
 @pytest.mark.parametrize("window", [(-1, 2**31 - 1), (2**31 - 1, -1), (2**63, 2**64), (40, 40)],
                          ids=["right 2^31-1", "left 2^31-1", "beyond int64", "past both ends"])
 def test_windows_past_every_key_are_unbounded(window, device):

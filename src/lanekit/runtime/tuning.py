@@ -163,10 +163,15 @@ FLASH_ATTN_FWD_FP32: dict[str, dict[int, TileConfig]] = {
     # 8.8 / 8.6 TFLOP/s (584 bytes of spills; 16 x 16 spills nothing, 6.5), D=256 16 x 16, 4 warps,
     # 1 stage 6.4 / 6.2 (no spills; was 3.1 / 3.7); SDPA's memory-efficient backend beside them 45 /
     # 42 at D=128 and 43 / 39 at D=256. sm80 (not timed: no A100 here): tiles its compile report
-    # shows without spills (192 and 168 registers). Not yet tuned: D <= 64 keeps the generic 64 x
-    # 64, which spills 1136 bytes a thread at D=64 on sm90 (1064 on sm80; no fp32 sample has D=64).
-    "sm90": {128: TileConfig(32, 32, 4, 1), 256: TileConfig(16, 16, 4, 1)},
-    "sm80": {128: TileConfig(32, 32, 4, 2), 256: TileConfig(16, 16, 4, 1)},
+    # shows without spills (192 and 168 registers). D in (32, 64]: the generic 64 x 64 spilled
+    # 1136 bytes a thread at D=64 on sm90 (1064 on sm80). `tune_attention --fp32 --dims 32 64`
+    # (H200, 2026-12-02, full / causal): D=64 32 x 32, 4 warps, 2 stages 11.8 / 11.4 TFLOP/s (113
+    # registers, no spills; 64 x 64: 9.9 / 9.3; SDPA's memory-efficient backend 35.4 / 33.2), and
+    # sm80 takes it from its compile report (110 registers, no spills; with every feature on, a
+    # few stack stores on both). D <= 32 keeps 64 x 64: at D=32 it led the sweep (15.4 / 14.7,
+    # against 11.1 / 10.8 for 32 x 32; SDPA 20.8 / 19.4).
+    "sm90": {64: TileConfig(32, 32, 4, 2), 128: TileConfig(32, 32, 4, 1), 256: TileConfig(16, 16, 4, 1)},
+    "sm80": {64: TileConfig(32, 32, 4, 2), 128: TileConfig(32, 32, 4, 2), 256: TileConfig(16, 16, 4, 1)},
     # RDNA: the same sweep (attn_fwd_fp32) over flash_attn_func's samples (D=1 and D=256): at
     # D=256 every candidate spills on RDNA, 16x16 with 8 warps least (targets.SPILL_ALLOWANCES
     # says why). D=128 (a varlen sample) takes the same tile, not yet swept.
