@@ -43,7 +43,7 @@ NOTES = {
         "and V read. Peers: SDPA's flash and cuDNN backends on the contiguous cache (`enable_gqa`). "
         "Every call replayed from a CUDA graph. Bar (issue 4): at least 85% of copy at 32k and at least "
         "the fastest SDPA backend (cuDNN, which reads at about 4.5 TB/s, above the copy figure: a copy "
-        "writes as much as it reads). At 32k every layout passes the copy bar and is within 2% of "
+        "writes as much as it reads). At 32k every layout passes the copy bar and is within 3% of "
         "cuDNN; at 4k the cuDNN bar is not met, pages of 16 lowest (the table's ratios)."
     ),
     "prefill": (

@@ -268,13 +268,15 @@ def test_random_configurations_match_the_oracle(device, Sq, Sk, group, Hkv, D, d
     assert result.ok, result.detail
 
 
+@pytest.mark.parametrize("window", [(8, 3), (-1, -1)], ids=["window(8,3)", "no window"])
 @pytest.mark.parametrize("D", [48, 64])
-def test_fp32_head_dims_48_and_64_with_every_mask_match_the_oracle(D, device):
-    """fp32 at D in (32, 64] takes a tile of its own on NVIDIA (the generic one spilled): checked
-    with a bias, a mask, ALiBi, softcap and a window on at once, the most registers it needs."""
-    sample = attention_case(f"fp32 d{D} bias+mask+alibi+softcap+window", device, B=2, Sq=19, Sk=41, Hq=2,
-                            D=D, dtype=torch.float32, bias_shape=(1, 2, 19, 41), mask_shape=(2, 1, 1, 41),
-                            alibi="batch", softcap=30.0, window_size=(8, 3))
+def test_fp32_head_dims_48_and_64_with_every_feature_match_the_oracle(D, window, device):
+    """fp32 at D in (32, 64] takes a tile of its own on NVIDIA (the generic one spilled; the
+    interpreter runs its own tile): a bias, a mask, ALiBi, softcap and dropout on at once, with and
+    without a window, at lengths that leave partial row and key blocks and unmasked interior ones."""
+    sample = attention_case(f"fp32 d{D} every feature {window}", device, B=2, Sq=97, Sk=129, Hq=2, D=D,
+                            dtype=torch.float32, bias_shape=(1, 2, 97, 129), mask_shape=(2, 1, 1, 129),
+                            alibi="batch", softcap=30.0, window_size=window, dropout_p=0.2, seed=1234)
     result = check.check_sample(OP, "triton", sample)
     assert result.ok, result.detail
 

@@ -51,8 +51,8 @@ _NVIDIA_UNCOUNTED = ("spills that ptxas reports as STACK, which the record read 
                      "read LOCAL only): found then, not yet tuned away; ")
 _NVIDIA_OTHERS = _NVIDIA_UNCOUNTED + "the worst are a bias with a mask at D=111 and the backward at odd head dims"
 _NVIDIA_FWD = _NVIDIA_UNCOUNTED + ("the worst is a bias with a mask at D=111 (on sm80 ptxas falls to 32 registers "
-                                   "and 7 KB of stack with the 16-bit D=128 row); fp32 at D=128 and 256 has rows "
-                                   "of its own since (tuning.FLASH_ATTN_FWD_FP32: 584 bytes at most, sm90's D=128 "
+                                   "and 7 KB of stack with the 16-bit D=128 row); fp32 at D=64, 128 and 256 has "
+                                   "rows of its own since (tuning.FLASH_ATTN_FWD_FP32: 584 bytes at most, sm90's D=128 "
                                    "row, the fastest timed)")
 SPILL_ALLOWANCES: dict[tuple[str, str], tuple[int, str]] = {
     **{(kernel, rdna): (limit, why) for rdna in ("gfx1151", "gfx1201") for kernel, limit, why in (

@@ -114,12 +114,13 @@ FLASH_ATTN_KVCACHE: dict[str, dict[int, TileConfig]] = {
     # items, the key loops flattened into that loop (tl.range(flatten=True)) so that an item's first
     # loads could overlap the last one's tail, read 4256 to 4267 GB/s at 1, 2 or 4 programs an SM,
     # as a program per item did (4266; cuDNN 4441 in that run); pages of 256 fell to 2987 (4237 in
-    # the last bench record). Nor did key blocks without masks (2026-12-02, throwaway code): a
-    # sequence's blocks that every row sees walked with no key or window mask, the masked blocks
-    # only at its ends, as the prefill kernel does. Timed against the shipped kernel in alternation
-    # (`benchmarks.run decode`, two runs of each): 4k contiguous 4200 / 4196 GB/s against 4305 /
-    # 4312, pages of 16 4078 / 4098 against 4150 / 4119, 32k within 0.5% and below. The masks are
-    # not what costs at 4k; the three loops' extra pipeline prologues cost more than they saved.
+    # the bench record then, measured at 2cd6cd3). Nor did walking a sequence's key blocks in three
+    # loops as the prefill kernel does (2026-12-02, throwaway code): the masked blocks at either
+    # end, the blocks every row sees in between with no key or window mask. Timed against the
+    # shipped kernel in alternation (`benchmarks.run decode`, two runs of each): at 4k contiguous
+    # 4200 / 4196 GB/s against 4305 / 4312, pages of 16 4078 / 4098 against 4150 / 4119, pages of
+    # 256 4250 / 4242 against 4321 / 4325; at 32k 0.1% to 0.8% below. The masks are not what costs
+    # at 4k; the likely cost (not profiled) is the extra loops' pipeline prologues.
     "sm90": {128: TileConfig(64, 128, 8, 3)},
     # CDNA 3 (`benchmarks.tune_targets --target gfx942 --sweep attn_kvcache`): 64 keys a step
     # spilled, and at D=128 with 2 stages needed 68 KiB of LDS; 32 keys fit. The samples exercise
@@ -166,10 +167,12 @@ FLASH_ATTN_FWD_FP32: dict[str, dict[int, TileConfig]] = {
     # shows without spills (192 and 168 registers). D in (32, 64]: the generic 64 x 64 spilled
     # 1136 bytes a thread at D=64 on sm90 (1064 on sm80). `tune_attention --fp32 --dims 32 64`
     # (H200, 2026-12-02, full / causal): D=64 32 x 32, 4 warps, 2 stages 11.8 / 11.4 TFLOP/s (113
-    # registers, no spills; 64 x 64: 9.9 / 9.3; SDPA's memory-efficient backend 35.4 / 33.2), and
-    # sm80 takes it from its compile report (110 registers, no spills; with every feature on, a
-    # few stack stores on both). D <= 32 keeps 64 x 64: at D=32 it led the sweep (15.4 / 14.7,
-    # against 11.1 / 10.8 for 32 x 32; SDPA 20.8 / 19.4).
+    # registers, no spills; 64 x 64: 9.9 / 9.3; SDPA's memory-efficient backend 35.4 / 33.2); sm80
+    # takes it from its compile report (110 registers at D=64, no spills; 8 bytes causal). With
+    # bias, mask, ALiBi, softcap and a window on: 255 registers and 16 bytes of stack on both; with
+    # dropout too, 32 on sm90 and 88 on sm80. D=48 is not timed (255 registers on sm90, against
+    # 113 at D=64). D <= 32 keeps 64 x 64: at D=32 it led the sweep (15.4 / 14.7, against 11.1 /
+    # 10.8 for 32 x 32; SDPA 20.8 / 19.4), though it spills 48 bytes a thread there (8 causal).
     "sm90": {64: TileConfig(32, 32, 4, 2), 128: TileConfig(32, 32, 4, 1), 256: TileConfig(16, 16, 4, 1)},
     "sm80": {64: TileConfig(32, 32, 4, 2), 128: TileConfig(32, 32, 4, 2), 256: TileConfig(16, 16, 4, 1)},
     # RDNA: the same sweep (attn_fwd_fp32) over flash_attn_func's samples (D=1 and D=256): at
@@ -473,22 +476,26 @@ class RotaryConfig:
 # them the exact fp32 steps and fp64 sum of squares that reference.layers.qk_norm_rope_quant
 # specifies; at the ~2.6 instructions a cycle an SM that 2727 GB/s implies, 80% of copy needs
 # about 20.
-# Where its cycles go (ncu on the H200, 2026-12-02, `gpu.sh ncu` and the warp-stall metrics):
-# instructions issued on 69% of cycles; per issued instruction a warp waits 9.0 cycles, of which
-# 2.75 on global loads (long scoreboard), 1.9 not selected (another warp issued), 1.23 on fixed
-# latencies, 0.66 on a busy pipe; no pipe above 41% (ALU 41, FMA 37, FP64 10); 28 one-warp
-# programs an SM resident (72 registers), 6.25 warps a scheduler active. RMSNorm + RoPE without
-# quantization: issued on 45% of cycles, 9.9 of its 15 cycles on global loads. Two more variants
-# (throwaway code, 2026-12-02), both timed by tune_layers beside the shipped kernel:
+# Where its cycles go (ncu on the H200, 2026-12-02: `gpu.sh ncu`, then the smsp__average_warps_
+# issue_stalled_* and sm__inst_executed_pipe_* metrics in a second run): instructions issued on 69%
+# of cycles; per issued instruction a warp waits 9.0 cycles, of which 2.75 on global loads (long
+# scoreboard), 1.9 not selected (another warp issued), 1.23 on fixed latencies, 0.66 on a busy
+# pipe; no pipe above 41% (ALU 41, FMA 37, FP64 10); up to 28 one-warp programs an SM resident (72
+# registers; 25.5 achieved), 6.25 warps a scheduler active. RMSNorm + RoPE without quantization:
+# issued on 45% of cycles, 9.9 of its 13.1 cycles a warp waits on global loads. Two more variants
+# (throwaway code, 2026-12-02):
 # - persistent programs that issue the next tile's loads into registers before computing this
-#   one's (the rows worked out again per tile, not held): at best 2741 GB/s (16 programs an SM,
+#   one's (the rows worked out again per tile, not held), timed by tune_layers (its candidates
+#   and the shipped kernel in one run): at best 2741 GB/s (16 programs an SM,
 #   128 registers) against 2743 for the shipped kernel, and RMSNorm + RoPE 3487 against 3590. The
 #   loads in flight are hidden, but with fewer warps resident the other waits are not.
 # - q's or k's pointers and row strides chosen by one branch on the program's flag instead of a
-#   select of each pair (uniform registers instead of ~20 vector instructions): 2828 GB/s (one
-#   run; 2743 for the shipped kernel the same day). Not kept: the branch's arms must agree in
-#   type, and every way to make them agree for all inputs (a cast in the arms, or unspecialized
-#   strides) makes the compiler copy the whole kernel into both arms (2400+ SASS instructions).
+#   select of each pair (uniform registers instead of ~20 vector instructions; 795 SASS
+#   instructions on the path taken, as the shipped kernel's 791): 2828 GB/s (one run, a version
+#   correct only when q's and k's strides specialize alike; the shipped kernel 2743 in a separate
+#   run that day). Not kept: the branch's arms must agree in type, and every way to make them agree
+#   for all inputs (a cast in the arms, or unspecialized strides) makes the compiler copy the whole
+#   kernel into both arms (2400+ SASS instructions, against the shipped kernel's 1224).
 ROTARY: dict[str, RotaryConfig] = {
     "generic": RotaryConfig(32, 4, norm_block_rows=32, quant_block_rows=32, norm_num_warps=4),
     "sm90": RotaryConfig(32, 4, norm_block_rows=8, quant_block_rows=8, norm_num_warps=1, quant_num_warps=1,
