@@ -1,21 +1,28 @@
-"""SASS of the fused layers' launches at the benchmark's shapes, compiled for sm90 with no GPU.
+"""SASS of lanekit's launches at the benchmarks' shapes, compiled for sm90 with no GPU.
 
     python -m benchmarks.sass [case ...] [--dump DIR]
 
-Runs a case of benchmarks.layers through its real launcher on CPU tensors of the benchmark's
-shapes, with sm90's tuning rows; every kernel launch is caught before it runs, compiled by Triton for sm90 with the
-specialization the launch would get on the GPU (dtypes, strides of 1, 16-byte alignment), and
-disassembled with the cuobjdump Triton bundles. Prints, per launch: the grid, registers per thread,
-the static SASS instruction count, that count per element each thread handles (the kernels here are
-straight-line per program, so it is the issued instructions per element), and the instructions
-that cost the most issue slots on Hopper (fp64 and conversions; cvt runs 16 per clock per SM
-against 128 fp32 operations). Nothing is timed: this is the CPU's view of a compute-bound kernel.
+Runs a case of benchmarks.layers or benchmarks.decode through its real launcher on CPU tensors of
+the benchmark's shapes, with sm90's tuning rows; every kernel launch is caught before it runs,
+compiled by Triton for sm90 with the specialization the launch would get on the GPU (dtypes,
+strides of 1, 16-byte alignment), and disassembled with the cuobjdump Triton bundles. Prints, per
+launch: the grid, registers per thread, the static SASS instruction count, that count per element
+each thread handles (the fused layers are straight-line per program, so it is the issued
+instructions per element), and the instructions that cost the most issue slots on Hopper (fp64 and
+conversions; cvt runs 16 per clock per SM against 128 fp32 operations). A kernel with a loop (the
+decode kernel's walk over key blocks) also gets its largest loop's body: instructions per
+iteration and the opcodes that say what an iteration spends them on (barriers, asynchronous
+copies, shared-memory traffic, matrix products, per-key masks and addresses). Nothing is timed:
+this is the CPU's view of a kernel. The decode cases allocate their caches on the CPU (about 1 GB
+at 4k keys, 8 GB at 32k); their split count is the heuristic's for the CPU, which does not change
+the kernel's code.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import math
 import os
 import re
 import subprocess
@@ -27,6 +34,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, compile as triton_compile, make_backend
 from triton.runtime import jit as triton_jit
 
+from benchmarks import decode
 from benchmarks import layers as bench
 from lanekit.runtime import tuning
 
@@ -133,11 +141,42 @@ class _Capture:
         triton_jit.JITFunction.run = self._run
 
 
+# opcodes that say what a loop iteration spends its instructions on
+LOOP_WATCH = ("BAR", "LDGSTS", "LDGDEPBAR", "DEPBAR", "LDG", "LDS", "LDSM", "STS", "HMMA", "HGMMA", "WARPGROUP",
+              "IMAD", "ISETP", "SEL", "LEA", "IADD3", "SHFL", "MUFU", "FMUL", "FFMA", "FADD", "FMNMX")
+
+
+def _largest_loop(sass: str) -> dict | None:
+    """The body of the largest loop (a backward branch and the instructions from its target to
+    it, NOPs left out): its instruction count and the LOOP_WATCH opcodes in it; None without one.
+    Branches after the kernel's last EXIT (out-of-line slow paths returning to the main body) are
+    not loops."""
+    lines = [(int(m.group(1), 16), m.group(2)) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+(.*?);", sass)]
+    exits = [a for a, t in lines if t.split()[-1] == "EXIT" or t.startswith("EXIT")]
+    last_exit = exits[-1] if exits else float("inf")
+    best = None
+    for addr, text in lines:
+        if addr > last_exit:
+            continue
+        m = re.match(r"(?:@!?U?P\w+\s+)?BRA\s+(?:`\(\.L_x_\d+\)|0x([0-9a-f]+))", text)
+        if not m or not m.group(1) or int(m.group(1), 16) >= addr:
+            continue
+        body = [t.split()[0] if not t.startswith("@") else t.split()[1]
+                for a, t in lines if int(m.group(1), 16) <= a <= addr]
+        body = [op for op in body if not op.startswith("NOP")]
+        if best is None or len(body) > len(best):
+            best = body
+    if best is None:
+        return None
+    counts = collections.Counter(op.split(".")[0] for op in best)
+    return dict(instructions=len(best), ops={k: counts[k] for k in LOOP_WATCH if counts[k]})
+
+
 def _elements_per_thread(bound: dict, num_warps: int) -> float:
     """Elements (rows x features) one thread handles, from the launch's tile constexprs."""
     if "BLOCK_H" in bound:   # the RoPE kernels: BLOCK_S * BLOCK_H rows of D
         return bound["BLOCK_S"] * bound["BLOCK_H"] * bound["D"] / (num_warps * 32)
-    if "BLOCK_N" in bound and bound.get("ONE_BLOCK", True):   # the norms: MOD_ROWS rows of N
+    if "BLOCK_N" in bound and "N" in bound and bound.get("ONE_BLOCK", True):   # the norms: MOD_ROWS rows of N
         return bound.get("MOD_ROWS", 1) * bound["N"] / (num_warps * 32)
     return float("nan")
 
@@ -145,18 +184,27 @@ def _elements_per_thread(bound: dict, num_warps: int) -> float:
 def _triton_lane_on_cpu():
     """The Triton lane for CPU tensors (whose launches _Capture catches), with the kernels compiled
     natively: they are imported before the lane check is told the process is interpreted."""
-    import lanekit.layers.kernels  # noqa: F401  (decorated now, natively)
+    import lanekit.attention.kernels  # noqa: F401  (decorated now, natively, and reading the lane
+    import lanekit.layers.kernels  # noqa: F401      check as it is before the change below)
     from lanekit.runtime import lanes
 
     lanes.triton_interpreted = lambda: True
     os.environ[lanes.LANE_ENV] = "triton"
 
 
-def report(case: dict, dump: str | None = None) -> list[dict]:
+def _launch(family, case):
+    """A function that makes the case's lanekit call on CPU tensors of the benchmark's shapes."""
+    inputs = family.make_inputs(case, device="cpu")
+    if family is decode:
+        return decode.runners(case, *inputs)["lanekit"]
+    return lambda: bench._lanekit(case)(*inputs)
+
+
+def report(case: dict, dump: str | None = None, family=bench) -> list[dict]:
     _triton_lane_on_cpu()
-    inputs = bench.make_inputs(case, device="cpu")
+    call = _launch(family, case)
     with tuning.compiling_for("sm90"), _Capture() as cap:   # sm90's tuning rows, as on the H200
-        bench._lanekit(case)(*inputs)
+        call()
     rows = []
     for i, (name, grid, bound, kernel) in enumerate(cap.launches):
         sass, regs = _sass(kernel)
@@ -170,29 +218,39 @@ def report(case: dict, dump: str | None = None) -> list[dict]:
         rows.append(dict(kernel=name, grid=grid, regs=regs, instructions=len(ops), hot=hot,
                          per_element=len(ops) / per, hot_per_element=hot / per,
                          weighted_per_element=weighted / per,
-                         watched=dict(sorted(counts.items()))))
+                         watched=dict(sorted(counts.items())), loop=_largest_loop(sass),
+                         tile={k: bound[k] for k in ("BLOCK_M", "BLOCK_N", "num_warps") if k in bound}
+                         | {"num_warps": kernel.metadata.num_warps, "num_stages": kernel.metadata.num_stages}))
         if dump:
             os.makedirs(dump, exist_ok=True)
-            with open(os.path.join(dump, f"{bench.name(case).replace(' ', '_')}.{i}.{name}.sass"), "w") as f:
+            with open(os.path.join(dump, f"{family.name(case).replace(' ', '_')}.{i}.{name}.sass"), "w") as f:
                 f.write(sass)
     return rows
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("cases", nargs="*", help="benchmarks.layers case names (default: the q-and-k ones "
-                                            "and adaln)")
+    p.add_argument("cases", nargs="*", help="benchmarks.layers or benchmarks.decode case names (default: the "
+                                            "q-and-k ones and adaln)")
     p.add_argument("--dump", help="write each launch's SASS into this folder")
     args = p.parse_args(argv)
     wanted = args.cases or ["rms_norm_rope q,k", "qk_norm_rope_quant e4m3", "adaln"]
-    for case in bench.cases():
-        if bench.name(case) not in wanted:
+    known = [(family, case) for family in (bench, decode) for case in family.cases()]
+    unknown = set(wanted) - {family.name(case) for family, case in known}
+    if unknown:
+        p.error(f"unknown case(s) {sorted(unknown)}: expected names of benchmarks.layers or benchmarks.decode")
+    for family, case in known:
+        if family.name(case) not in wanted:
             continue
-        for r in report(case, args.dump):
-            print(f"{bench.name(case)}: {r['kernel']} grid {r['grid']}  {r['regs']} regs  "
-                  f"{r['instructions']} SASS ({r['per_element']:.1f} per element), "
-                  f"{r['hot']} on the path taken ({r['hot_per_element']:.1f}; "
-                  f"{r['weighted_per_element']:.1f} fp32-add issue slots)  {r['watched']}")
+        for r in report(case, args.dump, family):
+            counts = f"{r['instructions']} SASS"
+            if not math.isnan(r["per_element"]):   # straight-line kernels: per element each thread holds
+                counts += (f" ({r['per_element']:.1f} per element), {r['hot']} on the path taken "
+                           f"({r['hot_per_element']:.1f}; {r['weighted_per_element']:.1f} fp32-add issue slots)")
+            print(f"{family.name(case)}: {r['kernel']} grid {r['grid']}  {r['tile']}  {r['regs']} regs  "
+                  f"{counts}  {r['watched']}")
+            if r["loop"]:
+                print(f"    largest loop: {r['loop']['instructions']} instructions an iteration  {r['loop']['ops']}")
 
 
 if __name__ == "__main__":
