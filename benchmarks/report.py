@@ -110,8 +110,10 @@ def render(records: list[dict]) -> str:
             lines.append(f"torch {m['torch']}, triton {m['triton']}, CUDA {m['cuda']}, cuDNN {m['cudnn']}.\n")
             if fam in NOTES:
                 lines.append(NOTES[fam] + "\n")
-            if rec.get("note"):
-                lines.append(f"Note on this record: {rec['note']}\n")
+            # a record's note, or its note for this family where it has one per family
+            note = rec.get("notes", {}).get(fam, rec.get("note"))
+            if note:
+                lines.append(f"Note on this record: {note}\n")
             peers = peers_of(rows)
             copy = m.get("copy_gbps")
             if copy and _unit(rows) == "GB/s":
