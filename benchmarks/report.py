@@ -1,7 +1,9 @@
 """Render docs/performance.md from benchmark records: `python -m benchmarks.report docs/bench/*.json`.
 
 Each record is the JSON that `python -m benchmarks.run --json PATH` wrote on the GPU; the page
-shows every case's figures beside the peers' from the same run, and the ratios.
+shows every case's figures beside the peers' from the same run, and the ratios. A record may also
+carry keys added by hand: ``note`` (what was measured, shown under each of its families) or
+``notes`` (one per family name, in place of ``note`` for that family).
 """
 
 from __future__ import annotations

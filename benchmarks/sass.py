@@ -1,21 +1,24 @@
 """SASS of lanekit's launches at the benchmarks' shapes, compiled for sm90 with no GPU.
 
-    python -m benchmarks.sass [case ...] [--dump DIR]
+    python -m benchmarks.sass [case ...] [--dump DIR] [--splits N]
 
 Runs a case of benchmarks.layers or benchmarks.decode through its real launcher on CPU tensors of
 the benchmark's shapes, with sm90's tuning rows; every kernel launch is caught before it runs,
-compiled by Triton for sm90 with the specialization the launch would get on the GPU (dtypes,
-strides of 1, 16-byte alignment), and disassembled with the cuobjdump Triton bundles. Prints, per
-launch: the grid, registers per thread, the static SASS instruction count, that count per element
-each thread handles (the fused layers are straight-line per program, so it is the issued
-instructions per element), and the instructions that cost the most issue slots on Hopper (fp64 and
-conversions; cvt runs 16 per clock per SM against 128 fp32 operations). A kernel with a loop (the
-decode kernel's walk over key blocks) also gets its largest loop's body: instructions per
-iteration and the opcodes that say what an iteration spends them on (barriers, asynchronous
-copies, shared-memory traffic, matrix products, per-key masks and addresses). Nothing is timed:
-this is the CPU's view of a kernel. The decode cases allocate their caches on the CPU (about 1 GB
-at 4k keys, 8 GB at 32k); their split count is the heuristic's for the CPU, which does not change
-the kernel's code.
+compiled by Triton for sm90 with the specialization the launch would get on the GPU (dtypes, ints
+equal to 1, strides of 1, 16-byte alignment), and disassembled with the cuobjdump Triton bundles.
+Prints, per launch: the grid, the tile (block sizes, warps, stages), registers per thread, the
+static SASS instruction count and those on the path real inputs take, for the fused layers that
+count per element each thread handles (they are straight-line per program, so it is the issued
+instructions per element), and the instructions that cost the most issue slots on Hopper (fp64
+and conversions; cvt runs 16 per clock per SM against 128 fp32 operations). A kernel with a loop
+(the decode kernel's walk over key blocks) also gets its largest loop's body, as compiled: the
+instructions of one pass (of an unrolled loop, several source iterations; of nested loops, the
+inner body once) and the opcodes that say what it spends them on (barriers, asynchronous copies,
+shared-memory traffic, matrix products, per-key masks and addresses). Nothing is timed: this is
+the CPU's view of a kernel. The decode cases allocate their caches on the CPU (about 1 GB at 4k
+keys, 8 GB at 32k). Their split count is the heuristic's for the CPU (1), where the H200 may pick
+more (pages of 16: 3); one split is a kernel of its own (an int argument of 1 is specialized,
+and it writes the output directly), so --splits N compiles the launches of N splits instead.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, compile as triton_compile, make_backend
 from triton.runtime import jit as triton_jit
 
+import lanekit
 from benchmarks import decode
 from benchmarks import layers as bench
 from lanekit.runtime import tuning
@@ -65,6 +69,22 @@ def _addressed(sass: str) -> list[tuple[int, str]]:
     return ops
 
 
+def _lines(sass: str) -> list[tuple[int, str]]:
+    """(address, text) of each instruction of the disassembly."""
+    return [(int(m.group(1), 16), m.group(2)) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+(.*?);", sass)]
+
+
+def _last_exit(lines: list[tuple[int, str]]) -> float:
+    """The address of the kernel's last EXIT: the out-of-line slow paths come after it."""
+    exits = [a for a, t in lines if t.split()[-1] == "EXIT" or t.startswith("EXIT")]
+    return exits[-1] if exits else float("inf")
+
+
+# a branch and its target address: predicated (@P0, @!UP1), with modifiers (.U, .DIV), with a
+# predicate or register operand before the target (BRA.U !UP0, 0x...; BRA.DIV UR4, 0x...)
+_BRANCH = re.compile(r"(?:@!?U?P\w+\s+)?BRA(?:\.\w+)*\s+(?:!?U?P\w+,\s*|U?R\w+,\s*)?0x([0-9a-f]+)")
+
+
 def _instructions(sass: str) -> list[str]:
     return [op for _, op in _addressed(sass)]
 
@@ -93,12 +113,11 @@ def _cold_ranges(sass: str) -> set[int]:
     branch skips over a block of fp64 conversions or of clamps (the rare tiles of
     _qk_norm_rope_fwd_kernel: a bf16 square outside fp32's exact range, redone in fp64; a
     subnormal scale, whose codes are clamped), and those after the kernel's last EXIT."""
-    lines = [(int(m.group(1), 16), m.group(2)) for m in
-             re.finditer(r"/\*([0-9a-f]{4,})\*/\s+(.*?);", sass)]
+    lines = _lines(sass)
     cold = set()
     for addr, text in lines:
-        m = re.match(r"@!?P\d\s+BRA\s+(?:`\(\.L_x_\d+\)|0x([0-9a-f]+))", text)
-        if not m or not m.group(1):
+        m = _BRANCH.match(text)
+        if not m or not text.startswith("@"):   # conditional branches only
             continue
         target = int(m.group(1), 16)
         inside = [(a, t) for a, t in lines if addr < a < target]
@@ -108,9 +127,7 @@ def _cold_ranges(sass: str) -> set[int]:
             cold.update(a for a, t in inside if not t.startswith("NOP"))
     # after the last EXIT: the out-of-line slow paths (IEEE division and square root of
     # operands near the ends of their range, shuffles under divergence)
-    exits = [a for a, t in lines if t.split()[-1] == "EXIT" or t.startswith("EXIT")]
-    if exits:
-        cold.update(a for a, t in lines if a > exits[-1] and not t.startswith("NOP"))
+    cold.update(a for a, t in lines if a > _last_exit(lines) and not t.startswith("NOP"))
     return cold
 
 
@@ -151,15 +168,12 @@ def _largest_loop(sass: str) -> dict | None:
     it, NOPs left out): its instruction count and the LOOP_WATCH opcodes in it; None without one.
     Branches after the kernel's last EXIT (out-of-line slow paths returning to the main body) are
     not loops."""
-    lines = [(int(m.group(1), 16), m.group(2)) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+(.*?);", sass)]
-    exits = [a for a, t in lines if t.split()[-1] == "EXIT" or t.startswith("EXIT")]
-    last_exit = exits[-1] if exits else float("inf")
+    lines = _lines(sass)
+    last_exit = _last_exit(lines)
     best = None
     for addr, text in lines:
-        if addr > last_exit:
-            continue
-        m = re.match(r"(?:@!?U?P\w+\s+)?BRA\s+(?:`\(\.L_x_\d+\)|0x([0-9a-f]+))", text)
-        if not m or not m.group(1) or int(m.group(1), 16) >= addr:
+        m = _BRANCH.match(text)
+        if addr > last_exit or not m or int(m.group(1), 16) >= addr:
             continue
         body = [t.split()[0] if not t.startswith("@") else t.split()[1]
                 for a, t in lines if int(m.group(1), 16) <= a <= addr]
@@ -172,37 +186,47 @@ def _largest_loop(sass: str) -> dict | None:
     return dict(instructions=len(best), ops={k: counts[k] for k in LOOP_WATCH if counts[k]})
 
 
-def _elements_per_thread(bound: dict, num_warps: int) -> float:
-    """Elements (rows x features) one thread handles, from the launch's tile constexprs."""
+def _elements_per_thread(name: str, bound: dict, num_warps: int) -> float:
+    """Elements (rows x features) one thread handles, from the launch's tile constexprs; NaN for a
+    kernel without such a model (the decode kernel, which loops)."""
     if "BLOCK_H" in bound:   # the RoPE kernels: BLOCK_S * BLOCK_H rows of D
         return bound["BLOCK_S"] * bound["BLOCK_H"] * bound["D"] / (num_warps * 32)
-    if "BLOCK_N" in bound and "N" in bound and bound.get("ONE_BLOCK", True):   # the norms: MOD_ROWS rows of N
+    if name.startswith("_glu_"):   # the GLUs: BLOCK_N outputs a program
+        return bound["BLOCK_N"] / (num_warps * 32)
+    if name.startswith("_norm_") and bound.get("ONE_BLOCK", True):   # the norms: MOD_ROWS rows of N
         return bound.get("MOD_ROWS", 1) * bound["N"] / (num_warps * 32)
     return float("nan")
 
 
 def _triton_lane_on_cpu():
     """The Triton lane for CPU tensors (whose launches _Capture catches), with the kernels compiled
-    natively: they are imported before the lane check is told the process is interpreted."""
-    import lanekit.attention.kernels  # noqa: F401  (decorated now, natively, and reading the lane
-    import lanekit.layers.kernels  # noqa: F401      check as it is before the change below)
+    natively: they are imported before the lane check is told the process is interpreted, so they
+    are decorated as native kernels, and their launchers, which bind triton_interpreted by name at
+    import, keep the real check (False here) and take the GPU's tiles, not the interpreter's."""
+    import lanekit.attention.kernels  # noqa: F401
+    import lanekit.layers.kernels  # noqa: F401
     from lanekit.runtime import lanes
 
     lanes.triton_interpreted = lambda: True
     os.environ[lanes.LANE_ENV] = "triton"
 
 
-def _launch(family, case):
-    """A function that makes the case's lanekit call on CPU tensors of the benchmark's shapes."""
+def _launch(family, case, splits: int | None = None):
+    """A function that makes the case's lanekit call on CPU tensors of the benchmark's shapes (a
+    decode case with ``splits`` splits when given, else the CPU's heuristic's)."""
     inputs = family.make_inputs(case, device="cpu")
+    if family is decode and splits:
+        q, _, _, kc, vc, seqlens, table = inputs
+        return lambda: lanekit.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens, block_table=table,
+                                                       num_splits=splits)
     if family is decode:
         return decode.runners(case, *inputs)["lanekit"]
     return lambda: bench._lanekit(case)(*inputs)
 
 
-def report(case: dict, dump: str | None = None, family=bench) -> list[dict]:
+def report(case: dict, dump: str | None = None, family=bench, splits: int | None = None) -> list[dict]:
     _triton_lane_on_cpu()
-    call = _launch(family, case)
+    call = _launch(family, case, splits)
     with tuning.compiling_for("sm90"), _Capture() as cap:   # sm90's tuning rows, as on the H200
         call()
     rows = []
@@ -210,7 +234,7 @@ def report(case: dict, dump: str | None = None, family=bench) -> list[dict]:
         sass, regs = _sass(kernel)
         ops = _instructions(sass)
         counts = collections.Counter(op for op in ops for w in WATCH if op.startswith(w))
-        per = _elements_per_thread(bound, kernel.metadata.num_warps)
+        per = _elements_per_thread(name, bound, kernel.metadata.num_warps)
         cold = _cold_ranges(sass)
         hot_ops = [op for addr, op in _addressed(sass) if addr not in cold]
         hot = len(hot_ops)
@@ -219,7 +243,7 @@ def report(case: dict, dump: str | None = None, family=bench) -> list[dict]:
                          per_element=len(ops) / per, hot_per_element=hot / per,
                          weighted_per_element=weighted / per,
                          watched=dict(sorted(counts.items())), loop=_largest_loop(sass),
-                         tile={k: bound[k] for k in ("BLOCK_M", "BLOCK_N", "num_warps") if k in bound}
+                         tile={k: bound[k] for k in ("BLOCK_M", "BLOCK_N") if k in bound}
                          | {"num_warps": kernel.metadata.num_warps, "num_stages": kernel.metadata.num_stages}))
         if dump:
             os.makedirs(dump, exist_ok=True)
@@ -233,6 +257,7 @@ def main(argv=None):
     p.add_argument("cases", nargs="*", help="benchmarks.layers or benchmarks.decode case names (default: the "
                                             "q-and-k ones and adaln)")
     p.add_argument("--dump", help="write each launch's SASS into this folder")
+    p.add_argument("--splits", type=int, help="decode cases: this split count (default: the CPU's heuristic, 1)")
     args = p.parse_args(argv)
     wanted = args.cases or ["rms_norm_rope q,k", "qk_norm_rope_quant e4m3", "adaln"]
     known = [(family, case) for family in (bench, decode) for case in family.cases()]
@@ -242,11 +267,11 @@ def main(argv=None):
     for family, case in known:
         if family.name(case) not in wanted:
             continue
-        for r in report(case, args.dump, family):
-            counts = f"{r['instructions']} SASS"
-            if not math.isnan(r["per_element"]):   # straight-line kernels: per element each thread holds
-                counts += (f" ({r['per_element']:.1f} per element), {r['hot']} on the path taken "
-                           f"({r['hot_per_element']:.1f}; {r['weighted_per_element']:.1f} fp32-add issue slots)")
+        for r in report(case, args.dump, family, args.splits):
+            counts = f"{r['instructions']} SASS, {r['hot']} on the path taken"
+            if not math.isnan(r["per_element"]):   # kernels with a model of the elements a thread holds
+                counts += (f" ({r['per_element']:.1f} and {r['hot_per_element']:.1f} per element; "
+                           f"{r['weighted_per_element']:.1f} fp32-add issue slots)")
             print(f"{family.name(case)}: {r['kernel']} grid {r['grid']}  {r['tile']}  {r['regs']} regs  "
                   f"{counts}  {r['watched']}")
             if r["loop"]:
