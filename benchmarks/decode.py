@@ -73,18 +73,23 @@ def expected(q, k, v):
     return seqs, out
 
 
+def _lanekit(c, q, kc, vc, seqlens, table, num_splits=None):
+    """lanekit's decode call on these inputs, with ``num_splits`` splits (None: the heuristic's)."""
+    splits = _splits(c, q, kc, vc, table) if num_splits is None else num_splits
+    return lambda: lanekit.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens, block_table=table,
+                                                   num_splits=splits)
+
+
 def check(c, q, k, v, kc, vc, seqlens, table, num_splits=None, oracle=None) -> str | None:
     """The first two and the last two sequences against the float64 oracle (``num_splits``: that
     split count, else the heuristic's; ``oracle``: :func:`expected`'s result, when already known)."""
-    splits = _splits(c, q, kc, vc, table) if num_splits is None else num_splits
-    out = lanekit.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens, block_table=table, num_splits=splits)
+    out = _lanekit(c, q, kc, vc, seqlens, table, num_splits)()
     seqs, want = oracle if oracle is not None else expected(q, k, v)
     result = compare(out[seqs], want, "attention_fwd")
     return None if result.ok else result.detail
 
 
-def runners(c, q, k, v, kc, vc, seqlens, table):
-    splits = _splits(c, q, kc, vc, table)
+def runners(c, q, k, v, kc, vc, seqlens, table, num_splits=None):
     qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
 
     def sdpa(backend):
@@ -94,8 +99,7 @@ def runners(c, q, k, v, kc, vc, seqlens, table):
         return run
 
     return {
-        "lanekit": lambda: lanekit.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens, block_table=table,
-                                                           num_splits=splits),
+        "lanekit": _lanekit(c, q, kc, vc, seqlens, table, num_splits),
         "sdpa-flash": sdpa(SDPBackend.FLASH_ATTENTION),
         "sdpa-cudnn": sdpa(SDPBackend.CUDNN_ATTENTION),
     }

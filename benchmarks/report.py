@@ -56,8 +56,8 @@ NOTES = {
     ),
     "attention_fp32": (
         "Attention forward in fp32 (IEEE products on the FMA units, no tensor cores), B=8, S=2048, "
-        "2048 / D heads, FLOPs = 4 * B * H * S^2 * D (halved when causal). Peer: SDPA's memory-efficient backend (its flash and cuDNN "
-        "backends take 16-bit inputs only)."
+        "2048 / D heads, FLOPs = 4 * B * H * S^2 * D (halved when causal). Peer: SDPA's "
+        "memory-efficient backend (its flash and cuDNN backends take 16-bit inputs only)."
     ),
     "attention_train": (
         "Attention forward + backward (`torch.autograd.grad` of the output with a random gradient), "

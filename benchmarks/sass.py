@@ -37,7 +37,6 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, compile as triton_compile, make_backend
 from triton.runtime import jit as triton_jit
 
-import lanekit
 from benchmarks import decode
 from benchmarks import layers as bench
 from lanekit.runtime import tuning
@@ -59,19 +58,15 @@ def _sass(kernel) -> tuple[str, int]:
     return sass, int(re.search(r"REG:(\d+)", usage).group(1))
 
 
-def _addressed(sass: str) -> list[tuple[int, str]]:
-    """(address, opcode with modifiers) of each instruction of the disassembly, NOPs left out."""
-    ops = []
-    for line in sass.splitlines():
-        m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", line)
-        if m and not m.group(2).startswith("NOP"):
-            ops.append((int(m.group(1), 16), m.group(2)))
-    return ops
-
-
 def _lines(sass: str) -> list[tuple[int, str]]:
     """(address, text) of each instruction of the disassembly."""
     return [(int(m.group(1), 16), m.group(2)) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+(.*?);", sass)]
+
+
+def _addressed(sass: str) -> list[tuple[int, str]]:
+    """(address, opcode with modifiers) of each instruction of the disassembly, NOPs left out."""
+    ops = [(a, t.split()[1] if t.startswith("@") else t.split()[0]) for a, t in _lines(sass)]
+    return [(a, op) for a, op in ops if not op.startswith("NOP")]
 
 
 def _last_exit(lines: list[tuple[int, str]]) -> float:
@@ -168,16 +163,14 @@ def _largest_loop(sass: str) -> dict | None:
     it, NOPs left out): its instruction count and the LOOP_WATCH opcodes in it; None without one.
     Branches after the kernel's last EXIT (out-of-line slow paths returning to the main body) are
     not loops."""
-    lines = _lines(sass)
+    lines, ops = _lines(sass), _addressed(sass)
     last_exit = _last_exit(lines)
     best = None
     for addr, text in lines:
         m = _BRANCH.match(text)
         if addr > last_exit or not m or int(m.group(1), 16) >= addr:
             continue
-        body = [t.split()[0] if not t.startswith("@") else t.split()[1]
-                for a, t in lines if int(m.group(1), 16) <= a <= addr]
-        body = [op for op in body if not op.startswith("NOP")]
+        body = [op for a, op in ops if int(m.group(1), 16) <= a <= addr]
         if best is None or len(body) > len(best):
             best = body
     if best is None:
@@ -215,12 +208,8 @@ def _launch(family, case, splits: int | None = None):
     """A function that makes the case's lanekit call on CPU tensors of the benchmark's shapes (a
     decode case with ``splits`` splits when given, else the CPU's heuristic's)."""
     inputs = family.make_inputs(case, device="cpu")
-    if family is decode and splits:
-        q, _, _, kc, vc, seqlens, table = inputs
-        return lambda: lanekit.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens, block_table=table,
-                                                       num_splits=splits)
     if family is decode:
-        return decode.runners(case, *inputs)["lanekit"]
+        return decode.runners(case, *inputs, num_splits=splits)["lanekit"]
     return lambda: bench._lanekit(case)(*inputs)
 
 

@@ -14,7 +14,6 @@ import sys
 
 import torch
 
-import lanekit
 from benchmarks import decode
 from benchmarks.run import bench_graph
 from lanekit.runtime import tuning
@@ -71,8 +70,7 @@ def main() -> int:
                 if error:
                     print(f"{tile} splits={splits}: WRONG {error}")
                     continue
-                ms = bench_graph(lambda: lanekit.flash_attn_with_kvcache(
-                    q, kc, vc, cache_seqlens=seqlens, block_table=table, num_splits=splits))
+                ms = bench_graph(decode.runners(case, q, k, v, kc, vc, seqlens, table, splits)["lanekit"])
                 results.append((decode.bytes_moved(case) / ms / 1e6, tile, splits))
             except Exception as exc:  # a tile that does not compile or fit
                 print(f"{tile} splits={splits}: {type(exc).__name__}")
