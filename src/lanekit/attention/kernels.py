@@ -995,9 +995,10 @@ def flash_attn_bwd(
 # Attention over a KV cache (flash_attn_with_kvcache): decode and chunked prefill. One program
 # handles BLOCK_M rows of (query, head) pairs of one KV head, row r = i * GROUP + g for query i
 # and query head hk * GROUP + g, so that the GROUP heads sharing a KV head read each key once
-# (decode has one query: a tile of GROUP rows instead of one). The cache is always read through
-# a page table: a contiguous cache (B_cache, S_cache, H, D) is one page of S_cache rows per
-# sequence. Keys are split across ``num_splits`` programs (split-KV, FlashDecoding); each writes
+# (decode has one query: a tile of GROUP rows instead of one). The cache is read through a page
+# table: a contiguous cache (B_cache, S_cache, H, D) is one page of S_cache rows per sequence,
+# and with no table (HAS_TABLE false) sequence b reads row b, so that no table is built for it
+# (a kernel launch: 1% of decode at 4k keys on the H200). Keys are split across ``num_splits`` programs (split-KV, FlashDecoding); each writes
 # its normalized partial output and LSE, and a second kernel merges them by their LSEs.
 # --------------------------------------------------------------------------------------------
 
@@ -1019,6 +1020,7 @@ def _flash_attn_kvcache_kernel(
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, HAS_LEFTPAD: tl.constexpr, QUANTIZED: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, PAGES: tl.constexpr, EVEN_D: tl.constexpr, POW2_PAGE: tl.constexpr,
+    HAS_TABLE: tl.constexpr,
 ):
     # PAGES: how keys find their page. 0: the whole sequence is one page (a contiguous cache),
     # looked up once; 1: pages hold whole key blocks (page_size a multiple of BLOCK_N, no left
@@ -1075,7 +1077,10 @@ def _flash_attn_kvcache_kernel(
     ks_base = KScale + hk * stride_ksh
     vs_base = VScale + hk * stride_vsh
     if PAGES == 0:
-        row = tl.load(bt_row).to(tl.int64)
+        if HAS_TABLE:
+            row = tl.load(bt_row).to(tl.int64)
+        else:
+            row = b
         k_base += row * stride_kp + lp * stride_kn
         v_base += row * stride_vp + lp * stride_vn
         ks_base += row * stride_ksp + lp * stride_ksn
@@ -1193,7 +1198,7 @@ def flash_attn_kvcache(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    block_table: torch.Tensor,
+    block_table: torch.Tensor | None,
     seqlens: torch.Tensor,
     leftpad: torch.Tensor | None,
     k_cache_scale: torch.Tensor | None,
@@ -1206,7 +1211,8 @@ def flash_attn_kvcache(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of q (B, Sq, Hq, D) over a paged cache (num_blocks, page_size, Hkv, D), already
     validated: sequence b's keys are cache positions leftpad[b] .. seqlens[b] (int32, (B,)), found
-    through ``block_table`` (B, max_pages) int32. A quantized cache (int8 / e4m3 codes) comes with
+    through ``block_table`` (B, max_pages) int32, or with None a contiguous cache whose row b is
+    sequence b's (B_cache, S_cache, Hkv, D) (no table to build and read). A quantized cache (int8 / e4m3 codes) comes with
     its (num_blocks, page_size, Hkv) fp32 scales. Returns out (B, Sq, Hq, Dv) in q's dtype and lse
     (B, Hq, Sq) fp32. ``num_splits`` >= 1 splits each row's keys across that many programs.
     """
@@ -1222,7 +1228,7 @@ def flash_attn_kvcache(
     fp32, bucket = q.dtype == torch.float32, max(block_d, block_dv)
 
     cfg, pages = tuning.kvcache_tile(q.device, bucket, fp32=fp32, page_size=page_size,
-                                     one_page=block_table.shape[1] == 1, leftpad=leftpad is not None,
+                                     one_page=block_table is None or block_table.shape[1] == 1, leftpad=leftpad is not None,
                                      interpreted=triton_interpreted())
     # Rows are (query, head) pairs: decode (Sq * group <= 16) takes the smallest tile tl.dot allows.
     block_m = tuning.kvcache_block_m(cfg, Sq * group)
@@ -1242,10 +1248,11 @@ def flash_attn_kvcache(
         _flash_attn_kvcache_kernel[(m_blocks * num_splits, Hkv, B)](
             q, k_cache, v_cache,
             k_cache_scale if quantized else q, v_cache_scale if quantized else q,
-            block_table, seqlens, leftpad if leftpad is not None else seqlens,
+            block_table if block_table is not None else seqlens, seqlens,
+            leftpad if leftpad is not None else seqlens,
             alibi_slopes if alibi_slopes is not None else q, dest, dest_lse,
             *q.stride(), *k_cache.stride(), *v_cache.stride(), *scale_strides,
-            block_table.stride(0), *(alibi_slopes.stride() if alibi_slopes is not None else (0, 0)),
+            block_table.stride(0) if block_table is not None else 0, *(alibi_slopes.stride() if alibi_slopes is not None else (0, 0)),
             *o_strides, *l_strides,
             Sq, group, D, Dv, page_size, page_size.bit_length() - 1, left, right, num_splits,
             softmax_scale * LOG2E,
@@ -1256,7 +1263,7 @@ def flash_attn_kvcache(
             HAS_ALIBI=alibi_slopes is not None, HAS_LEFTPAD=leftpad is not None, QUANTIZED=quantized,
             INPUT_PRECISION="ieee" if q.dtype == torch.float32 else None, PAGES=pages,
             EVEN_D=(D == block_d and Dv == block_dv), POW2_PAGE=pages == 2 and page_size & (page_size - 1) == 0,
-            **cfg.options(),
+            HAS_TABLE=block_table is not None, **cfg.options(),
         )
         if num_splits > 1:
             _merge_splits_kernel[(Sq, Hq, B)](

@@ -226,14 +226,18 @@ def flash_attn_varlen_backward_reference(*, dout, **kw):
 
 # ---- attention over a KV cache (flash_attn_with_kvcache) ----
 
-def _cache_table(q, block_table, cache_batch_idx):
-    """The page table the kernel reads: the given one, or for a contiguous cache one page (its
-    whole row) per sequence, row cache_batch_idx[b] (default b)."""
-    if block_table is not None:
+def _kernel_table(q, block_table, cache_batch_idx):
+    """The page table the attention kernel reads: the given one; for a contiguous cache one page
+    (its whole row) per sequence, row cache_batch_idx[b]; None for row b (nothing to build)."""
+    if block_table is not None or cache_batch_idx is None:
         return block_table
-    B = q.shape[0]
-    rows = cache_batch_idx if cache_batch_idx is not None else torch.arange(B, device=q.device, dtype=torch.int32)
-    return rows.to(torch.int32).reshape(B, 1)
+    return cache_batch_idx.reshape(q.shape[0], 1)
+
+
+def _cache_table(q, block_table, cache_batch_idx):
+    """The page table the append writes through: :func:`_kernel_table`'s, with row b spelled out."""
+    table = _kernel_table(q, block_table, cache_batch_idx)
+    return table if table is not None else torch.arange(q.shape[0], device=q.device, dtype=torch.int32)[:, None]
 
 
 def _append_slots(table, cache_seqlens, S_new, page_size):
@@ -255,14 +259,14 @@ def flash_attn_with_kvcache_inplace(*, q, k_cache, v_cache, cache_seqlens, k, v,
     from lanekit.kv_cache.op import write_cache_triton
     from lanekit.layers.op import apply_rotary_triton
 
-    table = _cache_table(q, block_table, cache_batch_idx)
     page_size = k_cache.shape[1]
     seqlens = cache_seqlens
     rotary_dim = 2 * rotary_cos.shape[1] if rotary_cos is not None else 0
     with torch.no_grad():
         if k is not None:
             S_new = k.shape[1]
-            positions, slots = _append_slots(table, cache_seqlens, S_new, page_size)
+            positions, slots = _append_slots(_cache_table(q, block_table, cache_batch_idx), cache_seqlens,
+                                             S_new, page_size)
             if rotary_cos is not None:
                 k = apply_rotary_triton(x=k, cos=rotary_cos, sin=rotary_sin, interleaved=rotary_interleaved,
                                         rotary_dim=rotary_dim, position_ids=positions)
@@ -277,7 +281,8 @@ def flash_attn_with_kvcache_inplace(*, q, k_cache, v_cache, cache_seqlens, k, v,
                                     rotary_dim=rotary_dim,
                                     position_ids=cache_seqlens.to(torch.int64)[:, None] + steps)
         return flash_attn_kvcache(
-            q=q, k_cache=k_cache, v_cache=v_cache, block_table=table, seqlens=seqlens.to(torch.int32),
+            q=q, k_cache=k_cache, v_cache=v_cache, block_table=_kernel_table(q, block_table, cache_batch_idx),
+            seqlens=seqlens.to(torch.int32),
             leftpad=cache_leftpad, k_cache_scale=k_cache_scale, v_cache_scale=v_cache_scale,
             softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
             alibi_slopes=alibi_slopes, num_splits=num_splits)

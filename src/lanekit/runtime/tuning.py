@@ -121,6 +121,16 @@ FLASH_ATTN_KVCACHE: dict[str, dict[int, TileConfig]] = {
     # 4200 / 4196 GB/s against 4305 / 4312, pages of 16 4078 / 4098 against 4150 / 4119, pages of
     # 256 4250 / 4242 against 4321 / 4325; at 32k 0.1% to 0.8% below. The masks are not what costs
     # at 4k; the likely cost (not profiled) is the extra loops' pipeline prologues.
+    # Nor did merging the splits in the kernel (2026-12-02, throwaway code): with 2 or more splits
+    # each program counted itself in a zeroed int32 per (sequence, KV head, row block) after
+    # writing its partial (barrier, then an acq_rel atomic), and the last to arrive merged the
+    # partials, replacing _merge_splits_kernel (4.7 us in the profiler against the 127 us decode
+    # kernel, pages of 16 at 4k, 3 splits). Against the shipped code, two alternated runs each:
+    # pages of 16 at 4k 4057 / 4053 GB/s against 4061 / 4056, at 32k 4310 / 4257 against 4373 /
+    # 4316; the atomic's round trip at each program's end, and the merge in the kernel's tail,
+    # cost what the second launch did. What did pay, in the same runs: a contiguous cache is
+    # read without a table of row numbers (that table was a torch.arange, one more kernel in
+    # the graph): 4k contiguous 4273 / 4273 against 4229 / 4233.
     "sm90": {128: TileConfig(64, 128, 8, 3)},
     # CDNA 3 (`benchmarks.tune_targets --target gfx942 --sweep attn_kvcache`): 64 keys a step
     # spilled, and at D=128 with 2 stages needed 68 KiB of LDS; 32 keys fit. The samples exercise
