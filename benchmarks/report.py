@@ -45,8 +45,8 @@ NOTES = {
         "and V read. Peers: SDPA's flash and cuDNN backends on the contiguous cache (`enable_gqa`). "
         "Every call replayed from a CUDA graph. Bar (issue 4): at least 85% of copy at 32k and at least "
         "the fastest SDPA backend (cuDNN, which reads at about 4.5 TB/s, above the copy figure: a copy "
-        "writes as much as it reads). At 32k every layout passes the copy bar and is within 3% of "
-        "cuDNN; at 4k the cuDNN bar is not met, pages of 16 lowest (the table's ratios)."
+        "writes as much as it reads). Every layout passes the copy bar at 32k; contiguous caches meet "
+        "cuDNN at 4k and 32k, paged ones do not everywhere: pages of 16 lowest (the table's ratios)."
     ),
     "prefill": (
         "Prefill of a packed batch (`flash_attn_varlen_func`) beside `flash_attn_func` on the same tokens "

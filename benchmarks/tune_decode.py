@@ -1,9 +1,10 @@
 """Sweep the decode kernel's tile and split count on the GPU: `python -m benchmarks.tune_decode [--quick] [--tiles=BN/W/S,...] [--splits=S,...] [CASE ...]`.
 
 For each bench case of benchmarks/decode.py, every (block_n, warps, stages) replaces this GPU's rows
-of FLASH_ATTN_KVCACHE and FLASH_ATTN_KVCACHE_PER_KEY_PAGES and every split count is timed (CUDA
+of every decode table (FLASH_ATTN_KVCACHE, _PAGED, _PER_KEY_PAGES and _SHORT: the candidate is what
+the case runs, whatever its layout and length) and every split count is timed (CUDA
 graphs), each candidate checked against the oracle first (a wrong one is printed, not timed);
-prints GB/s best first, beside SDPA's cuDNN backend (the bar) timed in the same run. Copy
+prints every candidate's GB/s, best first, beside SDPA's cuDNN backend (the bar) timed in the same run. Copy
 the winners into tuning.py (and the heuristic) by hand, with the figures as comment.
 """
 
@@ -34,7 +35,8 @@ def main() -> int:
         print("needs a GPU", file=sys.stderr)
         return 2
     arch = tuning.arch_id(torch.device("cuda"))
-    tables = (tuning.FLASH_ATTN_KVCACHE, tuning.FLASH_ATTN_KVCACHE_PER_KEY_PAGES)
+    tables = (tuning.FLASH_ATTN_KVCACHE, tuning.FLASH_ATTN_KVCACHE_PAGED, tuning.FLASH_ATTN_KVCACHE_PER_KEY_PAGES,
+              tuning.FLASH_ATTN_KVCACHE_SHORT)
     saved = [t.get(arch) for t in tables]
 
     def restore():  # this GPU's shipped rows back in both tables
@@ -63,8 +65,10 @@ def main() -> int:
         oracle = decode.expected(q, k, v)  # once per case: every candidate is checked against it
         results = []
         for tile, splits in itertools.product(tiles, splits_swept):
-            for t in tables:  # the candidate for every layout, per-key pages included
-                t[arch] = {key: tile for key in tuning.FLASH_ATTN_KVCACHE["generic"]}
+            rows = {key: tile for key in tuning.FLASH_ATTN_KVCACHE["generic"]}
+            for t in tables[:-1]:  # the candidate for every layout, per-key pages included
+                t[arch] = rows
+            tables[-1][arch] = {"contiguous": rows, "paged": rows}
             try:
                 error = decode.check(case, q, k, v, kc, vc, seqlens, table, num_splits=splits, oracle=oracle)
                 if error:
@@ -76,7 +80,7 @@ def main() -> int:
                 print(f"{tile} splits={splits}: {type(exc).__name__}")
         print(f"== {decode.name(case)} (heuristic picks {picked} splits; SDPA cuDNN on the contiguous "
               f"cache {decode.bytes_moved(case) / cudnn / 1e6:.0f} GB/s)")
-        for gbps, tile, splits in sorted(results, key=lambda r: -r[0])[:8]:
+        for gbps, tile, splits in sorted(results, key=lambda r: -r[0]):
             print(f"  {gbps:7.0f} GB/s  block_n={tile.block_n} warps={tile.num_warps} stages={tile.num_stages} splits={splits}")
         del q, k, v, kc, vc, oracle
         torch.cuda.empty_cache()

@@ -173,6 +173,51 @@ def test_split_count_follows_the_used_length_and_the_batch_not_the_capacity(devi
     assert api.kvcache_num_splits(q, kc, vc, max_seqlen_k=16) == 1             # too short to split
 
 
+def test_sm90_decode_tile_follows_the_layout_and_the_longest_sequence():
+    # the rows the H200 was tuned to (runtime/tuning.py): a paged row with about twice the stages
+    # (Triton halves the lookahead behind a page lookup), smaller tiles up to KVCACHE_SHORT_KEYS
+    # keys, by the used length when known, else by the capacity (inside a graph capture)
+    from lanekit.attention import api
+    from lanekit.runtime import tuning
+
+    cpu = torch.device("cpu")
+
+    def tile(page_size, one_page, max_keys, fp32=False):
+        with tuning.compiling_for("sm90"):
+            return tuning.kvcache_tile(cpu, 128, fp32=fp32, page_size=page_size, one_page=one_page,
+                                       leftpad=False, max_keys=max_keys)
+
+    short, long_ = tuning.KVCACHE_SHORT_KEYS, tuning.KVCACHE_SHORT_KEYS + 1
+    rows = tuning.FLASH_ATTN_KVCACHE_SHORT["sm90"]
+    assert tile(32768, True, short) == (rows["contiguous"][128], 0)
+    assert tile(32768, True, long_) == (tuning.FLASH_ATTN_KVCACHE["sm90"][128], 0)
+    assert tile(32768, True, None) == (tuning.FLASH_ATTN_KVCACHE["sm90"][128], 0)
+    assert tile(256, False, short) == (rows["paged"][128], 1)
+    assert tile(256, False, long_) == (tuning.FLASH_ATTN_KVCACHE_PAGED["sm90"][128], 1)
+    paged = tuning.FLASH_ATTN_KVCACHE_PAGED["sm90"][128]
+    assert paged.num_stages >= 2 * tuning.FLASH_ATTN_KVCACHE["sm90"][128].num_stages - 1
+    assert tile(16, False, short) == tile(16, False, long_) == (tuning.FLASH_ATTN_KVCACHE_PER_KEY_PAGES["sm90"][128], 1)
+    assert tile(256, False, short, fp32=True)[0] == tuning.FLASH_ATTN_KVCACHE["generic"][128]
+    # the bound: the used length when known, else the capacity a replay can reach
+    kc = torch.empty(3, 256, 2, 128)
+    table = torch.zeros(2, 40, dtype=torch.int32)
+    assert api.kvcache_keys_bound(kc, table, None) == 40 * 256
+    assert api.kvcache_keys_bound(kc, None, None) == 256
+    assert api.kvcache_keys_bound(kc, table, 300) == 300
+
+
+def test_split_heuristic_rounds_to_the_nearest_wave():
+    from lanekit.attention import api
+
+    cpu = torch.device("cpu")   # 4 "SMs" off the GPU
+    assert api.num_splits_heuristic(4, None, cpu, programs_per_sm=1) == 1    # one full wave
+    assert api.num_splits_heuristic(5, None, cpu, programs_per_sm=1) == 1    # not a second wave a fifth full
+    assert api.num_splits_heuristic(3, None, cpu, programs_per_sm=2) == 3    # 9 programs for 8 slots
+    assert api.num_splits_heuristic(1, None, cpu, programs_per_sm=4) == 16
+    assert api.num_splits_heuristic(1, 128, cpu, block_n=16) == 2          # four blocks a split at least
+    assert api.num_splits_heuristic(512, None, cpu) == 1
+
+
 @pytest.mark.parametrize("quant", [None, torch.int8])
 def test_power_of_two_pages_with_left_padding_match_the_oracle(device, quant):
     # pages of 4 take the per-key lookup (a shift, not a division) on every tile; left padding

@@ -496,19 +496,33 @@ def _index_vector(name: str, t, B: int, device) -> None:
 
 def num_splits_heuristic(batch_programs: int, max_seqlen_k: int | None, device: torch.device,
                          block_n: int = 64, programs_per_sm: int = 1) -> int:
-    """How many programs split each row's keys: enough for one wave of the programs the SMs hold
-    at once (``programs_per_sm`` each), while each keeps at least four key blocks of the longest
+    """How many programs split each row's keys: the count that brings the programs nearest one wave
+    of those the SMs hold at once (``programs_per_sm`` each; a second wave under half full is not
+    started), while each keeps at least four key blocks of the longest
     sequence (``max_seqlen_k``, the used length, not the cache's capacity; None inside a CUDA
     graph capture, where it cannot be read: occupancy alone decides, and the programs past a
     sequence's end exit at once). On the H200 (``benchmarks.tune_decode``, B=32, 8 KV heads, D=128,
     4k keys): the 128-key tile (one program per SM) at 4298 GB/s unsplit against at most 4163 in
     two (the two per SM this heuristic aimed at before); the 16-key tile of pages of 16 (four per
-    SM) at 4134 in three and 4154 in two."""
+    SM) at 4134 in three and 4154 in two. On 2026-12-02 (tune_decode): the 64-key tile (two an SM)
+    at 4k read 4328 GB/s unsplit and 3742 in two (264 resident: 256 programs fill one wave, 512
+    start a second); the 16-key tile with 8 stages (three an SM by its stages' shared memory)
+    4220 in two and 4063 in three."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-    splits = -(-sms * max(programs_per_sm, 1) // max(batch_programs, 1))
+    programs = max(batch_programs, 1)
+    splits = (2 * sms * max(programs_per_sm, 1) + programs) // (2 * programs)   # rounded to nearest
     if max_seqlen_k is not None:
         splits = min(splits, max(1, -(-max_seqlen_k // block_n) // 4))
     return max(1, min(splits, MAX_SPLITS))
+
+
+def kvcache_keys_bound(k_cache: torch.Tensor, block_table: torch.Tensor | None, max_seqlen_k: int | None) -> int:
+    """The most keys a sequence of this cache holds, as the decode tile is chosen by it: the used
+    length ``max_seqlen_k`` when known, else the capacity (block_table's pages times page_size,
+    or the contiguous cache's rows)."""
+    if max_seqlen_k is not None:
+        return max_seqlen_k
+    return k_cache.shape[1] * (block_table.shape[1] if block_table is not None else 1)
 
 
 def kvcache_num_splits(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -520,7 +534,8 @@ def kvcache_num_splits(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     Arguments: q (B, Sq, Hq, D); k_cache (B_cache, S_cache, Hkv, D) or paged (num_blocks,
     page_size, Hkv, D), any dtype the cache takes; v_cache (..., Dv); block_table (B, max_pages)
     int32 or None; cache_leftpad (B,) int32 or None; max_seqlen_k the longest used length in keys
-    (None: unknown, as inside a CUDA graph capture). Only shapes, dtypes and the device are read,
+    (None: unknown, as inside a CUDA graph capture, where the tile is chosen by the cache's
+    capacity, the most a replay can see). Only shapes, dtypes and the device are read,
     never values, so nothing syncs. Returns an int in 1..MAX_SPLITS. Raises nothing of its own:
     the arguments are those ``flash_attn_with_kvcache`` has already checked.
 
@@ -531,7 +546,9 @@ def kvcache_num_splits(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     block_d, block_dv = tuning.head_dim_block(D), tuning.head_dim_block(Dv)
     cfg, _ = tuning.kvcache_tile(q.device, max(block_d, block_dv), fp32=q.dtype == torch.float32,
                                  page_size=page_size, one_page=block_table is None or block_table.shape[1] == 1,
-                                 leftpad=cache_leftpad is not None, interpreted=triton_interpreted())
+                                 leftpad=cache_leftpad is not None,
+                                 max_keys=kvcache_keys_bound(k_cache, block_table, max_seqlen_k),
+                                 interpreted=triton_interpreted())
     resident = tuning.resident_programs(q.device, cfg, cfg.block_n * (block_d + block_dv) * k_cache.element_size())
     rows = Sq * (Hq // Hkv)   # (query, head) rows, in the launcher's blocks of them
     m_blocks = -(-rows // tuning.kvcache_block_m(cfg, rows))
@@ -725,6 +742,7 @@ def flash_attn_with_kvcache(
         cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad, block_table=block_table,
         k_cache_scale=k_cache_scale, v_cache_scale=v_cache_scale, softmax_scale=softmax_scale,
         window_size=(left, right), softcap=float(softcap), alibi_slopes=alibi_slopes, num_splits=num_splits,
+        max_keys=kvcache_keys_bound(k_cache, block_table, max_used),
     )
     return (out, lse) if return_softmax_lse else out
 

@@ -1208,13 +1208,15 @@ def flash_attn_kvcache(
     softcap: float,
     alibi_slopes: torch.Tensor | None,
     num_splits: int,
+    max_keys: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of q (B, Sq, Hq, D) over a paged cache (num_blocks, page_size, Hkv, D), already
     validated: sequence b's keys are cache positions leftpad[b] .. seqlens[b] (int32, (B,)), found
     through ``block_table`` (B, max_pages) int32, or with None a contiguous cache whose row b is
     sequence b's (B_cache, S_cache, Hkv, D) (no table to build and read). A quantized cache (int8 / e4m3 codes) comes with
     its (num_blocks, page_size, Hkv) fp32 scales. Returns out (B, Sq, Hq, Dv) in q's dtype and lse
-    (B, Hq, Sq) fp32. ``num_splits`` >= 1 splits each row's keys across that many programs.
+    (B, Hq, Sq) fp32. ``num_splits`` >= 1 splits each row's keys across that many programs;
+    ``max_keys``, the most keys a sequence holds (None: unknown), picks the tile.
     """
     B, Sq, Hq, D = q.shape
     Hkv, Dv = k_cache.shape[2], v_cache.shape[3]
@@ -1229,7 +1231,7 @@ def flash_attn_kvcache(
 
     cfg, pages = tuning.kvcache_tile(q.device, bucket, fp32=fp32, page_size=page_size,
                                      one_page=block_table is None or block_table.shape[1] == 1, leftpad=leftpad is not None,
-                                     interpreted=triton_interpreted())
+                                     max_keys=max_keys, interpreted=triton_interpreted())
     # Rows are (query, head) pairs: decode (Sq * group <= 16) takes the smallest tile tl.dot allows.
     block_m = tuning.kvcache_block_m(cfg, Sq * group)
     m_blocks = triton.cdiv(Sq * group, block_m)

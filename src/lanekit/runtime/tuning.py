@@ -131,6 +131,8 @@ FLASH_ATTN_KVCACHE: dict[str, dict[int, TileConfig]] = {
     # cost what the second launch did. What did pay, in the same runs: a contiguous cache is
     # read without a table of row numbers (that table was a torch.arange, one more kernel in
     # the graph): 4k contiguous 4273 / 4273 against 4229 / 4233.
+    # This row is sm90's for contiguous caches of more than KVCACHE_SHORT_KEYS keys; paged and
+    # shorter caches take the rows further down (FLASH_ATTN_KVCACHE_PAGED, _SHORT).
     "sm90": {128: TileConfig(64, 128, 8, 3)},
     # CDNA 3 (`benchmarks.tune_targets --target gfx942 --sweep attn_kvcache`): 64 keys a step
     # spilled, and at D=128 with 2 stages needed 68 KiB of LDS; 32 keys fit. The samples exercise
@@ -146,8 +148,34 @@ FLASH_ATTN_KVCACHE["gfx1151"] = FLASH_ATTN_KVCACHE["gfx1201"]
 # hold whole blocks (one lookup per block), about four programs per SM: tune_decode, pages of 16,
 # 4496 GB/s at 32k (3 splits) and 4134 at 4k, against 4467 and 4128 for 64 keys, 4 warps and 2
 # stages with a lookup per key (its page shifted out, not divided: 3582 and 3315 before).
+# Swept again (2026-12-02, after the finding below): 8 stages (three buffers) 4220 GB/s at 4k and
+# 4524 at 32k in two splits, against 4018 / 4235 for 6 stages in two and 4053 / 4389 in three
+# (SDPA cuDNN 4435 / 4613 on the contiguous cache in that run).
 FLASH_ATTN_KVCACHE_PER_KEY_PAGES: dict[str, dict[int, TileConfig]] = {
-    "sm90": {128: TileConfig(64, 16, 2, 6)},
+    "sm90": {128: TileConfig(64, 16, 2, 8)},
+}
+# Rows for 16-bit caches read through a page table whose pages hold whole key blocks. The page
+# lookup is a load that the K and V loads' addresses wait on, and Triton's pipeliner (3.6, NVIDIA)
+# splits num_stages between the two: the K and V tiles get (num_stages - 1) // 2 blocks of
+# lookahead, where the contiguous cache gets num_stages - 1 (the TTGIR for sm90 shows one K
+# buffer and a wait for every copy each step at 3 stages, two buffers at 5, three at 7). So the
+# paged row of a tile has about twice its stages. sm90 (`benchmarks.tune_decode`, H200,
+# 2026-12-02, pages of 256): 128 keys, 8 warps, 5 stages 4611 GB/s at 32k (SDPA cuDNN 4618 in that
+# run), against 4462 for the 3 stages the contiguous row has (one buffer; cuDNN 4476 in its run).
+FLASH_ATTN_KVCACHE_PAGED: dict[str, dict[int, TileConfig]] = {
+    "sm90": {128: TileConfig(64, 128, 8, 5)},
+}
+# Rows that replace the two above when every sequence holds at most KVCACHE_SHORT_KEYS keys (the
+# used length, or inside a CUDA graph capture the cache's capacity, the most a replay can see):
+# smaller tiles, two programs an SM, so that B=32 x 8 KV heads run as one wave instead of two.
+# sm90 (tune_decode, H200, 2026-12-02, 4k keys, one split): contiguous 64 keys, 4 warps, 3 stages
+# 4328 GB/s against 4259 for the 128-key row (cuDNN 4326), but 4457 against 4526 at 32k (32 keys
+# and 4 stages led at 4k, 4370, and lost 5% at 32k); pages of 256 with 64 keys, 4 warps, 5
+# stages 4380 against 4279 for the paged row (cuDNN 4441), 4536 against 4611 at 32k. Only 4k and
+# 32k were timed: the bound between them is a guess.
+KVCACHE_SHORT_KEYS = 8192
+FLASH_ATTN_KVCACHE_SHORT: dict[str, dict[str, dict[int, TileConfig]]] = {
+    "sm90": {"contiguous": {128: TileConfig(64, 64, 4, 3)}, "paged": {128: TileConfig(64, 64, 4, 5)}},
 }
 # Architectures whose FLASH_ATTN_KVCACHE rows do not fit an fp32 cache, which takes the generic rows
 # there. sm90: 128 fp32 keys of D=128 over 3 stages need 272 KB of shared memory (the H200 has 227).
@@ -340,26 +368,36 @@ def lookup(table: dict[str, dict[int, TileConfig]], device: torch.device, bucket
     return rows.get(bucket, table["generic"][bucket])
 
 
-def kvcache_config(device: torch.device, bucket: int, *, fp32: bool, per_key_pages: bool) -> TileConfig:
+def kvcache_config(device: torch.device, bucket: int, *, fp32: bool, paged: bool = False,
+                   per_key_pages: bool = False, max_keys: int | None = None) -> TileConfig:
     """The flash_attn_with_kvcache tile for this device and head-dim bucket: FLASH_ATTN_KVCACHE's
-    row, but the generic one for fp32 where that row does not fit, and a per-key-page row where the
-    architecture has one. Read at each call, so that a sweep replacing a row is seen."""
+    row (the generic one for fp32 where that row does not fit); for a 16-bit cache read through
+    pages (``paged``), FLASH_ATTN_KVCACHE_PAGED's, or FLASH_ATTN_KVCACHE_PER_KEY_PAGES's
+    (``per_key_pages``); FLASH_ATTN_KVCACHE_SHORT's instead when ``max_keys`` (the most keys a
+    sequence holds, None if unknown) is at most KVCACHE_SHORT_KEYS: each where the architecture
+    has that row. Read at each call, so that a sweep replacing a row is seen."""
     arch = arch_id(device)
     if fp32:
         if arch in FLASH_ATTN_KVCACHE_FP32_GENERIC:
             return FLASH_ATTN_KVCACHE["generic"][bucket]
-    elif per_key_pages and bucket in FLASH_ATTN_KVCACHE_PER_KEY_PAGES.get(arch, {}):
+        return lookup(FLASH_ATTN_KVCACHE, device, bucket)
+    if per_key_pages and bucket in FLASH_ATTN_KVCACHE_PER_KEY_PAGES.get(arch, {}):
         return FLASH_ATTN_KVCACHE_PER_KEY_PAGES[arch][bucket]
+    short = FLASH_ATTN_KVCACHE_SHORT.get(arch, {}).get("paged" if paged else "contiguous", {})
+    if max_keys is not None and max_keys <= KVCACHE_SHORT_KEYS and bucket in short:
+        return short[bucket]
+    if paged and bucket in FLASH_ATTN_KVCACHE_PAGED.get(arch, {}):
+        return FLASH_ATTN_KVCACHE_PAGED[arch][bucket]
     return lookup(FLASH_ATTN_KVCACHE, device, bucket)
 
 
 def kvcache_tile(device: torch.device, bucket: int, *, fp32: bool, page_size: int, one_page: bool,
-                 leftpad: bool, interpreted: bool = False) -> tuple[TileConfig, int]:
+                 leftpad: bool, max_keys: int | None = None, interpreted: bool = False) -> tuple[TileConfig, int]:
     """(tile, page layout) of the decode kernel for a cache of pages of ``page_size`` tokens
-    (``one_page``: a block table one page wide, as a contiguous cache is passed). The layout is the
-    kernel's PAGES: 0 one page per sequence, 1 pages holding whole key blocks (no left padding), 2
-    a page lookup per key, which may take a row of its own (kvcache_config). ``interpreted``: the
-    Triton interpreter's tile."""
+    (``one_page``: a block table one page wide, as a contiguous cache is passed) whose sequences
+    hold at most ``max_keys`` keys (None: unknown). The layout is the kernel's PAGES: 0 one page
+    per sequence, 1 pages holding whole key blocks (no left padding), 2 a page lookup per key,
+    which may take a row of its own (kvcache_config). ``interpreted``: the Triton interpreter's tile."""
     def layout(block_n):
         if one_page:
             return 0
@@ -367,10 +405,10 @@ def kvcache_tile(device: torch.device, bucket: int, *, fp32: bool, page_size: in
 
     if interpreted:
         return INTERPRETER, layout(INTERPRETER.block_n)
-    cfg = kvcache_config(device, bucket, fp32=fp32, per_key_pages=False)
+    cfg = kvcache_config(device, bucket, fp32=fp32, paged=not one_page, max_keys=max_keys)
     pages = layout(cfg.block_n)
     if pages == 2:
-        cfg = kvcache_config(device, bucket, fp32=fp32, per_key_pages=True)
+        cfg = kvcache_config(device, bucket, fp32=fp32, paged=True, per_key_pages=True, max_keys=max_keys)
         pages = layout(cfg.block_n)
     return cfg, pages
 
