@@ -5,8 +5,9 @@ tokens; the cache contiguous (B, S, Hkv, D) or paged with pages of 16 and 256 to
 a shuffled order. The unit is GB/s of K and V read (the traffic decode cannot avoid), comparable
 with the device-to-device copy bandwidth the runner measures in the same run. SDPA reads the
 contiguous cache (it has no paged form) through (B, Hkv, S, D) views with ``enable_gqa``. Every
-call is timed replaying a CUDA graph (as serving engines run decode); lanekit's split count is the
-one its heuristic picks for these used lengths outside a graph.
+call is timed replaying a CUDA graph (as serving engines run decode); lanekit is told the longest
+sequence (max_seqlen_k, as an engine capturing a graph per length bucket would), and its split count
+is the one its heuristic picks for that length.
 """
 
 from __future__ import annotations
@@ -77,7 +78,7 @@ def _lanekit(c, q, kc, vc, seqlens, table, num_splits=None):
     """lanekit's decode call on these inputs, with ``num_splits`` splits (None: the heuristic's)."""
     splits = _splits(c, q, kc, vc, table) if num_splits is None else num_splits
     return lambda: lanekit.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens, block_table=table,
-                                                   num_splits=splits)
+                                                   num_splits=splits, max_seqlen_k=c["sk"])
 
 
 def check(c, q, k, v, kc, vc, seqlens, table, num_splits=None, oracle=None) -> str | None:

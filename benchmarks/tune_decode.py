@@ -39,7 +39,7 @@ def main() -> int:
               tuning.FLASH_ATTN_KVCACHE_SHORT)
     saved = [t.get(arch) for t in tables]
 
-    def restore():  # this GPU's shipped rows back in both tables
+    def restore():  # this GPU's shipped rows back in every table
         for t, rows in zip(tables, saved):
             if rows is None:
                 t.pop(arch, None)

@@ -136,9 +136,10 @@ def test_output_does_not_depend_on_num_splits_and_lse_is_the_unsplit_one(device)
         assert (out.float() - out1.float()).abs().max() <= 2 * ulp(torch.bfloat16, out1.float().abs().max().item())
 
 
-def test_output_does_not_depend_on_the_allocated_capacity(device):
-    q, kc, vc, seqlens = decode_inputs(device, B=2, Sk=300, Hq=4, Hkv=2, D=64, capacity=300, seed=1)
-    big_k = torch.full((2, 1000, 2, 64), math.nan, dtype=kc.dtype, device=device)   # past the end: NaN
+@pytest.mark.parametrize("D,capacity", [(64, 1000), (128, 9000)])   # D=128: the H200's short/long rows
+def test_output_does_not_depend_on_the_allocated_capacity(device, D, capacity):
+    q, kc, vc, seqlens = decode_inputs(device, B=2, Sk=300, Hq=4, Hkv=2, D=D, capacity=300, seed=1)
+    big_k = torch.full((2, capacity, 2, D), math.nan, dtype=kc.dtype, device=device)   # past the end: NaN
     big_v = torch.full_like(big_k, math.nan)
     big_k[:, :300], big_v[:, :300] = kc, vc
     for splits in (1, 3):
@@ -176,8 +177,7 @@ def test_split_count_follows_the_used_length_and_the_batch_not_the_capacity(devi
 def test_sm90_decode_tile_follows_the_layout_and_the_longest_sequence():
     # the rows the H200 was tuned to (runtime/tuning.py): a paged row with about twice the stages
     # (Triton halves the lookahead behind a page lookup), smaller tiles up to KVCACHE_SHORT_KEYS
-    # keys, by the used length when known, else by the capacity (inside a graph capture)
-    from lanekit.attention import api
+    # keys (max_seqlen_k: the used length, or the caller's bound; None, as in a capture: long)
     from lanekit.runtime import tuning
 
     cpu = torch.device("cpu")
@@ -198,12 +198,23 @@ def test_sm90_decode_tile_follows_the_layout_and_the_longest_sequence():
     assert paged.num_stages >= 2 * tuning.FLASH_ATTN_KVCACHE["sm90"][128].num_stages - 1
     assert tile(16, False, short) == tile(16, False, long_) == (tuning.FLASH_ATTN_KVCACHE_PER_KEY_PAGES["sm90"][128], 1)
     assert tile(256, False, short, fp32=True)[0] == tuning.FLASH_ATTN_KVCACHE["generic"][128]
-    # the bound: the used length when known, else the capacity a replay can reach
-    kc = torch.empty(3, 256, 2, 128)
-    table = torch.zeros(2, 40, dtype=torch.int32)
-    assert api.kvcache_keys_bound(kc, table, None) == 40 * 256
-    assert api.kvcache_keys_bound(kc, None, None) == 256
-    assert api.kvcache_keys_bound(kc, table, 300) == 300
+
+
+def test_max_seqlen_k_bounds_the_lengths_and_is_checked(device):
+    q, kc, vc, seqlens = decode_inputs(device, B=2, Sk=300, Hq=4, Hkv=2, D=128, capacity=400, seed=2)
+    new = randn(2, 1, 2, 128, dtype=q.dtype, device=device, generator=gen(3))
+    want = lanekit.flash_attn_with_kvcache(q, kc.clone(), vc.clone(), new, new, cache_seqlens=seqlens,
+                                           lane="reference")   # the float64 oracle
+    for bound in (None, 301, 9000):   # the used length after the append, and one past the short rows
+        got = lanekit.flash_attn_with_kvcache(q, kc.clone(), vc.clone(), new, new, cache_seqlens=seqlens,
+                                              max_seqlen_k=bound, lane="triton")
+        assert_close(got, want, "attention_fwd")
+    kc0, vc0 = kc.clone(), vc.clone()
+    with pytest.raises(ValueError, match="max_seqlen_k: expected at least .*301.*got 300"):
+        lanekit.flash_attn_with_kvcache(q, kc, vc, new, new, cache_seqlens=seqlens, max_seqlen_k=300)
+    with pytest.raises(TypeError, match="max_seqlen_k: expected an int or None, got float"):
+        lanekit.flash_attn_with_kvcache(q, kc, vc, new, new, cache_seqlens=seqlens, max_seqlen_k=301.0)
+    assert torch.equal(kc, kc0) and torch.equal(vc, vc0)   # nothing appended when rejected
 
 
 def test_split_heuristic_rounds_to_the_nearest_wave():
@@ -212,6 +223,7 @@ def test_split_heuristic_rounds_to_the_nearest_wave():
     cpu = torch.device("cpu")   # 4 "SMs" off the GPU
     assert api.num_splits_heuristic(4, None, cpu, programs_per_sm=1) == 1    # one full wave
     assert api.num_splits_heuristic(5, None, cpu, programs_per_sm=1) == 1    # not a second wave a fifth full
+    assert api.num_splits_heuristic(3, None, cpu, programs_per_sm=1) == 1    # 3 of 4 slots: 6 would need two waves
     assert api.num_splits_heuristic(3, None, cpu, programs_per_sm=2) == 3    # 9 programs for 8 slots
     assert api.num_splits_heuristic(1, None, cpu, programs_per_sm=4) == 16
     assert api.num_splits_heuristic(1, 128, cpu, block_n=16) == 2          # four blocks a split at least

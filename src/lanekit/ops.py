@@ -199,7 +199,7 @@ register(Op(
 def kvcache_case(name, device, *, B=2, Sq=1, Hq=4, Hkv=2, D=64, Dv=None, dtype=torch.bfloat16,
                  seqlens=(5, 29), S_new=1, capacity=40, page_size=None, rotary_dim=0, interleaved=True,
                  leftpad=None, batch_idx=None, causal=True, window_size=(-1, -1), softcap=0.0,
-                 alibi=False, quant=None, num_splits=1) -> Sample:
+                 alibi=False, quant=None, num_splits=1, max_seqlen_k=None) -> Sample:
     """A ``flash_attn_with_kvcache`` sample in the lanes' normalized form: a contiguous cache of
     ``capacity`` tokens per row, or a paged one whose pages are shuffled (with spare pages nobody
     owns), filled with random values (or their int8 / e4m3 codes and scales)."""
@@ -244,7 +244,7 @@ def kvcache_case(name, device, *, B=2, Sq=1, Hq=4, Hkv=2, D=64, Dv=None, dtype=t
         block_table=block_table, k_cache_scale=k_scale, v_cache_scale=v_scale, kv_dtype=k_cache.dtype,
         rotary_dtype=dtype, softmax_scale=D ** -0.5, window_size=(left, 0 if causal else right),
         softcap=softcap, alibi_slopes=(torch.rand(B, Hq, generator=g) * 0.5).to(device) if alibi else None,
-        num_splits=num_splits,
+        num_splits=num_splits, max_seqlen_k=max_seqlen_k,
     ))
 
 
@@ -268,12 +268,12 @@ def _kvcache_samples(device):
     yield kvcache_case("e4m3 cache Dv 32", device, quant=torch.float8_e4m3fn, Dv=32, seqlens=(10, 35))
     yield kvcache_case("fp32 d128 Sq 4 gqa 8:2", device, Hq=8, Sq=4, S_new=0, D=128, dtype=f32, seqlens=(40, 25))
     # D=128 in 16 bits takes the rows tuned for the H200 (tuning.FLASH_ATTN_KVCACHE and its paged
-    # and short forms), chosen by the layout and by the capacity (the lane is not told the used length)
-    yield kvcache_case("d128 gqa 8:2 (short-cache rows)", device, Hq=8, D=128, seqlens=(7, 39))
+    # and short forms), chosen by the layout and by max_seqlen_k (None: the long-cache rows)
+    yield kvcache_case("d128 gqa 8:2 (short-cache rows)", device, Hq=8, D=128, seqlens=(7, 39), max_seqlen_k=40)
     yield kvcache_case("d128 gqa 8:2, capacity 8200 (long-cache rows)", device, Hq=8, D=128, capacity=8200,
                        seqlens=(70, 300))
     yield kvcache_case("d128 pages of 256, splits 2 (short-cache rows)", device, D=128, page_size=256,
-                       capacity=512, seqlens=(300, 77), num_splits=2)
+                       capacity=512, seqlens=(300, 77), num_splits=2, max_seqlen_k=301)
     yield kvcache_case("d128 pages of 256, a table of 8448 (long-cache rows)", device, D=128, page_size=256,
                        capacity=8448, seqlens=(260, 31))
 

@@ -496,9 +496,9 @@ def _index_vector(name: str, t, B: int, device) -> None:
 
 def num_splits_heuristic(batch_programs: int, max_seqlen_k: int | None, device: torch.device,
                          block_n: int = 64, programs_per_sm: int = 1) -> int:
-    """How many programs split each row's keys: the count that brings the programs nearest one wave
-    of those the SMs hold at once (``programs_per_sm`` each; a second wave under half full is not
-    started), while each keeps at least four key blocks of the longest
+    """How many programs split each row's keys: the resident slots (``programs_per_sm`` a SM) over
+    ``batch_programs``, rounded to the nearest integer (so the programs come nearest one wave),
+    while each keeps at least four key blocks of the longest
     sequence (``max_seqlen_k``, the used length, not the cache's capacity; None inside a CUDA
     graph capture, where it cannot be read: occupancy alone decides, and the programs past a
     sequence's end exit at once). On the H200 (``benchmarks.tune_decode``, B=32, 8 KV heads, D=128,
@@ -516,15 +516,6 @@ def num_splits_heuristic(batch_programs: int, max_seqlen_k: int | None, device: 
     return max(1, min(splits, MAX_SPLITS))
 
 
-def kvcache_keys_bound(k_cache: torch.Tensor, block_table: torch.Tensor | None, max_seqlen_k: int | None) -> int:
-    """The most keys a sequence of this cache holds, as the decode tile is chosen by it: the used
-    length ``max_seqlen_k`` when known, else the capacity (block_table's pages times page_size,
-    or the contiguous cache's rows)."""
-    if max_seqlen_k is not None:
-        return max_seqlen_k
-    return k_cache.shape[1] * (block_table.shape[1] if block_table is not None else 1)
-
-
 def kvcache_num_splits(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                        block_table: torch.Tensor | None = None, cache_leftpad: torch.Tensor | None = None,
                        max_seqlen_k: int | None = None) -> int:
@@ -534,8 +525,8 @@ def kvcache_num_splits(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     Arguments: q (B, Sq, Hq, D); k_cache (B_cache, S_cache, Hkv, D) or paged (num_blocks,
     page_size, Hkv, D), any dtype the cache takes; v_cache (..., Dv); block_table (B, max_pages)
     int32 or None; cache_leftpad (B,) int32 or None; max_seqlen_k the longest used length in keys
-    (None: unknown, as inside a CUDA graph capture, where the tile is chosen by the cache's
-    capacity, the most a replay can see). Only shapes, dtypes and the device are read,
+    (None: unknown, as inside a CUDA graph capture: the long-cache tile, occupancy alone), as
+    ``flash_attn_with_kvcache``'s max_seqlen_k. Only shapes, dtypes and the device are read,
     never values, so nothing syncs. Returns an int in 1..MAX_SPLITS. Raises nothing of its own:
     the arguments are those ``flash_attn_with_kvcache`` has already checked.
 
@@ -547,7 +538,7 @@ def kvcache_num_splits(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     cfg, _ = tuning.kvcache_tile(q.device, max(block_d, block_dv), fp32=q.dtype == torch.float32,
                                  page_size=page_size, one_page=block_table is None or block_table.shape[1] == 1,
                                  leftpad=cache_leftpad is not None,
-                                 max_keys=kvcache_keys_bound(k_cache, block_table, max_seqlen_k),
+                                 max_keys=max_seqlen_k,
                                  interpreted=triton_interpreted())
     resident = tuning.resident_programs(q.device, cfg, cfg.block_n * (block_d + block_dv) * k_cache.element_size())
     rows = Sq * (Hq // Hkv)   # (query, head) rows, in the launcher's blocks of them
@@ -578,6 +569,7 @@ def flash_attn_with_kvcache(
     *,
     k_cache_scale: torch.Tensor | None = None,
     v_cache_scale: torch.Tensor | None = None,
+    max_seqlen_k: int | None = None,
     lane: str | None = None,
 ):
     """Attention of new queries over a KV cache, appending new keys and values to it first:
@@ -612,11 +604,18 @@ def flash_attn_with_kvcache(
         softmax_scale, causal, window_size, softcap, alibi_slopes: as :func:`flash_attn_func`.
         num_splits: split each row's keys across this many programs and merge the partial
             results by their LSE (split-KV); 0 picks by :func:`num_splits_heuristic` from the
-            used lengths, never the allocated capacity. At most 128.
+            used lengths (``max_seqlen_k``), never the allocated capacity. At most 128.
         return_softmax_lse: also return the LSE.
         k_cache_scale, v_cache_scale: (lanekit) the (B_cache, S_cache, Hkv) or (num_blocks,
             page_size, Hkv) fp32 scales of a cache of codes (value = code * scale); updated in
             place with the appended tokens' scales.
+        max_seqlen_k: (lanekit) an int at least every sequence's key count after the append (its
+            cache_seqlens[b] + S_new), or None: the longest used length, read back with the
+            index checks. It picks the decode tile (runtime/tuning.py: smaller tiles for short
+            caches on some GPUs) and bounds num_splits=0's split count. Inside a CUDA graph
+            capture, where lengths cannot be read, pass the bound the graph will replay under
+            (a serving engine's length bucket); None there takes the long-cache tile. The tile
+            orders the sums differently: outputs for two bounds differ by rounding.
         lane: as :func:`flash_attn_func`.
 
     Returns:
@@ -631,7 +630,8 @@ def flash_attn_with_kvcache(
             a page that does not exist; repeated cache_batch_idx rows with an append; with an
             append, a cache (or scale) whose elements share memory (an expanded view) or that
             overlaps q, k or v, and v_cache the same elements as k_cache; rotary
-            positions past S_ro; scales missing or superfluous; num_splits outside 0..128; and
+            positions past S_ro; scales missing or superfluous; num_splits outside 0..128;
+            max_seqlen_k below a sequence's key count (outside a capture) or negative; and
             the errors of :func:`flash_attn_func`. Index values are read back to check them (one
             device sync), except inside a CUDA graph capture, where they are trusted. Nothing is
             written when an argument is rejected.
@@ -724,8 +724,15 @@ def flash_attn_with_kvcache(
         max_used = _check_cache_values(
             cache_seqlens, cache_leftpad, cache_batch_idx, block_table, S_new, capacity, n_rows, S_cache,
             Sq, rotary_cos.shape[0] if rotary_cos is not None else None, left >= 0 or right >= 0)
+    if max_seqlen_k is not None:
+        if not isinstance(max_seqlen_k, int) or isinstance(max_seqlen_k, bool):
+            raise TypeError(f"max_seqlen_k: expected an int or None, got {type(max_seqlen_k).__name__}")
+        if max_seqlen_k < 0 or (max_used is not None and max_seqlen_k < max_used):
+            raise ValueError(f"max_seqlen_k: expected at least every sequence's key count after the append "
+                             f"({max_used if max_used is not None else 0}), got {max_seqlen_k}")
+    bound = max_seqlen_k if max_seqlen_k is not None else max_used
     if num_splits == 0:
-        num_splits = kvcache_num_splits(q, k_cache, v_cache, block_table, cache_leftpad, max_used)
+        num_splits = kvcache_num_splits(q, k_cache, v_cache, block_table, cache_leftpad, bound)
 
     chosen = select_lane(q.device, lane)
     if q.dtype == torch.float64 and chosen != "reference":
@@ -742,7 +749,7 @@ def flash_attn_with_kvcache(
         cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad, block_table=block_table,
         k_cache_scale=k_cache_scale, v_cache_scale=v_cache_scale, softmax_scale=softmax_scale,
         window_size=(left, right), softcap=float(softcap), alibi_slopes=alibi_slopes, num_splits=num_splits,
-        max_keys=kvcache_keys_bound(k_cache, block_table, max_used),
+        max_seqlen_k=bound,
     )
     return (out, lse) if return_softmax_lse else out
 

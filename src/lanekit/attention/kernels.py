@@ -998,8 +998,9 @@ def flash_attn_bwd(
 # (decode has one query: a tile of GROUP rows instead of one). The cache is read through a page
 # table: a contiguous cache (B_cache, S_cache, H, D) is one page of S_cache rows per sequence,
 # and with no table (HAS_TABLE false) sequence b reads row b, so that no table is built for it
-# (a kernel launch: 1% of decode at 4k keys on the H200). Keys are split across ``num_splits`` programs (split-KV, FlashDecoding); each writes
-# its normalized partial output and LSE, and a second kernel merges them by their LSEs.
+# (a kernel launch: 1% of decode at 4k keys on the H200). Keys are split across ``num_splits``
+# programs (split-KV, FlashDecoding); each writes its normalized partial output and LSE, and a
+# second kernel merges them by their LSEs.
 # --------------------------------------------------------------------------------------------
 
 

@@ -252,11 +252,11 @@ def flash_attn_with_kvcache_inplace(*, q, k_cache, v_cache, cache_seqlens, k, v,
                                     rotary_sin, rotary_interleaved, cache_batch_idx, cache_leftpad,
                                     block_table, k_cache_scale, v_cache_scale, softmax_scale,
                                     window_size, softcap, alibi_slopes, num_splits, kv_dtype=None,
-                                    rotary_dtype=None, max_keys=None):
+                                    rotary_dtype=None, max_seqlen_k=None):
     """The Triton lane: appends k, v into the caches in place (a KV-cache write kernel), rotates
-    q and k (the RoPE kernel), then runs the cache attention kernel. ``max_keys``: the most keys a
-    sequence holds, which picks the tile (None: the cache's capacity). Returns (out, lse)."""
-    from lanekit.attention.api import kvcache_keys_bound
+    q and k (the RoPE kernel), then runs the cache attention kernel. ``max_seqlen_k``: the most
+    keys a sequence holds after the append, which picks the tile (None: unknown, the long-cache
+    tile). Returns (out, lse)."""
     from lanekit.attention.kernels import flash_attn_kvcache
     from lanekit.kv_cache.op import write_cache_triton
     from lanekit.layers.op import apply_rotary_triton
@@ -288,11 +288,11 @@ def flash_attn_with_kvcache_inplace(*, q, k_cache, v_cache, cache_seqlens, k, v,
             leftpad=cache_leftpad, k_cache_scale=k_cache_scale, v_cache_scale=v_cache_scale,
             softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
             alibi_slopes=alibi_slopes, num_splits=num_splits,
-            max_keys=max_keys if max_keys is not None else kvcache_keys_bound(k_cache, block_table, None))
+            max_keys=max_seqlen_k)
 
 
-def flash_attn_with_kvcache_reference_inplace(*, q, k_cache, v_cache, k_cache_scale, v_cache_scale, max_keys=None,
-                                              **kw):
+def flash_attn_with_kvcache_reference_inplace(*, q, k_cache, v_cache, k_cache_scale, v_cache_scale,
+                                              max_seqlen_k=None, **kw):
     """The reference lane of the public function: the oracle in float64 for (out, lse), and the
     append done in place on the caller's caches by the KV-cache ops' reference lane."""
     out, lse, _, _ = flash_attn_with_kvcache_reference(

@@ -255,6 +255,7 @@ def flash_attn_with_kvcache(
     softcap: float = 0.0,
     alibi_slopes: torch.Tensor | None = None,
     num_splits: int = 1,
+    max_seqlen_k: int | None = None,
 ):
     """Decode attention over a KV cache, FlashAttention's ``flash_attn_with_kvcache``, on copies.
 
@@ -267,8 +268,8 @@ def flash_attn_with_kvcache(
     when the window is bounded on either side (causal or local), else all at cache_seqlens[b].
     Then each sequence is :func:`flash_attn` of its q over its positions [leftpad, seqlens + S_new)
     (dequantized). The rotated q and k are rounded to ``rotary_dtype`` (the inputs' dtype: the
-    kernels store them so) when given. ``num_splits`` changes nothing here (it is the kernel's
-    schedule).
+    kernels store them so) when given. ``num_splits`` and ``max_seqlen_k`` change nothing here
+    (they are the kernel's schedule and tile).
 
     Returns (out (B, Sq, Hq, Dv), lse (B, Hq, Sq), k_cache, v_cache), the caches after the write,
     dequantized to fp32 when they hold codes.

@@ -143,14 +143,16 @@ FLASH_ATTN_KVCACHE: dict[str, dict[int, TileConfig]] = {
     "gfx1201": {64: TileConfig(128, 32, 4, 2), 128: TileConfig(128, 16, 8, 1)},
 }
 FLASH_ATTN_KVCACHE["gfx1151"] = FLASH_ATTN_KVCACHE["gfx1201"]
-# Rows that replace FLASH_ATTN_KVCACHE's for 16-bit caches whose pages are smaller than a key block
-# (a page lookup per key). sm90: 16 keys a step, 2 warps, 6 stages, so that pages of 16 or more
-# hold whole blocks (one lookup per block), about four programs per SM: tune_decode, pages of 16,
+# Rows that replace FLASH_ATTN_KVCACHE's (and _PAGED's, _SHORT's) for 16-bit caches whose pages are
+# smaller than those rows' key blocks. sm90: 16 keys a step, 2 warps, so that pages of 16 or more
+# hold whole blocks (one lookup per block). With 6 stages (about four programs per SM by its
+# shared memory) on 2026-12-01: tune_decode, pages of 16,
 # 4496 GB/s at 32k (3 splits) and 4134 at 4k, against 4467 and 4128 for 64 keys, 4 warps and 2
 # stages with a lookup per key (its page shifted out, not divided: 3582 and 3315 before).
-# Swept again (2026-12-02, after the finding below): 8 stages (three buffers) 4220 GB/s at 4k and
-# 4524 at 32k in two splits, against 4018 / 4235 for 6 stages in two and 4053 / 4389 in three
-# (SDPA cuDNN 4435 / 4613 on the contiguous cache in that run).
+# Swept again (2026-12-02, after the finding below; one run, SDPA cuDNN 4332 / 4488 GB/s on the
+# contiguous cache): 8 stages (three buffers) in two splits 4146 GB/s at 4k and 4380 at 32k,
+# against 4053 / 4389 for 6 stages in three (4018 / 4235 in two); a second run (cuDNN 4435 /
+# 4613) put 8 stages in two splits at 4220 / 4524, 10 and 12 stages lower.
 FLASH_ATTN_KVCACHE_PER_KEY_PAGES: dict[str, dict[int, TileConfig]] = {
     "sm90": {128: TileConfig(64, 16, 2, 8)},
 }
@@ -159,15 +161,24 @@ FLASH_ATTN_KVCACHE_PER_KEY_PAGES: dict[str, dict[int, TileConfig]] = {
 # splits num_stages between the two: the K and V tiles get (num_stages - 1) // 2 blocks of
 # lookahead, where the contiguous cache gets num_stages - 1 (the TTGIR for sm90 shows one K
 # buffer and a wait for every copy each step at 3 stages, two buffers at 5, three at 7). So the
-# paged row of a tile has about twice its stages. sm90 (`benchmarks.tune_decode`, H200,
-# 2026-12-02, pages of 256): 128 keys, 8 warps, 5 stages 4611 GB/s at 32k (SDPA cuDNN 4618 in that
-# run), against 4462 for the 3 stages the contiguous row has (one buffer; cuDNN 4476 in its run).
+# paged row of a tile has about twice its stages. Its fit in shared memory rests on that: the 5
+# stages below allocate 2 K and 2 V buffers (136 KiB, docs/targets.md), where 5 of each would not
+# fit; resident_programs counts all 5 (one program an SM, as the buffers also give). Re-check the
+# buffers (targets.md's shared memory) when Triton changes. sm90 (`benchmarks.tune_decode`, H200,
+# 2026-12-02, pages of 256, two runs on different days' machines, so ratios to SDPA cuDNN on the
+# contiguous cache): 128 keys, 8 warps, 5 stages 4611 GB/s at 32k, 0.998x (4279 at 4k, 0.96x),
+# against 4462, 0.997x (4219, 0.97x) for the 3 stages of the contiguous row: the 128-key tile
+# barely minds the single buffer. The 64-key tile does: 4380 GB/s at 4k with 5 stages (0.99x),
+# 3617 with 3 (0.83x); 32 keys: 4231 with 7 stages, 2749 with 4 (FLASH_ATTN_KVCACHE_SHORT).
 FLASH_ATTN_KVCACHE_PAGED: dict[str, dict[int, TileConfig]] = {
     "sm90": {128: TileConfig(64, 128, 8, 5)},
 }
-# Rows that replace the two above when every sequence holds at most KVCACHE_SHORT_KEYS keys (the
-# used length, or inside a CUDA graph capture the cache's capacity, the most a replay can see):
-# smaller tiles, two programs an SM, so that B=32 x 8 KV heads run as one wave instead of two.
+# Rows that replace FLASH_ATTN_KVCACHE's (contiguous) and FLASH_ATTN_KVCACHE_PAGED's (paged) when
+# every sequence holds at most KVCACHE_SHORT_KEYS keys (flash_attn_with_kvcache's max_seqlen_k:
+# the used length read back, or the caller's bound; None, as inside a CUDA graph capture without
+# one, keeps the long rows): smaller tiles, two programs an SM, so that B=32 x 8 KV heads run as
+# one wave instead of two. A bucket of lengths picks a row; the lengths stay runtime arguments of
+# one kernel (not specialized).
 # sm90 (tune_decode, H200, 2026-12-02, 4k keys, one split): contiguous 64 keys, 4 warps, 3 stages
 # 4328 GB/s against 4259 for the 128-key row (cuDNN 4326), but 4457 against 4526 at 32k (32 keys
 # and 4 stages led at 4k, 4370, and lost 5% at 32k); pages of 256 with 64 keys, 4 warps, 5
