@@ -75,10 +75,10 @@ def expected(q, k, v):
 
 
 def _lanekit(c, q, kc, vc, seqlens, table, num_splits=None):
-    """lanekit's decode call on these inputs, with ``num_splits`` splits (None: the heuristic's)."""
-    splits = _splits(c, q, kc, vc, table) if num_splits is None else num_splits
+    """lanekit's decode call on these inputs, with ``num_splits`` splits (None: the heuristic's,
+    which the call picks itself from max_seqlen_k, inside a graph capture too)."""
     return lambda: lanekit.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens, block_table=table,
-                                                   num_splits=splits, max_seqlen_k=c["sk"])
+                                                   num_splits=num_splits or 0, max_seqlen_k=c["sk"])
 
 
 def check(c, q, k, v, kc, vc, seqlens, table, num_splits=None, oracle=None) -> str | None:

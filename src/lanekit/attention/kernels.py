@@ -1209,15 +1209,15 @@ def flash_attn_kvcache(
     softcap: float,
     alibi_slopes: torch.Tensor | None,
     num_splits: int,
-    max_keys: int | None = None,
+    max_seqlen_k: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of q (B, Sq, Hq, D) over a paged cache (num_blocks, page_size, Hkv, D), already
     validated: sequence b's keys are cache positions leftpad[b] .. seqlens[b] (int32, (B,)), found
     through ``block_table`` (B, max_pages) int32, or with None a contiguous cache whose row b is
-    sequence b's (B_cache, S_cache, Hkv, D) (no table to build and read). A quantized cache (int8 / e4m3 codes) comes with
-    its (num_blocks, page_size, Hkv) fp32 scales. Returns out (B, Sq, Hq, Dv) in q's dtype and lse
-    (B, Hq, Sq) fp32. ``num_splits`` >= 1 splits each row's keys across that many programs;
-    ``max_keys``, the most keys a sequence holds (None: unknown), picks the tile.
+    sequence b's (B_cache, S_cache, Hkv, D) (no table to build and read). A quantized cache (int8 /
+    e4m3 codes) comes with its (num_blocks, page_size, Hkv) fp32 scales. Returns out (B, Sq, Hq,
+    Dv) in q's dtype and lse (B, Hq, Sq) fp32. ``num_splits`` >= 1 splits each row's keys across that many programs;
+    ``max_seqlen_k``, the most keys a sequence holds (None: unknown), picks the tile.
     """
     B, Sq, Hq, D = q.shape
     Hkv, Dv = k_cache.shape[2], v_cache.shape[3]
@@ -1231,8 +1231,9 @@ def flash_attn_kvcache(
     fp32, bucket = q.dtype == torch.float32, max(block_d, block_dv)
 
     cfg, pages = tuning.kvcache_tile(q.device, bucket, fp32=fp32, page_size=page_size,
-                                     one_page=block_table is None or block_table.shape[1] == 1, leftpad=leftpad is not None,
-                                     max_keys=max_keys, interpreted=triton_interpreted())
+                                     one_page=block_table is None or block_table.shape[1] == 1,
+                                     leftpad=leftpad is not None, max_keys=max_seqlen_k,
+                                     interpreted=triton_interpreted())
     # Rows are (query, head) pairs: decode (Sq * group <= 16) takes the smallest tile tl.dot allows.
     block_m = tuning.kvcache_block_m(cfg, Sq * group)
     m_blocks = triton.cdiv(Sq * group, block_m)
@@ -1255,7 +1256,8 @@ def flash_attn_kvcache(
             leftpad if leftpad is not None else seqlens,
             alibi_slopes if alibi_slopes is not None else q, dest, dest_lse,
             *q.stride(), *k_cache.stride(), *v_cache.stride(), *scale_strides,
-            block_table.stride(0) if block_table is not None else 0, *(alibi_slopes.stride() if alibi_slopes is not None else (0, 0)),
+            block_table.stride(0) if block_table is not None else 0,
+            *(alibi_slopes.stride() if alibi_slopes is not None else (0, 0)),
             *o_strides, *l_strides,
             Sq, group, D, Dv, page_size, page_size.bit_length() - 1, left, right, num_splits,
             softmax_scale * LOG2E,

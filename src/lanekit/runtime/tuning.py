@@ -169,7 +169,7 @@ FLASH_ATTN_KVCACHE_PER_KEY_PAGES: dict[str, dict[int, TileConfig]] = {
 # contiguous cache): 128 keys, 8 warps, 5 stages 4611 GB/s at 32k, 0.998x (4279 at 4k, 0.96x),
 # against 4462, 0.997x (4219, 0.97x) for the 3 stages of the contiguous row: the 128-key tile
 # barely minds the single buffer. The 64-key tile does: 4380 GB/s at 4k with 5 stages (0.99x),
-# 3617 with 3 (0.83x); 32 keys: 4231 with 7 stages, 2749 with 4 (FLASH_ATTN_KVCACHE_SHORT).
+# 3617 with 3 (0.83x); 32 keys: 4231 with 7 stages, 2749 with 4 (FLASH_ATTN_KVCACHE_SHORT_PAGED).
 FLASH_ATTN_KVCACHE_PAGED: dict[str, dict[int, TileConfig]] = {
     "sm90": {128: TileConfig(64, 128, 8, 5)},
 }
@@ -185,9 +185,8 @@ FLASH_ATTN_KVCACHE_PAGED: dict[str, dict[int, TileConfig]] = {
 # stages 4380 against 4279 for the paged row (cuDNN 4441), 4536 against 4611 at 32k. Only 4k and
 # 32k were timed: the bound between them is a guess.
 KVCACHE_SHORT_KEYS = 8192
-FLASH_ATTN_KVCACHE_SHORT: dict[str, dict[str, dict[int, TileConfig]]] = {
-    "sm90": {"contiguous": {128: TileConfig(64, 64, 4, 3)}, "paged": {128: TileConfig(64, 64, 4, 5)}},
-}
+FLASH_ATTN_KVCACHE_SHORT: dict[str, dict[int, TileConfig]] = {"sm90": {128: TileConfig(64, 64, 4, 3)}}
+FLASH_ATTN_KVCACHE_SHORT_PAGED: dict[str, dict[int, TileConfig]] = {"sm90": {128: TileConfig(64, 64, 4, 5)}}
 # Architectures whose FLASH_ATTN_KVCACHE rows do not fit an fp32 cache, which takes the generic rows
 # there. sm90: 128 fp32 keys of D=128 over 3 stages need 272 KB of shared memory (the H200 has 227).
 FLASH_ATTN_KVCACHE_FP32_GENERIC = ("sm90",)
@@ -384,9 +383,9 @@ def kvcache_config(device: torch.device, bucket: int, *, fp32: bool, paged: bool
     """The flash_attn_with_kvcache tile for this device and head-dim bucket: FLASH_ATTN_KVCACHE's
     row (the generic one for fp32 where that row does not fit); for a 16-bit cache read through
     pages (``paged``), FLASH_ATTN_KVCACHE_PAGED's, or FLASH_ATTN_KVCACHE_PER_KEY_PAGES's
-    (``per_key_pages``); FLASH_ATTN_KVCACHE_SHORT's instead when ``max_keys`` (the most keys a
-    sequence holds, None if unknown) is at most KVCACHE_SHORT_KEYS: each where the architecture
-    has that row. Read at each call, so that a sweep replacing a row is seen."""
+    (``per_key_pages``); FLASH_ATTN_KVCACHE_SHORT's (or _SHORT_PAGED's) instead when ``max_keys``
+    (the most keys a sequence holds, None if unknown) is at most KVCACHE_SHORT_KEYS: each where the
+    architecture has that row. Read at each call, so that a sweep replacing a row is seen."""
     arch = arch_id(device)
     if fp32:
         if arch in FLASH_ATTN_KVCACHE_FP32_GENERIC:
@@ -394,11 +393,12 @@ def kvcache_config(device: torch.device, bucket: int, *, fp32: bool, paged: bool
         return lookup(FLASH_ATTN_KVCACHE, device, bucket)
     if per_key_pages and bucket in FLASH_ATTN_KVCACHE_PER_KEY_PAGES.get(arch, {}):
         return FLASH_ATTN_KVCACHE_PER_KEY_PAGES[arch][bucket]
-    short = FLASH_ATTN_KVCACHE_SHORT.get(arch, {}).get("paged" if paged else "contiguous", {})
-    if max_keys is not None and max_keys <= KVCACHE_SHORT_KEYS and bucket in short:
-        return short[bucket]
-    if paged and bucket in FLASH_ATTN_KVCACHE_PAGED.get(arch, {}):
-        return FLASH_ATTN_KVCACHE_PAGED[arch][bucket]
+    tables = (FLASH_ATTN_KVCACHE_SHORT_PAGED, FLASH_ATTN_KVCACHE_PAGED) if paged else (FLASH_ATTN_KVCACHE_SHORT,)
+    if max_keys is None or max_keys > KVCACHE_SHORT_KEYS:
+        tables = tables[1:]
+    for table in tables:
+        if bucket in table.get(arch, {}):
+            return table[arch][bucket]
     return lookup(FLASH_ATTN_KVCACHE, device, bucket)
 
 
