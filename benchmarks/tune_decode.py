@@ -1,7 +1,7 @@
 """Sweep the decode kernel's tile and split count on the GPU: `python -m benchmarks.tune_decode [--quick] [--tiles=BN/W/S,...] [--splits=S,...] [CASE ...]`.
 
 For each bench case of benchmarks/decode.py, every (block_n, warps, stages) replaces this GPU's rows
-of every decode table (FLASH_ATTN_KVCACHE and its _PAGED, _PER_KEY_PAGES, _SHORT, _SHORT_PAGED: the candidate is what
+of every decode table (FLASH_ATTN_KVCACHE and its _PER_KEY_PAGES, _SHORT: the candidate is what
 the case runs, whatever its layout and length) and every split count is timed (CUDA
 graphs), each candidate checked against the oracle first (a wrong one is printed, not timed);
 prints every candidate's GB/s, best first, beside SDPA's cuDNN backend (the bar) timed in the same run. Copy
@@ -35,8 +35,7 @@ def main() -> int:
         print("needs a GPU", file=sys.stderr)
         return 2
     arch = tuning.arch_id(torch.device("cuda"))
-    tables = (tuning.FLASH_ATTN_KVCACHE, tuning.FLASH_ATTN_KVCACHE_PAGED, tuning.FLASH_ATTN_KVCACHE_PER_KEY_PAGES,
-              tuning.FLASH_ATTN_KVCACHE_SHORT, tuning.FLASH_ATTN_KVCACHE_SHORT_PAGED)
+    tables = (tuning.FLASH_ATTN_KVCACHE, tuning.FLASH_ATTN_KVCACHE_PER_KEY_PAGES, tuning.FLASH_ATTN_KVCACHE_SHORT)
     saved = [t.get(arch) for t in tables]
 
     def restore():  # this GPU's shipped rows back in every table

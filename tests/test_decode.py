@@ -175,9 +175,10 @@ def test_split_count_follows_the_used_length_and_the_batch_not_the_capacity(devi
 
 
 def test_sm90_decode_tile_follows_the_layout_and_the_longest_sequence():
-    # the rows the H200 was tuned to (runtime/tuning.py): a paged row with about twice the stages
-    # (Triton halves the lookahead behind a page lookup), smaller tiles up to KVCACHE_SHORT_KEYS
-    # keys (max_seqlen_k: the used length, or the caller's bound; None, as in a capture: long)
+    # the rows the H200 was tuned to (runtime/tuning.py): paged caches take the contiguous rows (the
+    # kernel loads pages a step ahead), pages smaller than the long row's key block a row of their
+    # own, and smaller tiles serve up to KVCACHE_SHORT_KEYS keys (max_seqlen_k: the used length,
+    # or the caller's bound; None, as in a capture: long)
     from lanekit.runtime import tuning
 
     cpu = torch.device("cpu")
@@ -188,14 +189,14 @@ def test_sm90_decode_tile_follows_the_layout_and_the_longest_sequence():
                                        leftpad=False, max_keys=max_keys)
 
     short, long_ = tuning.KVCACHE_SHORT_KEYS, tuning.KVCACHE_SHORT_KEYS + 1
-    assert tile(32768, True, short) == (tuning.FLASH_ATTN_KVCACHE_SHORT["sm90"][128], 0)
-    assert tile(32768, True, long_) == (tuning.FLASH_ATTN_KVCACHE["sm90"][128], 0)
-    assert tile(32768, True, None) == (tuning.FLASH_ATTN_KVCACHE["sm90"][128], 0)
-    assert tile(256, False, short) == (tuning.FLASH_ATTN_KVCACHE_SHORT_PAGED["sm90"][128], 1)
-    assert tile(256, False, long_) == (tuning.FLASH_ATTN_KVCACHE_PAGED["sm90"][128], 1)
-    paged = tuning.FLASH_ATTN_KVCACHE_PAGED["sm90"][128]
-    assert paged.num_stages >= 2 * tuning.FLASH_ATTN_KVCACHE["sm90"][128].num_stages - 1
-    assert tile(16, False, short) == tile(16, False, long_) == (tuning.FLASH_ATTN_KVCACHE_PER_KEY_PAGES["sm90"][128], 1)
+    short_row, long_row = tuning.FLASH_ATTN_KVCACHE_SHORT["sm90"][128], tuning.FLASH_ATTN_KVCACHE["sm90"][128]
+    per_key_row = tuning.FLASH_ATTN_KVCACHE_PER_KEY_PAGES["sm90"][128]
+    assert tile(32768, True, short) == (short_row, 0)
+    assert tile(32768, True, long_) == tile(32768, True, None) == (long_row, 0)
+    assert tile(256, False, short) == (short_row, 1)
+    assert tile(256, False, long_) == tile(256, False, None) == (long_row, 1)
+    assert tile(16, False, short) == (short_row, 2)          # a lookup per key, 16 % 64 != 0
+    assert tile(16, False, long_) == (per_key_row, 1 if 16 % per_key_row.block_n == 0 else 2)
     assert tile(256, False, short, fp32=True)[0] == tuning.FLASH_ATTN_KVCACHE["generic"][128]
 
 
@@ -230,13 +231,18 @@ def test_split_heuristic_rounds_to_the_nearest_wave():
     assert api.num_splits_heuristic(512, None, cpu) == 1
 
 
+@pytest.mark.parametrize("ahead", [True, False], ids=["pages_ahead", "pages_in_step"])
 @pytest.mark.parametrize("quant", [None, torch.int8])
-def test_power_of_two_pages_with_left_padding_match_the_oracle(device, quant):
+def test_power_of_two_pages_with_left_padding_match_the_oracle(device, quant, ahead, monkeypatch):
     # pages of 4 take the per-key lookup (a shift, not a division) on every tile; left padding
-    # keeps pages from holding whole blocks
+    # keeps pages from holding whole blocks. Both ways the kernel can find those pages: a block
+    # ahead (NVIDIA) or in the block's own step (AMD: tuning.kvcache_pages_ahead)
     from lanekit import check
     from lanekit.ops import kvcache_case
+    from lanekit.runtime import tuning
     from lanekit.runtime.lanes import get_op
+
+    monkeypatch.setattr(tuning, "kvcache_pages_ahead", lambda device: ahead)
 
     sample = kvcache_case("page 4 leftpad", device, page_size=4, leftpad=(3, 9), seqlens=(7, 30),
                           capacity=40, quant=quant, num_splits=2)

@@ -128,20 +128,33 @@ def _varlen_bounds(CuSeqQ, CuSeqK, b):
 
 
 @triton.jit
-def _paged_rows(bt_row, offs_n, n_in, page_size, stride_kpage, stride_kn, stride_vpage, stride_vn,
-                page_shift=0, POW2_PAGE: tl.constexpr = False):
-    # Offsets of keys offs_n (>= 0) of one sequence in a paged cache (num_blocks, page_size, H, D):
-    # page bt_row[n // page_size], row n % page_size. Keys past the sequence (not n_in) read page
-    # 0's offsets and are masked by the caller; int64, as a page's offset may pass 2^31.
-    # POW2_PAGE: page_size == 2^page_shift, so a shift and a mask instead of an integer division
-    # by a runtime value (about 20 instructions per key on sm90).
+def _page_ids(bt_row, offs_n, n_in, page_size, page_shift=0, POW2_PAGE: tl.constexpr = False):
+    # The pages bt_row[n // page_size] of keys offs_n (>= 0) of one sequence, as stored (int32);
+    # keys past the sequence (not n_in) read none and get page 0, masked by the caller.
+    # POW2_PAGE: page_size == 2^page_shift, so a shift instead of an integer division by a runtime
+    # value (about 20 instructions per key on sm90).
     if POW2_PAGE:
-        page = tl.load(bt_row + (offs_n >> page_shift), mask=n_in, other=0).to(tl.int64)
+        return tl.load(bt_row + (offs_n >> page_shift), mask=n_in, other=0)
+    return tl.load(bt_row + offs_n // page_size, mask=n_in, other=0)
+
+
+@triton.jit
+def _page_offsets(page, offs_n, page_size, stride_page, stride_n, POW2_PAGE: tl.constexpr = False):
+    # Offsets of keys offs_n in their pages ``page`` of a paged cache (num_blocks, page_size, H,
+    # D): row n % page_size of the page; int64, as a page's offset may pass 2^31.
+    if POW2_PAGE:
         row = (offs_n & (page_size - 1)).to(tl.int64)
     else:
-        page = tl.load(bt_row + offs_n // page_size, mask=n_in, other=0).to(tl.int64)
         row = (offs_n % page_size).to(tl.int64)
-    return page * stride_kpage + row * stride_kn, page * stride_vpage + row * stride_vn
+    return page.to(tl.int64) * stride_page + row * stride_n
+
+
+@triton.jit
+def _paged_rows(bt_row, offs_n, n_in, page_size, stride_kpage, stride_kn, stride_vpage, stride_vn):
+    # K's and V's offsets of keys offs_n of one sequence in a paged cache (see _page_ids).
+    page = _page_ids(bt_row, offs_n, n_in, page_size)
+    return (_page_offsets(page, offs_n, page_size, stride_kpage, stride_kn),
+            _page_offsets(page, offs_n, page_size, stride_vpage, stride_vn))
 
 
 @triton.jit
@@ -1021,12 +1034,13 @@ def _flash_attn_kvcache_kernel(
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, HAS_LEFTPAD: tl.constexpr, QUANTIZED: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, PAGES: tl.constexpr, EVEN_D: tl.constexpr, POW2_PAGE: tl.constexpr,
-    HAS_TABLE: tl.constexpr,
+    HAS_TABLE: tl.constexpr, PAGES_AHEAD: tl.constexpr,
 ):
     # PAGES: how keys find their page. 0: the whole sequence is one page (a contiguous cache),
     # looked up once; 1: pages hold whole key blocks (page_size a multiple of BLOCK_N, no left
     # padding), one lookup per block; 2: any page_size, one lookup per key (POW2_PAGE: page_size
-    # is 2^page_shift).
+    # is 2^page_shift). Pages are loaded a block ahead of the K and V loads that need them (with
+    # PAGES 2 only where PAGES_AHEAD: tuning.kvcache_pages_ahead).
     if EVEN_D:  # D fills its block: see EVEN_D above _flash_attn_fwd_kernel
         D = BLOCK_D
         Dv = BLOCK_DV
@@ -1086,6 +1100,12 @@ def _flash_attn_kvcache_kernel(
         v_base += row * stride_vp + lp * stride_vn
         ks_base += row * stride_ksp + lp * stride_ksn
         vs_base += row * stride_vsp + lp * stride_vsn
+    # Paged caches: the loop loads each next block's pages a step ahead (see PAGES == 1 below).
+    if PAGES == 1:
+        next_page = tl.load(bt_row + s_lo // page_size, mask=s_lo < s_hi, other=0).to(tl.int64)
+    elif PAGES == 2 and PAGES_AHEAD:  # tuning.kvcache_pages_ahead
+        n0 = s_lo + tl.arange(0, BLOCK_N)
+        next_pages = _page_ids(bt_row, n0 + lp, (n0 >= first) & (n0 < s_hi), page_size, page_shift, POW2_PAGE)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
@@ -1098,17 +1118,29 @@ def _flash_attn_kvcache_kernel(
             ks_off = offs_n.to(tl.int64) * stride_ksn
             vs_off = offs_n.to(tl.int64) * stride_vsn
         elif PAGES == 1:
-            page = tl.load(bt_row + start_n // page_size).to(tl.int64)
+            # This block's page was loaded a step ago (a block past the run loads nothing). Its
+            # K and V addresses then wait on no load of this step, and Triton's pipeliner gives
+            # them num_stages - 1 blocks of lookahead instead of (num_stages - 1) // 2.
+            page = next_page
+            next_n = start_n + BLOCK_N
+            next_page = tl.load(bt_row + next_n // page_size, mask=next_n < s_hi, other=0).to(tl.int64)
             in_page = (start_n % page_size + tl.arange(0, BLOCK_N)).to(tl.int64)
             k_off = page * stride_kp + in_page * stride_kn
             v_off = page * stride_vp + in_page * stride_vn
             ks_off = page * stride_ksp + in_page * stride_ksn
             vs_off = page * stride_vsp + in_page * stride_vsn
         else:
-            k_off, v_off = _paged_rows(bt_row, offs_n + lp, n_in, page_size, stride_kp, stride_kn,
-                                       stride_vp, stride_vn, page_shift, POW2_PAGE)
-            ks_off, vs_off = _paged_rows(bt_row, offs_n + lp, n_in, page_size, stride_ksp, stride_ksn,
-                                         stride_vsp, stride_vsn, page_shift, POW2_PAGE)
+            if PAGES_AHEAD:
+                pages = next_pages
+                n1 = offs_n + BLOCK_N
+                next_pages = _page_ids(bt_row, n1 + lp, (n1 >= first) & (n1 < s_hi), page_size, page_shift,
+                                       POW2_PAGE)
+            else:
+                pages = _page_ids(bt_row, offs_n + lp, n_in, page_size, page_shift, POW2_PAGE)
+            k_off = _page_offsets(pages, offs_n + lp, page_size, stride_kp, stride_kn, POW2_PAGE)
+            v_off = _page_offsets(pages, offs_n + lp, page_size, stride_vp, stride_vn, POW2_PAGE)
+            ks_off = _page_offsets(pages, offs_n + lp, page_size, stride_ksp, stride_ksn, POW2_PAGE)
+            vs_off = _page_offsets(pages, offs_n + lp, page_size, stride_vsp, stride_vsn, POW2_PAGE)
         k = tl.load(k_base + k_off[None, :] + offs_d[:, None] * stride_kd,
                     mask=n_in[None, :] & (offs_d[:, None] < D), other=0.0)          # [BLOCK_D, BLOCK_N]
         v = tl.load(v_base + v_off[:, None] + offs_dv[None, :] * stride_vd,
@@ -1268,7 +1300,7 @@ def flash_attn_kvcache(
             HAS_ALIBI=alibi_slopes is not None, HAS_LEFTPAD=leftpad is not None, QUANTIZED=quantized,
             INPUT_PRECISION="ieee" if q.dtype == torch.float32 else None, PAGES=pages,
             EVEN_D=(D == block_d and Dv == block_dv), POW2_PAGE=pages == 2 and page_size & (page_size - 1) == 0,
-            HAS_TABLE=block_table is not None, **cfg.options(),
+            HAS_TABLE=block_table is not None, PAGES_AHEAD=tuning.kvcache_pages_ahead(q.device), **cfg.options(),
         )
         if num_splits > 1:
             _merge_splits_kernel[(Sq, Hq, B)](

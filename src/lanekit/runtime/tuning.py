@@ -131,8 +131,9 @@ FLASH_ATTN_KVCACHE: dict[str, dict[int, TileConfig]] = {
     # cost what the second launch did. What did pay, in the same runs: a contiguous cache is
     # read without a table of row numbers (that table was a torch.arange, one more kernel in
     # the graph): 4k contiguous 4273 / 4273 against 4229 / 4233.
-    # This row is sm90's for contiguous caches of more than KVCACHE_SHORT_KEYS keys; paged and
-    # shorter caches take the rows further down (FLASH_ATTN_KVCACHE_PAGED, _SHORT).
+    # This row is sm90's for caches of more than KVCACHE_SHORT_KEYS keys, contiguous or in pages
+    # holding whole blocks; shorter caches and smaller pages take the rows further down
+    # (FLASH_ATTN_KVCACHE_SHORT, _PER_KEY_PAGES).
     "sm90": {128: TileConfig(64, 128, 8, 3)},
     # CDNA 3 (`benchmarks.tune_targets --target gfx942 --sweep attn_kvcache`): 64 keys a step
     # spilled, and at D=128 with 2 stages needed 68 KiB of LDS; 32 keys fit. The samples exercise
@@ -143,50 +144,45 @@ FLASH_ATTN_KVCACHE: dict[str, dict[int, TileConfig]] = {
     "gfx1201": {64: TileConfig(128, 32, 4, 2), 128: TileConfig(128, 16, 8, 1)},
 }
 FLASH_ATTN_KVCACHE["gfx1151"] = FLASH_ATTN_KVCACHE["gfx1201"]
-# Rows that replace FLASH_ATTN_KVCACHE's (and _PAGED's, _SHORT's) for 16-bit caches whose pages are
-# smaller than those rows' key blocks. sm90: 16 keys a step, 2 warps, so that pages of 16 or more
-# hold whole blocks (one lookup per block). With 6 stages (about four programs per SM by its
-# shared memory) on 2026-12-01: tune_decode, pages of 16,
-# 4496 GB/s at 32k (3 splits) and 4134 at 4k, against 4467 and 4128 for 64 keys, 4 warps and 2
-# stages with a lookup per key (its page shifted out, not divided: 3582 and 3315 before).
-# Swept again (2026-12-02, after the finding below; one run, SDPA cuDNN 4332 / 4488 GB/s on the
-# contiguous cache): 8 stages (three buffers) in two splits 4146 GB/s at 4k and 4380 at 32k,
-# against 4053 / 4389 for 6 stages in three (4018 / 4235 in two); a second run (cuDNN 4435 /
-# 4613) put 8 stages in two splits at 4220 / 4524, 10 and 12 stages lower.
+# Paged caches take the same rows as contiguous ones. The page lookup is a load that the K and V
+# addresses wait on, and Triton's pipeliner (3.6, NVIDIA) gives such loads only (num_stages - 1)
+# // 2 blocks of lookahead (the TTGIR for sm90 showed one K buffer and a wait for every copy each
+# step at 3 stages). So the kernel loads each block's pages a step ahead, as a loop-carried value;
+# the K and V loads then wait on no load of their own step and get num_stages - 1 buffers, as a
+# contiguous cache's do (2 at 3 stages). Until 2026-12-02 paged rows had their own tables with
+# about twice the stages instead (128 keys, 8 warps, 5 stages; 64, 4, 5 for short caches). With the
+# lookahead, on the H200 (`benchmarks.tune_decode`, one run, SDPA cuDNN on the contiguous cache 4322
+# and 4472 GB/s): pages of 256 read 4311 GB/s at 4k keys with the contiguous short row (64 keys, 4
+# warps, 3 stages) and 4462 at 32k with the long row (128, 8, 3); in `benchmarks.run decode` of the
+# same call 4296 and 4521 GB/s, against 4285 and 4514 for the old paged rows, timed after them.
+#
+# Rows for 16-bit caches of more than KVCACHE_SHORT_KEYS keys whose pages are smaller than the row's
+# key block (a page lookup per key). sm90: in that run, pages of 16 at 32k keys read 3970 GB/s
+# with the long row (128 keys), 4379 with 32 keys, 2 warps, 4 stages in 2 splits, 4315 with 64, 4,
+# 3 in 3 splits, 4310 with 16, 2, 4 (whole-page blocks) in 3; the old per-key row (16 keys, 2
+# warps, 8 stages, before the lookahead) 4163 in the bench. Short caches of small pages take
+# FLASH_ATTN_KVCACHE_SHORT's row: 4149 GB/s at 4k (one split), the best of that sweep (the 32-key
+# row 4080 in 2 splits, 16 keys 4076). A second run the same day agreed (32k: 4369 GB/s for this
+# row in 2 splits, 4335 for 16 keys in 3; 4k: 4190 for the short row, cuDNN 4312), and timed the
+# cost of the pages' order (this kernel and rows, `benchmarks.run decode`'s shapes): pages of 16 in
+# the bench's random order 4209 GB/s at 4k, in order 4294, the contiguous cache 4328; at 32k 4370,
+# 4289 and 4502. Pages of 256: 4290 / 4307 / 4327 and 4517 / 4512 / 4522. So at 4k about 2% of
+# the gap to the contiguous cache is where the pages lie, not how the kernel walks them.
 FLASH_ATTN_KVCACHE_PER_KEY_PAGES: dict[str, dict[int, TileConfig]] = {
-    "sm90": {128: TileConfig(64, 16, 2, 8)},
+    "sm90": {128: TileConfig(64, 32, 2, 4)},
 }
-# Rows for 16-bit caches read through a page table whose pages hold whole key blocks. The page
-# lookup is a load that the K and V loads' addresses wait on, and Triton's pipeliner (3.6, NVIDIA)
-# splits num_stages between the two: the K and V tiles get (num_stages - 1) // 2 blocks of
-# lookahead, where the contiguous cache gets num_stages - 1 (the TTGIR for sm90 shows one K
-# buffer and a wait for every copy each step at 3 stages, two buffers at 5, three at 7). So the
-# paged row of a tile has about twice its stages. Its fit in shared memory rests on that: the 5
-# stages below allocate 2 K and 2 V buffers (136 KiB, docs/targets.md), where 5 of each would not
-# fit; resident_programs counts all 5 (one program an SM, as the buffers also give). Re-check the
-# buffers (targets.md's shared memory) when Triton changes. sm90 (`benchmarks.tune_decode`, H200,
-# 2026-12-02, pages of 256, two runs on different days' machines, so ratios to SDPA cuDNN on the
-# contiguous cache): 128 keys, 8 warps, 5 stages 4611 GB/s at 32k, 0.998x (4279 at 4k, 0.96x),
-# against 4462, 0.997x (4219, 0.97x) for the 3 stages of the contiguous row: the 128-key tile
-# barely minds the single buffer. The 64-key tile does: 4380 GB/s at 4k with 5 stages (0.99x),
-# 3617 with 3 (0.83x); 32 keys: 4231 with 7 stages, 2749 with 4 (FLASH_ATTN_KVCACHE_SHORT_PAGED).
-FLASH_ATTN_KVCACHE_PAGED: dict[str, dict[int, TileConfig]] = {
-    "sm90": {128: TileConfig(64, 128, 8, 5)},
-}
-# Rows that replace FLASH_ATTN_KVCACHE's (contiguous) and FLASH_ATTN_KVCACHE_PAGED's (paged) when
-# every sequence holds at most KVCACHE_SHORT_KEYS keys (flash_attn_with_kvcache's max_seqlen_k:
-# the used length read back, or the caller's bound; None, as inside a CUDA graph capture without
-# one, keeps the long rows): smaller tiles, two programs an SM, so that B=32 x 8 KV heads run as
-# one wave instead of two. A bucket of lengths picks a row; the lengths stay runtime arguments of
-# one kernel (not specialized).
+# Rows that replace FLASH_ATTN_KVCACHE's (and FLASH_ATTN_KVCACHE_PER_KEY_PAGES's) when every
+# sequence holds at most KVCACHE_SHORT_KEYS keys (flash_attn_with_kvcache's max_seqlen_k: the used
+# length read back, or the caller's bound; None, as inside a CUDA graph capture without one, keeps
+# the long rows): smaller tiles, two programs an SM, so that B=32 x 8 KV heads run as one wave
+# instead of two. A bucket of lengths picks a row; the lengths stay runtime arguments of one kernel
+# (not specialized).
 # sm90 (tune_decode, H200, 2026-12-02, 4k keys, one split): contiguous 64 keys, 4 warps, 3 stages
 # 4328 GB/s against 4259 for the 128-key row (cuDNN 4326), but 4457 against 4526 at 32k (32 keys
-# and 4 stages led at 4k, 4370, and lost 5% at 32k); pages of 256 with 64 keys, 4 warps, 5
-# stages 4380 against 4279 for the paged row (cuDNN 4441), 4536 against 4611 at 32k. Only 4k and
-# 32k were timed: the bound between them is a guess.
+# and 4 stages led at 4k, 4370, and lost 5% at 32k). Only 4k and 32k were timed: the bound between
+# them is a guess.
 KVCACHE_SHORT_KEYS = 8192
 FLASH_ATTN_KVCACHE_SHORT: dict[str, dict[int, TileConfig]] = {"sm90": {128: TileConfig(64, 64, 4, 3)}}
-FLASH_ATTN_KVCACHE_SHORT_PAGED: dict[str, dict[int, TileConfig]] = {"sm90": {128: TileConfig(64, 64, 4, 5)}}
 # Architectures whose FLASH_ATTN_KVCACHE rows do not fit an fp32 cache, which takes the generic rows
 # there. sm90: 128 fp32 keys of D=128 over 3 stages need 272 KB of shared memory (the H200 has 227).
 FLASH_ATTN_KVCACHE_FP32_GENERIC = ("sm90",)
@@ -378,28 +374,35 @@ def lookup(table: dict[str, dict[int, TileConfig]], device: torch.device, bucket
     return rows.get(bucket, table["generic"][bucket])
 
 
-def kvcache_config(device: torch.device, bucket: int, *, fp32: bool, paged: bool = False,
-                   per_key_pages: bool = False, max_keys: int | None = None) -> TileConfig:
+def kvcache_config(device: torch.device, bucket: int, *, fp32: bool, per_key_pages: bool = False,
+                   max_keys: int | None = None) -> TileConfig:
     """The flash_attn_with_kvcache tile for this device and head-dim bucket: FLASH_ATTN_KVCACHE's
-    row (the generic one for fp32 where that row does not fit); for a 16-bit cache read through
-    pages (``paged``), FLASH_ATTN_KVCACHE_PAGED's, or FLASH_ATTN_KVCACHE_PER_KEY_PAGES's
-    (``per_key_pages``); FLASH_ATTN_KVCACHE_SHORT's (or _SHORT_PAGED's) instead when ``max_keys``
-    (the most keys a sequence holds, None if unknown) is at most KVCACHE_SHORT_KEYS: each where the
-    architecture has that row. Read at each call, so that a sweep replacing a row is seen."""
+    row (the generic one for fp32 where that row does not fit); for a 16-bit cache,
+    FLASH_ATTN_KVCACHE_SHORT's when ``max_keys`` (the most keys a sequence holds, None if unknown)
+    is at most KVCACHE_SHORT_KEYS, else FLASH_ATTN_KVCACHE_PER_KEY_PAGES's for pages smaller than
+    the key block (``per_key_pages``): each where the architecture has that row. Read at each call,
+    so that a sweep replacing a row is seen."""
     arch = arch_id(device)
     if fp32:
         if arch in FLASH_ATTN_KVCACHE_FP32_GENERIC:
             return FLASH_ATTN_KVCACHE["generic"][bucket]
         return lookup(FLASH_ATTN_KVCACHE, device, bucket)
-    if per_key_pages and bucket in FLASH_ATTN_KVCACHE_PER_KEY_PAGES.get(arch, {}):
-        return FLASH_ATTN_KVCACHE_PER_KEY_PAGES[arch][bucket]
-    tables = (FLASH_ATTN_KVCACHE_SHORT_PAGED, FLASH_ATTN_KVCACHE_PAGED) if paged else (FLASH_ATTN_KVCACHE_SHORT,)
-    if max_keys is None or max_keys > KVCACHE_SHORT_KEYS:
-        tables = tables[1:]
+    short = max_keys is not None and max_keys <= KVCACHE_SHORT_KEYS
+    tables = (FLASH_ATTN_KVCACHE_SHORT,) if short else (FLASH_ATTN_KVCACHE_PER_KEY_PAGES,) if per_key_pages else ()
     for table in tables:
         if bucket in table.get(arch, {}):
             return table[arch][bucket]
     return lookup(FLASH_ATTN_KVCACHE, device, bucket)
+
+
+def kvcache_pages_ahead(device: torch.device) -> bool:
+    """Whether the decode kernel loads a block's per-key pages (its PAGES 2) a step ahead. NVIDIA:
+    yes; without it Triton's pipeliner gives the K and V loads half the lookahead (see
+    FLASH_ATTN_KVCACHE_PER_KEY_PAGES); on the H200, pages of 16 at 4k keys read 4190 GB/s against
+    4091 (tune_decode, best tile of each, one run). AMD: no; its pipeliner (Triton 3.6, gfx942's
+    TTGIR) streamed these loads through no shared buffer with or without it, and with it one
+    registered sample (D=80, pages of 7, 128 x 32 tile) spilled 20 bytes a thread."""
+    return not arch_id(device).startswith("gfx")
 
 
 def kvcache_tile(device: torch.device, bucket: int, *, fp32: bool, page_size: int, one_page: bool,
@@ -416,10 +419,10 @@ def kvcache_tile(device: torch.device, bucket: int, *, fp32: bool, page_size: in
 
     if interpreted:
         return INTERPRETER, layout(INTERPRETER.block_n)
-    cfg = kvcache_config(device, bucket, fp32=fp32, paged=not one_page, max_keys=max_keys)
+    cfg = kvcache_config(device, bucket, fp32=fp32, max_keys=max_keys)
     pages = layout(cfg.block_n)
     if pages == 2:
-        cfg = kvcache_config(device, bucket, fp32=fp32, paged=True, per_key_pages=True, max_keys=max_keys)
+        cfg = kvcache_config(device, bucket, fp32=fp32, per_key_pages=True, max_keys=max_keys)
         pages = layout(cfg.block_n)
     return cfg, pages
 
@@ -555,6 +558,10 @@ class RotaryConfig:
 #   run that day). Not kept: the branch's arms must agree in type, and every way to make them agree
 #   for all inputs (a cast in the arms, or unspecialized strides) makes the compiler copy the whole
 #   kernel into both arms (2400+ SASS instructions, against the shipped kernel's 1224).
+# - (2026-12-02, `benchmarks.sass`, not timed) cos and sin loaded once per program when it holds
+#   one token (BLOCK_S = 1, as at Llama-3-8B shapes) and broadcast over its heads: 827 SASS
+#   instructions on the path taken against 791 (the broadcast's layout costs more than the 16 loads
+#   and conversions a thread saves); RMSNorm + RoPE 470 against 463.
 ROTARY: dict[str, RotaryConfig] = {
     "generic": RotaryConfig(32, 4, norm_block_rows=32, quant_block_rows=32, norm_num_warps=4),
     "sm90": RotaryConfig(32, 4, norm_block_rows=8, quant_block_rows=8, norm_num_warps=1, quant_num_warps=1,
