@@ -236,7 +236,8 @@ def test_split_heuristic_rounds_to_the_nearest_wave():
 def test_power_of_two_pages_with_left_padding_match_the_oracle(device, quant, ahead, monkeypatch):
     # pages of 4 take the per-key lookup (a shift, not a division) on every tile; left padding
     # keeps pages from holding whole blocks. Both ways the kernel can find those pages: a block
-    # ahead (NVIDIA) or in the block's own step (AMD: tuning.kvcache_pages_ahead)
+    # ahead (NVIDIA) or in the block's own step (AMD: tuning.kvcache_pages_ahead); each split
+    # walks several blocks, so the pages carried into the next step are used
     from lanekit import check
     from lanekit.ops import kvcache_case
     from lanekit.runtime import tuning
@@ -244,8 +245,21 @@ def test_power_of_two_pages_with_left_padding_match_the_oracle(device, quant, ah
 
     monkeypatch.setattr(tuning, "kvcache_pages_ahead", lambda device: ahead)
 
-    sample = kvcache_case("page 4 leftpad", device, page_size=4, leftpad=(3, 9), seqlens=(7, 30),
-                          capacity=40, quant=quant, num_splits=2)
+    sample = kvcache_case("page 4 leftpad", device, page_size=4, leftpad=(3, 9), seqlens=(70, 100),
+                          capacity=120, quant=quant, num_splits=2)
+    result = check.check_sample(get_op("flash_attn_with_kvcache"), "triton", sample)
+    assert result.ok, result.detail
+
+
+def test_whole_block_pages_with_a_window_and_splits_match_the_oracle(device):
+    # pages of 64 hold whole key blocks (one lookup a block, loaded a step ahead); the window
+    # starts mid-block, so the first block of a split is rounded down to its block start
+    from lanekit import check
+    from lanekit.ops import kvcache_case
+    from lanekit.runtime.lanes import get_op
+
+    sample = kvcache_case("page 64 window splits 2", device, page_size=64, window_size=(45, 0),
+                          seqlens=(150, 100), capacity=192, num_splits=2)
     result = check.check_sample(get_op("flash_attn_with_kvcache"), "triton", sample)
     assert result.ok, result.detail
 
@@ -261,6 +275,9 @@ def test_keys_outside_the_window_and_unowned_pages_are_never_read(device):
     v_cache = randn(10, page, Hkv, D, dtype=torch.bfloat16, device=device, generator=g)
     clean = lanekit.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, block_table=table,
                                             window_size=(20, 0), num_splits=2, lane="triton")
+    want = lanekit.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, block_table=table,
+                                           window_size=(20, 0), lane="reference")   # the float64 oracle
+    assert_close(clean, want, "attention_fwd")
     # poison: pages 8, 9 (nobody's), sequence 0's tokens past 50, and keys before each window
     for cache in (k_cache, v_cache):
         cache[8:] = math.nan

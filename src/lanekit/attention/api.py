@@ -503,11 +503,10 @@ def num_splits_heuristic(batch_programs: int, max_seqlen_k: int | None, device: 
     graph capture, where it cannot be read: occupancy alone decides, and the programs past a
     sequence's end exit at once). On the H200 (``benchmarks.tune_decode``, B=32, 8 KV heads, D=128,
     4k keys): the 128-key tile (one program per SM) at 4298 GB/s unsplit against at most 4163 in
-    two (the two per SM this heuristic aimed at before); the 16-key tile of pages of 16 (four per
-    SM) at 4134 in three and 4154 in two. On 2026-12-02 (tune_decode): the 64-key tile (two an SM)
-    at 4k read 4328 GB/s unsplit and 3742 in two (264 resident: 256 programs fill one wave, 512
-    start a second); the 16-key tile with 8 stages (three an SM by its stages' shared memory)
-    4220 in two and 4063 in three."""
+    two (the two per SM this heuristic aimed at before). On 2026-12-02 (tune_decode): the 64-key
+    tile (two an SM) at 4k read 4328 GB/s unsplit and 3742 in two (264 resident: 256 programs fill
+    one wave, 512 start a second); with pages of 16 at 32k keys the per-key row (32 keys, 2 warps,
+    4 stages), which this heuristic splits in two, 4379 in two, 3601 in three, 3192 unsplit."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
     programs = max(batch_programs, 1)
     splits = (2 * sms * max(programs_per_sm, 1) + programs) // (2 * programs)   # rounded to nearest

@@ -1300,7 +1300,8 @@ def flash_attn_kvcache(
             HAS_ALIBI=alibi_slopes is not None, HAS_LEFTPAD=leftpad is not None, QUANTIZED=quantized,
             INPUT_PRECISION="ieee" if q.dtype == torch.float32 else None, PAGES=pages,
             EVEN_D=(D == block_d and Dv == block_dv), POW2_PAGE=pages == 2 and page_size & (page_size - 1) == 0,
-            HAS_TABLE=block_table is not None, PAGES_AHEAD=tuning.kvcache_pages_ahead(q.device), **cfg.options(),
+            HAS_TABLE=block_table is not None,
+            PAGES_AHEAD=pages == 2 and tuning.kvcache_pages_ahead(q.device), **cfg.options(),
         )
         if num_splits > 1:
             _merge_splits_kernel[(Sq, Hq, B)](

@@ -156,8 +156,9 @@ FLASH_ATTN_KVCACHE["gfx1151"] = FLASH_ATTN_KVCACHE["gfx1201"]
 # warps, 3 stages) and 4462 at 32k with the long row (128, 8, 3); in `benchmarks.run decode` of the
 # same call 4296 and 4521 GB/s, against 4285 and 4514 for the old paged rows, timed after them.
 #
-# Rows for 16-bit caches of more than KVCACHE_SHORT_KEYS keys whose pages are smaller than the row's
-# key block (a page lookup per key). sm90: in that run, pages of 16 at 32k keys read 3970 GB/s
+# Rows for 16-bit caches of more than KVCACHE_SHORT_KEYS keys whose pages do not hold whole key
+# blocks of the long row (page_size not a multiple of its block_n, or left padding): a page lookup
+# per key, unless the page size is a multiple of this row's block_n. sm90: in that run, pages of 16 at 32k keys read 3970 GB/s
 # with the long row (128 keys), 4379 with 32 keys, 2 warps, 4 stages in 2 splits, 4315 with 64, 4,
 # 3 in 3 splits, 4310 with 16, 2, 4 (whole-page blocks) in 3; the old per-key row (16 keys, 2
 # warps, 8 stages, before the lookahead) 4163 in the bench. Short caches of small pages take
@@ -379,8 +380,8 @@ def kvcache_config(device: torch.device, bucket: int, *, fp32: bool, per_key_pag
     """The flash_attn_with_kvcache tile for this device and head-dim bucket: FLASH_ATTN_KVCACHE's
     row (the generic one for fp32 where that row does not fit); for a 16-bit cache,
     FLASH_ATTN_KVCACHE_SHORT's when ``max_keys`` (the most keys a sequence holds, None if unknown)
-    is at most KVCACHE_SHORT_KEYS, else FLASH_ATTN_KVCACHE_PER_KEY_PAGES's for pages smaller than
-    the key block (``per_key_pages``): each where the architecture has that row. Read at each call,
+    is at most KVCACHE_SHORT_KEYS, else FLASH_ATTN_KVCACHE_PER_KEY_PAGES's for pages that do not
+    hold whole key blocks (``per_key_pages``): each where the architecture has that row. Read at each call,
     so that a sweep replacing a row is seen."""
     arch = arch_id(device)
     if fp32:
