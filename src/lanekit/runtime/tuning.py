@@ -381,19 +381,18 @@ def kvcache_config(device: torch.device, bucket: int, *, fp32: bool, per_key_pag
     row (the generic one for fp32 where that row does not fit); for a 16-bit cache,
     FLASH_ATTN_KVCACHE_SHORT's when ``max_keys`` (the most keys a sequence holds, None if unknown)
     is at most KVCACHE_SHORT_KEYS, else FLASH_ATTN_KVCACHE_PER_KEY_PAGES's for pages that do not
-    hold whole key blocks (``per_key_pages``): each where the architecture has that row. Read at each call,
-    so that a sweep replacing a row is seen."""
+    hold whole key blocks (``per_key_pages``): each where the architecture has that row. Read at
+    each call, so that a sweep replacing a row is seen."""
     arch = arch_id(device)
     if fp32:
         if arch in FLASH_ATTN_KVCACHE_FP32_GENERIC:
             return FLASH_ATTN_KVCACHE["generic"][bucket]
         return lookup(FLASH_ATTN_KVCACHE, device, bucket)
-    short = max_keys is not None and max_keys <= KVCACHE_SHORT_KEYS
-    tables = (FLASH_ATTN_KVCACHE_SHORT,) if short else (FLASH_ATTN_KVCACHE_PER_KEY_PAGES,) if per_key_pages else ()
-    for table in tables:
-        if bucket in table.get(arch, {}):
-            return table[arch][bucket]
-    return lookup(FLASH_ATTN_KVCACHE, device, bucket)
+    if max_keys is not None and max_keys <= KVCACHE_SHORT_KEYS:
+        row = FLASH_ATTN_KVCACHE_SHORT.get(arch, {}).get(bucket)
+    else:
+        row = FLASH_ATTN_KVCACHE_PER_KEY_PAGES.get(arch, {}).get(bucket) if per_key_pages else None
+    return row or lookup(FLASH_ATTN_KVCACHE, device, bucket)
 
 
 def kvcache_pages_ahead(device: torch.device) -> bool:
