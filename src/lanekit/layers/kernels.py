@@ -517,10 +517,31 @@ def _pick(is_k, k_value, q_value):
 
 
 @triton.jit
+def _to_f32(v):
+    """v in fp32, exactly. bf16 is widened by moving its bits to the top of the word, one integer
+    instruction an element: Triton's own conversion extracts a register's upper bf16 with a byte
+    permute and then shifts it (two, on sm90: `python -m benchmarks.sass`)."""
+    if v.dtype == tl.bfloat16:
+        return (v.to(tl.int16, bitcast=True).to(tl.int32) << 16).to(tl.float32, bitcast=True)
+    return v.to(tl.float32)
+
+
+@triton.jit
 def _load_f32(ptr, mask, EVEN: tl.constexpr):
     if EVEN:
-        return tl.load(ptr).to(tl.float32)
-    return tl.load(ptr, mask=mask, other=0.0).to(tl.float32)
+        return _to_f32(tl.load(ptr))
+    return _to_f32(tl.load(ptr, mask=mask, other=0.0))
+
+
+@triton.jit
+def _per_feature(w):
+    """w [N] as it is (w + -0.0 is w for every w, -0.0 and NaN included), computed where w's own
+    layout holds it: a reduction is where Triton's layout pass stops moving work to the layout of
+    a [rows, N] tile's columns. Without it, the work on a per-feature vector broadcast over the
+    rows (w.to(f32) + offset) is done after the conversion, once for each of a thread's columns
+    rather than once for each of the vector's elements it holds: 32 against 4 in the quantized
+    q-and-k kernel's sm90 tile."""
+    return tl.sum(tl.join(w, tl.full(w.shape, -0.0, w.dtype)), axis=1)
 
 
 @triton.jit
@@ -599,22 +620,27 @@ def _qk_norm_rope_fwd_kernel(
     BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr,
     HAS_REST: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_WEIGHT: tl.constexpr,
     QUANT: tl.constexpr, SQUARES: tl.constexpr, EVEN: tl.constexpr, POW2_D: tl.constexpr,
-    HAS_POS_IDS: tl.constexpr, HAS_OFFSET_TENSOR: tl.constexpr,
+    HAS_POS_IDS: tl.constexpr, HAS_OFFSET_TENSOR: tl.constexpr, HEAD_BLOCKS: tl.constexpr,
 ):
-    # Program (s, j, b): tokens [s * BLOCK_S, ...) of batch entry b, and head block j of q, or for
-    # j >= q_head_blocks head block j - q_head_blocks of k (one launch: the small k part no
-    # longer runs alone at the tail of its own launch). A tile is BLOCK_S tokens x BLOCK_H heads
-    # of one batch entry, each (token, head) row of D features in three pieces: the rotary pairs'
-    # first members a, their second members bb, and the features outside the rotary range (rest).
+    # Program (s * HEAD_BLOCKS + j, 0, b): tokens [s * BLOCK_S, ...) of batch entry b, and head
+    # block j of q, or for j >= q_head_blocks head block j - q_head_blocks of k (one launch: the
+    # small k part no longer runs alone at the tail of its own launch). A token block's head blocks
+    # are adjacent programs, so the GPU starts them together: they read q's and k's rows of those
+    # tokens, adjacent in memory, and the same rows of cos and sin (on the H200 RMSNorm + RoPE read
+    # 3820 GB/s so, against 3620 with the token blocks of one head block adjacent). A tile is
+    # BLOCK_S tokens x BLOCK_H heads of one batch entry, each (token, head) row of D features in
+    # three pieces: the rotary pairs' first members a, their second members bb, and the features
+    # outside the rotary range (rest).
     # QUANT: 0 none, 1 int8, 2 fp8 e4m3; then every step is one exactly rounded operation (see
     # reference.layers.qk_norm_rope_quant; the launcher turns off fused multiply-adds).
     # EVEN: every row and pair of every tile exists (no masks).
-    hb = tl.program_id(1)
+    hb = tl.program_id(0) % HEAD_BLOCKS
+    s_block = tl.program_id(0) // HEAD_BLOCKS
     b = tl.program_id(2).to(tl.int64)
     is_k = hb >= q_head_blocks
     H = _pick(is_k, HK, HQ)
     offs_r = tl.arange(0, BLOCK_S * BLOCK_H)                    # a token's heads are adjacent rows
-    offs_s = tl.program_id(0).to(tl.int64) * BLOCK_S + offs_r // BLOCK_H
+    offs_s = s_block.to(tl.int64) * BLOCK_S + offs_r // BLOCK_H
     h = (hb - _pick(is_k, q_head_blocks, 0)) * BLOCK_H + offs_r % BLOCK_H
     tok, in_seq, pos = _rotary_tokens(b, offs_s, SEQ_OFFSETS, POS, SEQ_OFFSETS, seq_offset, S,
                                       stride_pb, stride_ps, False, HAS_POS_IDS, HAS_OFFSET_TENSOR)
@@ -636,7 +662,7 @@ def _qk_norm_rope_fwd_kernel(
         offs_d = tl.arange(0, BLOCK_D)
         is_rest = (offs_d < D) & ((offs_d < ROT_START) | (offs_d >= ROT_START + 2 * HALF))
         rest_mask = row_mask[:, None] & is_rest[None, :]                                    # [ROWS, BLOCK_D]
-        rest = tl.load(x_rows + offs_d[None, :] * stride_xd, mask=rest_mask, other=0.0).to(tl.float32)
+        rest = _to_f32(tl.load(x_rows + offs_d[None, :] * stride_xd, mask=rest_mask, other=0.0))
     ss = _square_sum(a, bb, rest, HAS_REST, SQUARES)                                        # [ROWS]
     if SQUARES == 3:  # a bf16 square outside fp32's exact range: this tile in fp64
         inexact = row_mask & ~((ss >= 2.0 ** -64) & (ss < 2.0 ** 126)) & ((ss != 0) | (eps < 2.0 ** -96))
@@ -652,13 +678,15 @@ def _qk_norm_rope_fwd_kernel(
     W = _pick(is_k, K_W, Q_W)
     stride_w = _pick(is_k, stride_kw, stride_qw)
     if HAS_WEIGHT:
-        a = a * (tl.load(W + da * stride_w, mask=offs_i < HALF, other=0.0).to(tl.float32) + offset)[None, :]
-        bb = bb * (tl.load(W + db * stride_w, mask=offs_i < HALF, other=0.0).to(tl.float32) + offset)[None, :]
+        wa = _per_feature(_to_f32(tl.load(W + da * stride_w, mask=offs_i < HALF, other=0.0)) + offset)
+        wb = _per_feature(_to_f32(tl.load(W + db * stride_w, mask=offs_i < HALF, other=0.0)) + offset)
+        a = a * wa[None, :]
+        bb = bb * wb[None, :]
     if HAS_REST:
         rest = rest * rstd
         if HAS_WEIGHT:
-            w_rest = tl.load(W + offs_d * stride_w, mask=is_rest, other=0.0).to(tl.float32)
-            rest = rest * (w_rest + offset)[None, :]
+            w_rest = _per_feature(_to_f32(tl.load(W + offs_d * stride_w, mask=is_rest, other=0.0)) + offset)
+            rest = rest * w_rest[None, :]
     # cos and sin of a row's token, loaded for each of its heads (cache hits)
     cos = _load_f32(COS + pos[:, None] * stride_cs + offs_i[None, :] * stride_cd, pair_mask, EVEN)
     sin = _load_f32(SIN + pos[:, None] * stride_ss + offs_i[None, :] * stride_sd, pair_mask, EVEN)
@@ -982,7 +1010,8 @@ def qk_norm_rope_fwd(*, q, k, q_out, k_out, q_weight, k_weight, cos, sin, rot_st
     block_h = min(triton.next_power_of_2(max(min(HQ, HK) if HK else HQ, 1)), rows)
     block_s = max(1, rows // block_h)
     q_head_blocks = triton.cdiv(HQ, block_h)
-    grid = (triton.cdiv(S, block_s), q_head_blocks + triton.cdiv(HK, block_h), B)
+    head_blocks = q_head_blocks + triton.cdiv(HK, block_h)   # a constexpr: % and // by it are cheap
+    grid = (triton.cdiv(S, block_s) * head_blocks, 1, B)
     block_half = triton.next_power_of_2(max(half, 1))
     even = S % block_s == 0 and HQ % block_h == 0 and HK % block_h == 0 and half == block_half
     offsets_tensor = isinstance(seqlen_offsets, torch.Tensor)
@@ -1005,7 +1034,7 @@ def qk_norm_rope_fwd(*, q, k, q_out, k_out, q_weight, k_weight, cos, sin, rot_st
         BLOCK_D=triton.next_power_of_2(D), HAS_REST=rotary_dim < D, INTERLEAVED=interleaved,
         HAS_WEIGHT=q_weight is not None, QUANT=_QUANT_CODES[quant_dtype],
         SQUARES=_SQUARES.get(q.dtype, 1) if quant else 0, EVEN=even, POW2_D=D & (D - 1) == 0,
-        HAS_POS_IDS=pos is not None, HAS_OFFSET_TENSOR=offsets_tensor,
+        HAS_POS_IDS=pos is not None, HAS_OFFSET_TENSOR=offsets_tensor, HEAD_BLOCKS=head_blocks,
         num_warps=cfg.norm_num_warps if quant_dtype is None else cfg.quant_num_warps,
         # the quantized path is specified as exactly rounded steps: no fused multiply-adds
         **({"enable_fp_fusion": False} if quant else {}),

@@ -562,6 +562,20 @@ class RotaryConfig:
 #   one token (BLOCK_S = 1, as at Llama-3-8B shapes) and broadcast over its heads: 827 SASS
 #   instructions on the path taken against 791 (the broadcast's layout costs more than the 16 loads
 #   and conversions a thread saves); RMSNorm + RoPE 470 against 463.
+# (2026-12-02, later; old and new code alternated in one run, twice, `.gpu`-style A/B) Three changes
+# to the q-and-k kernel, kept: bf16 widened by an integer shift (one instruction an element, not
+# two: layers.kernels._to_f32), the weight's `+ offset` done once per weight element a thread
+# holds, not once per column of its tile (_per_feature: 8 additions a thread, not 32), and a token
+# block's head blocks launched as adjacent programs. The first two cut the quantized form from 791
+# to 698 SASS instructions on the path taken (`benchmarks.sass`; 701 with the third's index
+# arithmetic) and RMSNorm + RoPE from 463 to 423 (425): 2731 -> 2838 GB/s quantized, RMSNorm +
+# RoPE level (3620). The launch order then took
+# RMSNorm + RoPE to 3820 (90% of copy) and the quantized form to 2870 (68%). Tried beside them and
+# not kept: the weights loaded before the sum of squares (2811 to 2833), cos and sin loaded there
+# too (2116: 102 registers and their loads beside x's); ptxas's own register count (85, no spills)
+# reads as the 72 cap does (2863 against 2861). Both forms now take about the same time per
+# element (45 us for Llama-3-8B's 8k tokens) although the quantized one issues 65% more
+# instructions: what binds them is no longer the instruction count alone.
 ROTARY: dict[str, RotaryConfig] = {
     "generic": RotaryConfig(32, 4, norm_block_rows=32, quant_block_rows=32, norm_num_warps=4),
     "sm90": RotaryConfig(32, 4, norm_block_rows=8, quant_block_rows=8, norm_num_warps=1, quant_num_warps=1,
