@@ -535,13 +535,16 @@ def _load_f32(ptr, mask, EVEN: tl.constexpr):
 
 @triton.jit
 def _per_feature(w):
-    """w [N] as it is (w + -0.0 is w for every w, -0.0 and NaN included), computed where w's own
+    """fp32 w [N] as it is (w + -0.0 is w for every w, -0.0 and NaN included), computed where w's own
     layout holds it: a reduction is where Triton's layout pass stops moving work to the layout of
     a [rows, N] tile's columns. Without it, the work on a per-feature vector broadcast over the
     rows (w.to(f32) + offset) is done after the conversion, once for each of a thread's columns
     rather than once for each of the vector's elements it holds: 32 against 4 in the quantized
     q-and-k kernel's sm90 tile."""
-    return tl.sum(tl.join(w, tl.full(w.shape, -0.0, w.dtype)), axis=1)
+    # -0.0 by its bits: a float constant -0.0 reaches Triton's IR as +0.0, and w + 0.0 turns -0.0
+    # into +0.0
+    negative_zero = tl.full(w.shape, -2147483648, tl.int32).to(tl.float32, bitcast=True)
+    return tl.sum(tl.join(w, negative_zero), axis=1)
 
 
 @triton.jit
