@@ -158,17 +158,17 @@ FLASH_ATTN_KVCACHE["gfx1151"] = FLASH_ATTN_KVCACHE["gfx1201"]
 #
 # Rows for 16-bit caches of more than KVCACHE_SHORT_KEYS keys whose pages do not hold whole key
 # blocks of the long row (page_size not a multiple of its block_n, or left padding): a page lookup
-# per key, unless the page size is a multiple of this row's block_n. sm90: in that run, pages of 16 at 32k keys read 3970 GB/s
-# with the long row (128 keys), 4379 with 32 keys, 2 warps, 4 stages in 2 splits, 4315 with 64, 4,
-# 3 in 3 splits, 4310 with 16, 2, 4 (whole-page blocks) in 3; the old per-key row (16 keys, 2
-# warps, 8 stages, before the lookahead) 4163 in the bench. Short caches of small pages take
-# FLASH_ATTN_KVCACHE_SHORT's row: 4149 GB/s at 4k (one split), the best of that sweep (the 32-key
-# row 4080 in 2 splits, 16 keys 4076). A second run the same day agreed (32k: 4369 GB/s for this
-# row in 2 splits, 4335 for 16 keys in 3; 4k: 4190 for the short row, cuDNN 4312), and timed the
-# cost of the pages' order (this kernel and rows, `benchmarks.run decode`'s shapes): pages of 16 in
-# the bench's random order 4209 GB/s at 4k, in order 4294, the contiguous cache 4328; at 32k 4370,
-# 4289 and 4502. Pages of 256: 4290 / 4307 / 4327 and 4517 / 4512 / 4522. So at 4k about 2% of
-# the gap to the contiguous cache is where the pages lie, not how the kernel walks them.
+# per key, unless the page size is a multiple of this row's block_n. sm90: in that run, pages of 16
+# at 32k keys read 3970 GB/s with the long row (128 keys), 4379 with 32 keys, 2 warps, 4 stages in 2
+# splits, 4315 with 64, 4, 3 in 3 splits, 4310 with 16, 2, 4 (whole-page blocks) in 3; the old
+# per-key row (16 keys, 2 warps, 8 stages, before the lookahead) 4163 in the bench. Short caches of
+# small pages take FLASH_ATTN_KVCACHE_SHORT's row: 4149 GB/s at 4k (one split), the best of that
+# sweep (the 32-key row 4080 in 2 splits, 16 keys 4076). A second run the same day agreed (32k: 4369
+# GB/s for this row in 2 splits, 4335 for 16 keys in 3; 4k: 4190 for the short row, cuDNN 4312), and
+# timed the cost of the pages' order (this kernel and rows, `benchmarks.run decode`'s shapes): pages
+# of 16 in the bench's random order 4209 GB/s at 4k, in order 4294, the contiguous cache 4328; at
+# 32k 4370, 4289 and 4502. Pages of 256: 4290 / 4307 / 4327 and 4517 / 4512 / 4522. So at 4k about
+# 2% of the gap to the contiguous cache is where the pages lie, not how the kernel walks them.
 FLASH_ATTN_KVCACHE_PER_KEY_PAGES: dict[str, dict[int, TileConfig]] = {
     "sm90": {128: TileConfig(64, 32, 2, 4)},
 }
@@ -562,27 +562,26 @@ class RotaryConfig:
 #   one token (BLOCK_S = 1, as at Llama-3-8B shapes) and broadcast over its heads: 827 SASS
 #   instructions on the path taken against 791 (the broadcast's layout costs more than the 16 loads
 #   and conversions a thread saves); RMSNorm + RoPE 470 against 463.
-# (2026-12-02, later; old and new code alternated in one run, twice, `.gpu`-style A/B) Three changes
+# (2026-12-02, later; old and new code alternated in one run, twice, A/B) Three changes
 # to the q-and-k kernel, kept: bf16 widened by an integer shift (one instruction an element, not
-# two: layers.kernels._to_f32), the weight's `+ offset` done once per weight element a thread
-# holds, not once per column of its tile (_per_feature: 8 additions a thread, not 32), and a token
-# block's head blocks launched as adjacent programs. The first two cut the quantized form from 791
-# to 698 SASS instructions on the path taken (`benchmarks.sass`; 701 with the third's index
-# arithmetic) and RMSNorm + RoPE from 463 to 423 (425): 2731 -> 2838 GB/s quantized, RMSNorm +
-# RoPE level (3620). The launch order then took
-# RMSNorm + RoPE to 3820 (90% of copy) and the quantized form to 2870 (68%). Tried beside them and
-# not kept: the weights loaded before the sum of squares (2811 to 2833), cos and sin loaded there
-# too (2116: 102 registers and their loads beside x's); ptxas's own register count (85, no spills)
-# reads as the 72 cap does (2863 against 2861). Both forms now take about the same time per
-# element (45 us for Llama-3-8B's 8k tokens) although the quantized one issues 65% more
-# instructions: what binds them is no longer the instruction count alone. ncu on the shipped
-# kernels (`NCU_CASES="layers:qk_norm_rope_quant~e4m3:_qk_norm_rope_fwd" bash scripts/gpu.sh ncu`):
-# quantized, 43.1 us, an instruction issued on 66% of cycles, 6.24 warps a scheduler active
+# two: layers.kernels._to_f32), the weight's `+ offset` done once per weight element a thread holds,
+# not once per column of its tile (_per_feature: 8 additions a thread, not 32), and a token block's
+# head blocks launched as adjacent programs. The first two cut the quantized form from 791 to 698
+# SASS instructions on the path taken (`benchmarks.sass`; 700 with the third's index arithmetic) and
+# RMSNorm + RoPE from 463 to 423 (420): 2731 -> 2838 GB/s quantized, RMSNorm + RoPE level (3620).
+# The launch order then took RMSNorm + RoPE to 3820 (90% of copy) and the quantized form to 2870
+# (68%). Tried beside them and not kept: the weights loaded before the sum of squares (2811 to
+# 2833), cos and sin loaded there too (2116: 102 registers and their loads beside x's); ptxas's own
+# register count (85, no spills) reads as the 72 cap does (2863 against 2861). Both forms now take
+# about the same time per element (45 us for Llama-3-8B's 8k tokens) although the quantized one
+# issues 65% more instructions: what binds them is no longer the instruction count alone. ncu on the
+# shipped kernels (`NCU_CASES="layers:qk_norm_rope_quant~e4m3:_qk_norm_rope_fwd" bash scripts/gpu.sh
+# ncu`): quantized, 43.1 us, an instruction issued on 66% of cycles, 6.24 warps a scheduler active
 # (28 an SM at most: registers), 1.85 eligible, a warp waiting 9.4 cycles an instruction of which
 # 3.2 on loads, DRAM 57% busy; RMSNorm + RoPE 40.8 us, issuing on 45%, DRAM 76%. At 66% issue the
-# quantized form needs about 620 instructions a program (not 701) for 80% of copy; the ~310 that
-# are not the oracle's per-element steps (addresses, the fp64 rstd, two divisions, the tile-wide
-# checks, the weights' layout change, cos and sin) are each 20 to 80.
+# quantized form needs about 620 instructions a program (not 700) for 80% of copy; the ~310 that are
+# not the oracle's per-element steps (addresses, the fp64 rstd, two divisions, the tile-wide checks,
+# the weights' layout change, cos and sin) are each 20 to 80.
 ROTARY: dict[str, RotaryConfig] = {
     "generic": RotaryConfig(32, 4, norm_block_rows=32, quant_block_rows=32, norm_num_warps=4),
     "sm90": RotaryConfig(32, 4, norm_block_rows=8, quant_block_rows=8, norm_num_warps=1, quant_num_warps=1,
