@@ -1,7 +1,7 @@
 """Sweep the fused layers' tile tables on the GPU: `python -m benchmarks.tune_layers [TABLE[:op] ...]`.
 
 For each sweep (NORM, ROTARY, GLU: the tables of lanekit.runtime.tuning that the layers read, by
-name; ROTARY_MAXNREG: ROTARY's register cap, as TABLE_OF maps it), every candidate replaces this
+name; ROTARY_MAXNREG and ROTARY_PREFETCH: more of ROTARY's fields, as TABLE_OF maps them), every candidate replaces this
 GPU's row in turn and the bench shapes of benchmarks/layers.py are timed; prints GB/s per
 candidate, best first. Copy the winners into tuning.py by hand, with the figures as comment.
 """
@@ -31,11 +31,18 @@ CANDIDATES = {
     "ROTARY_MAXNREG": ([dict(block_rows=32, num_warps=4, quant_block_rows=r, quant_num_warps=w, quant_maxnreg=n)
                         for r, w, n in itertools.product((8, 16), (1, 2), (0, 80, 72, 64, 56))],
                        ["qk_norm_rope_quant e4m3"]),
+    # the q-and-k kernels' prefetches (NVIDIA): cos and sin into L1, and into L2 the rows of the
+    # program this many later, at the tiles and cap that led the sweeps above
+    "ROTARY_PREFETCH": ([dict(block_rows=32, num_warps=4, norm_block_rows=8, norm_num_warps=1, quant_block_rows=8,
+                              quant_num_warps=1, quant_maxnreg=72, prefetch_rope=p, norm_prefetch_ahead=n,
+                              quant_prefetch_ahead=n)
+                         for p, n in itertools.product((0, 1), (0, 1024, 2048, 2560, 3072, 3696, 5120))],
+                        ["rms_norm_rope q,k", "qk_norm_rope_quant e4m3"]),
     "GLU": ([dict(block_n=b, num_warps=w) for b, w in itertools.product((1024, 2048, 4096, 8192), (4, 8, 16))],
             ["swiglu", "swiglu fused"]),
 }
 # sweeps of a table's fields beyond its main sweep: the table each one replaces rows of
-TABLE_OF = {"ROTARY_MAXNREG": "ROTARY"}
+TABLE_OF = {"ROTARY_MAXNREG": "ROTARY", "ROTARY_PREFETCH": "ROTARY"}
 
 
 def main() -> int:

@@ -2,12 +2,17 @@
 lane: PyTorch's and transformers' own modules as clients, the widest rows, in-place and out= writes,
 gradients through the fused residual, torch.compile, bad input, more than 2^31 elements (GPU)."""
 
+import dataclasses
+
 import pytest
 import torch
+import triton
+import triton.language as tl
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import lanekit.layers as L
+from lanekit.layers.kernels import _rsqrt_f32_candidate
 from lanekit.reference import layers as ref
 from lanekit.testing import assert_close, poisoned_outputs, randn
 
@@ -237,6 +242,72 @@ def test_quantized_qk_codes_keep_the_sign_of_zero_weights(device, quant):
         assert (want[0].view(torch.uint8) == 0x80).any()
 
 
+# bf16 triples (bit patterns) whose row [x0, x1, x2, 0, ...] of 128 features has, with eps 1e-6, an
+# oracle rstd 1 / sqrt(sum / 128 + eps) within 3 fp64 ulps of a rounding boundary of fp32 (a
+# midpoint between fp32 neighbours): found by a search over random triples
+_NEAR_MIDPOINT_ROWS = [(15468, 15428, 15394), (15416, 15472, 15402), (16622, 16051, 15435),
+                       (15456, 15430, 15408), (15364, 15428, 15486), (15488, 15366, 15424),
+                       (15376, 15446, 15464)]
+
+
+def test_quantized_qk_rstd_near_an_fp32_rounding_boundary_is_exact(device):
+    """Rows whose rstd lies within a few fp64 ulps of an fp32 rounding boundary, where an
+    approximate fp64 reciprocal square root can round to the other fp32 neighbour: the kernel
+    finds them uncertain (the next test shows it) and redoes their tile with the correctly rounded
+    square root and division (layers.kernels._rsqrt_f32_candidate). The scales carry rstd (codes
+    are invariant to it). On the H200 the hardware's refined value rounds right for these rows even
+    without the redo: this pins the end-to-end result, not the redo's necessity."""
+    rows = torch.zeros(len(_NEAR_MIDPOINT_ROWS), 128, dtype=torch.int16)
+    rows[:, :3] = torch.tensor(_NEAR_MIDPOINT_ROWS, dtype=torch.int16)
+    x = rows.view(torch.bfloat16)
+    eps32 = float(torch.tensor(1e-6, dtype=torch.float32))
+    x64 = x.double()
+    rstd64 = 1.0 / torch.sqrt((x64 * x64).sum(-1) / 128 + eps32)
+    low = (rstd64.view(torch.int64) & 0x1FFFFFFF) - 0x10000000
+    assert (low.abs() <= 3).all(), low  # the premise: each row's rstd is that close to a boundary
+    q = x.view(1, 1, -1, 128).to(device)
+    k = x.flip(0)[:4].reshape(1, 1, 4, 128).to(device)
+    theta = torch.rand(1, 64, generator=gen(12)).to(device)
+    args = (q, k, None, None, theta.cos(), theta.sin())
+    with poisoned_outputs():
+        got = L.qk_norm_rope_quant(*args, eps=1e-6, lane="triton")
+    _assert_codes_exact(got, ref.qk_norm_rope_quant(*args, eps=eps32))
+
+
+@triton.jit
+def _rsqrt_candidate_kernel(M, Y, CERTAIN, n, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    y, certain = _rsqrt_f32_candidate(tl.load(M + offs, mask=offs < n, other=1.0))
+    tl.store(Y + offs, y, mask=offs < n)
+    tl.store(CERTAIN + offs, certain.to(tl.int8), mask=offs < n)
+
+
+def test_rsqrt_candidate_is_uncertain_near_fp32_rounding_boundaries(device):
+    """_rsqrt_f32_candidate's certainty, directly: the rows above (rstd within 3 fp64 ulps of an
+    fp32 midpoint), 0, inf, NaN and an rstd below fp32's normal range are uncertain (their tiles
+    are redone); random means are almost
+    all certain, and where certain, y rounds to fp32 as the oracle's 1 / sqrt(m) does."""
+    rows = torch.zeros(len(_NEAR_MIDPOINT_ROWS), 128, dtype=torch.int16)
+    rows[:, :3] = torch.tensor(_NEAR_MIDPOINT_ROWS, dtype=torch.int16)
+    x64 = rows.view(torch.bfloat16).double()
+    eps32 = float(torch.tensor(1e-6, dtype=torch.float32))
+    near = (x64 * x64).sum(-1) / 128 + eps32
+    # 0, inf, NaN, and means whose rstd is below fp32's normal range (2^-130, 2^-150 and 2^-160)
+    special = torch.tensor([0.0, float("inf"), float("nan"), 2.0 ** 260, 2.0 ** 300, 2.0 ** 320],
+                           dtype=torch.float64)
+    rand = torch.exp(torch.empty(4000, dtype=torch.float64).uniform_(-80, 80, generator=gen(15)))
+    m = torch.cat([near, special, rand]).to(device)
+    y = torch.empty_like(m)
+    certain = torch.empty(m.shape, dtype=torch.int8, device=device)
+    _rsqrt_candidate_kernel[(1,)](m, y, certain, m.numel(), BLOCK=triton.next_power_of_2(m.numel()))
+    certain = certain.bool().cpu()
+    n = len(near) + len(special)
+    assert not certain[:n].any(), certain[:n]
+    assert certain[n:].float().mean() > 0.99
+    oracle = (1.0 / torch.sqrt(m.cpu())).float()
+    assert torch.equal(y.cpu()[certain].float(), oracle[certain])
+
+
 @pytest.mark.parametrize("rows", ["one huge row", "all tiny, eps 0", "all tiny", "normal"])
 def test_quantized_qk_tiles_outside_fp32s_exact_squares_are_redone_and_exact(device, rows):
     """bf16 rows whose squares fp32 cannot hold exactly (|x| >= 2^64 overflows; |x| < 2^-75
@@ -370,6 +441,55 @@ def test_layers_under_torch_compile_fullgraph(device):
     assert torch.allclose(compiled, eager)
     for a, b in zip(compiled_grads, eager_grads):
         assert torch.equal(a, b)
+
+
+def _check_q_and_k_on_a_padded_layout(device, quant, B, S, HQ, HK, seed):
+    """rms_norm_rope (quant None) or qk_norm_rope_quant against the oracle, on q padded in its
+    heads and features (B, S, HQ of HQ + 2 heads, 64 of 80 features), with partial rotary (32 of
+    64) and position ids."""
+    g = gen(seed)
+    q = randn(B, S, HQ + 2, 80, dtype=torch.bfloat16, device=device, generator=g)[:, :, :HQ, :64]
+    k = randn(B, S, HK, 64, dtype=torch.bfloat16, device=device, generator=g)
+    w = randn(64, dtype=torch.bfloat16, device=device, generator=g)
+    theta = torch.rand(16, 16, generator=g).to(device) * 6.3
+    pos = torch.randint(0, 16, (B, S), generator=g).to(device)
+    args = (q, k, w, w, theta.cos(), theta.sin())
+    kw = dict(rotary_dim=32, position_ids=pos)
+    if quant is None:
+        got = L.rms_norm_rope(*args, **kw, lane="triton")
+        want = ref.rms_norm_rope(*(f64(t) for t in args), **kw)
+        for o, e in zip(got, want, strict=True):
+            assert_close(o, e, "norm")
+        return
+    with poisoned_outputs():
+        got = L.qk_norm_rope_quant(*args, **kw, quant_dtype=quant, lane="triton")
+    _assert_codes_exact(got, ref.qk_norm_rope_quant(*args, **kw, quant_dtype=quant))
+
+
+@pytest.mark.parametrize("quant", [None, torch.float8_e4m3fn], ids=["rms_norm_rope", "quant e4m3"])
+def test_q_and_k_kernel_int64_row_offsets(device, quant, monkeypatch):
+    """The q-and-k kernel's int64 row offsets (taken where a tensor's offsets pass 2^31, on small
+    tensors here by lowering that limit) give the int32 path's results: the oracle's."""
+    from lanekit.layers import kernels
+    monkeypatch.setattr(kernels, "ROW_OFFSET_LIMIT", 1)
+    _check_q_and_k_on_a_padded_layout(device, quant, B=2, S=5, HQ=4, HK=2, seed=13)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="prefetches are PTX: the interpreter has none")
+@pytest.mark.parametrize("ahead", [1, 7, 100000])
+@pytest.mark.parametrize("quant", [None, torch.float8_e4m3fn], ids=["rms_norm_rope", "quant e4m3"])
+def test_q_and_k_kernel_prefetches(device, quant, ahead, monkeypatch):
+    """The q-and-k kernel with its prefetches on (cos and sin into L1; into L2 the rows of the
+    program `ahead` later, past the grid's end for the last ones, or for all at 100000): the
+    oracle's results, with masked tiles (5 and 3 heads). A prefetch reads nothing into a register;
+    this shows the addresses it takes change nothing (and under compute-sanitizer, scripts/gpu.sh
+    sanitizer, that none is out of bounds)."""
+    from lanekit.runtime import tuning
+    arch = tuning.arch_id(torch.device(device))
+    row = dataclasses.replace(tuning.rotary_config(torch.device(device)), prefetch_rope=1,
+                              norm_prefetch_ahead=ahead, quant_prefetch_ahead=ahead)
+    monkeypatch.setitem(tuning.ROTARY, arch, row)
+    _check_q_and_k_on_a_padded_layout(device, quant, B=3, S=7, HQ=5, HK=3, seed=14)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="more than 2^31 elements needs GPU memory")

@@ -10,8 +10,8 @@ Three kernel families:
 - ``_glu_fwd_kernel`` / ``_glu_bwd_kernel``: SwiGLU and GeGLU.
 
 Every kernel computes in fp32 and casts once on the store (the quantized path's sum of squares is
-fp64); offsets are int64, but for those within a row of ``_qk_norm_rope_fwd_kernel`` (int32, its
-launcher checks they fit).
+fp64); offsets are int64, but in ``_qk_norm_rope_fwd_kernel``: int32 within a row (its launcher
+checks they fit), and int32 for its rows too unless some tensor's offsets reach 2^31.
 """
 
 from __future__ import annotations
@@ -613,17 +613,94 @@ def _square_sum(a, bb, rest, HAS_REST: tl.constexpr, SQUARES: tl.constexpr):
 
 
 @triton.jit
+def _mean(ss, D, BLOCK_D: tl.constexpr, POW2_D: tl.constexpr):
+    """ss / D, rounded once."""
+    if POW2_D:  # dividing by a power of two is exact: a product (a division is ~10 fp64 steps)
+        return ss * (1.0 / BLOCK_D)                                  # D == BLOCK_D
+    return ss / D
+
+
+@triton.jit
+def _rsqrt_f32_candidate(m):
+    """(y, certain) for fp64 m: y an fp64 approximation of m^(-1/2), and where `certain`, y rounds to
+    fp32 as the oracle's 1 / sqrt(m) does (each fp64 step rounded, then to fp32). About 15
+    instructions, against about 40 for the correctly rounded square root and division.
+
+    y is the hardware's approximate reciprocal square root (refined to near fp64 precision by the
+    compiler on sm90 and gfx942). Its error is measured, not assumed: e = m y^2 - 1 (a fused
+    multiply-add, within 2^-53 of the exact residual), and y = m^(-1/2) (1 + e)^(1/2). |e| < 2^-48
+    puts y within 2^-48.9 of m^(-1/2) relative, 17 of its own ulps; the oracle's two roundings put
+    its fp64 value within 2 more. Rounding y and that value to fp32 gives the same number unless an
+    fp32 rounding boundary (a midpoint between fp32 neighbours, where the low 29 bits of the fp64
+    significand read 2^28) lies between them: `certain` asks for more than 64 ulps of distance from
+    it, and a normal fp32 result. Not certain: about one row in 2^22, and an m of 0, inf or NaN."""
+    y = tl.math.rsqrt(m)
+    e = tl.fma(m * y, y, -1.0)  # -(1 - m y^2)
+    low = (y.to(tl.int64, bitcast=True) & 0x1FFFFFFF).to(tl.int32) - 0x10000000
+    certain = (tl.abs(e) < 2.0 ** -48) & (y >= 2.0 ** -126) & (y < 2.0 ** 127) & (tl.abs(low) > 64)
+    return y, certain
+
+
+@triton.jit
+def _prefetch_rows(rows, row_mask, n, stride, LINES: tl.constexpr, STEP: tl.constexpr,
+                   LEVEL: tl.constexpr):
+    """Asks for the cache lines of features [0, n) of each row (pointers [ROWS], rows with
+    row_mask only) to be brought into L1 (LEVEL 1) or L2 (LEVEL 2), STEP features a line, LINES
+    lines a row: PTX's prefetch, a hint that holds no register and reads nothing into one (NVIDIA
+    only: runtime.tuning.ROTARY asks for it in NVIDIA rows alone)."""
+    offs = tl.arange(0, LINES) * STEP
+    ptrs = (rows[:, None] + offs[None, :] * stride).to(tl.int64, bitcast=True)
+    mask = (row_mask[:, None] & (offs < n)[None, :]).to(tl.int32)
+    if LEVEL == 1:
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L1 [$1]; mov.u32 $0, 0; }",
+            "=r,l,r", [ptrs, mask], dtype=tl.int32, is_pure=False, pack=1)
+    else:
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
+            "=r,l,r", [ptrs, mask], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _qk_tile(pid, b, offs_r, POS, SEQ_OFFSETS, seq_offset, S, HQ, HK, q_head_blocks, stride_pb,
+             stride_ps, BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_BLOCKS: tl.constexpr,
+             ROWS_INT64: tl.constexpr, HAS_POS_IDS: tl.constexpr, HAS_OFFSET_TENSOR: tl.constexpr):
+    """(is_k, token, head, position, row mask) of the rows offs_r of program pid's tile in
+    _qk_norm_rope_fwd_kernel: tokens [s * BLOCK_S, ...) of batch entry b and head block j of q,
+    or for j >= q_head_blocks head block j - q_head_blocks of k, pid = s * HEAD_BLOCKS + j."""
+    hb = pid % HEAD_BLOCKS
+    is_k = hb >= q_head_blocks
+    offs_s = (pid // HEAD_BLOCKS).to(tl.int64 if ROWS_INT64 else tl.int32) * BLOCK_S + offs_r // BLOCK_H
+    h = (hb - _pick(is_k, q_head_blocks, 0)) * BLOCK_H + offs_r % BLOCK_H
+    tok, in_seq, pos = _rotary_tokens(b, offs_s, SEQ_OFFSETS, POS, SEQ_OFFSETS, seq_offset, S,
+                                      stride_pb, stride_ps, False, HAS_POS_IDS, HAS_OFFSET_TENSOR)
+    row_mask = in_seq & (h < _pick(is_k, HK, HQ))
+    if ROWS_INT64:
+        h = h.to(tl.int64)
+    return is_k, tok, h, pos, row_mask
+
+
+@triton.jit
+def _qk_rows(is_k, K, Q, b, tok, h, stride_kb, stride_ks, stride_kh, stride_qb, stride_qs, stride_qh):
+    """Pointers to the rows (b, tok, h) of k where is_k, else of q."""
+    return (_pick(is_k, K, Q) + b * _pick(is_k, stride_kb, stride_qb)
+            + tok * _pick(is_k, stride_ks, stride_qs) + h * _pick(is_k, stride_kh, stride_qh))
+
+
+@triton.jit
 def _qk_norm_rope_fwd_kernel(
     Q, K, Q_OUT, K_OUT, Q_W, K_W, Q_SCALE, K_SCALE, COS, SIN, POS, SEQ_OFFSETS,
     stride_qb, stride_qs, stride_qh, stride_qd, stride_kb, stride_ks, stride_kh, stride_kd,
     stride_qob, stride_qos, stride_qoh, stride_qod, stride_kob, stride_kos, stride_koh, stride_kod,
     stride_qsb, stride_qss, stride_qsh, stride_ksb, stride_kss, stride_ksh, stride_qw, stride_kw,
     stride_cs, stride_cd, stride_ss, stride_sd, stride_pb, stride_ps,
-    S, HQ, HK, D, ROT_START, HALF, q_head_blocks, seq_offset, eps, offset, qmax,
+    S, HQ, HK, D, ROT_START, HALF, q_head_blocks, seq_offset, eps, offset, x_ahead,
     BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr,
     HAS_REST: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_WEIGHT: tl.constexpr,
     QUANT: tl.constexpr, SQUARES: tl.constexpr, EVEN: tl.constexpr, POW2_D: tl.constexpr,
     HAS_POS_IDS: tl.constexpr, HAS_OFFSET_TENSOR: tl.constexpr, HEAD_BLOCKS: tl.constexpr,
+    ROWS_INT64: tl.constexpr, PREFETCH_X: tl.constexpr, X_LINES: tl.constexpr, X_STEP: tl.constexpr,
+    PREFETCH_ROPE: tl.constexpr, ROPE_LINES: tl.constexpr, ROPE_STEP: tl.constexpr,
 ):
     # Program (s * HEAD_BLOCKS + j, 0, b): tokens [s * BLOCK_S, ...) of batch entry b, and head
     # block j of q, or for j >= q_head_blocks head block j - q_head_blocks of k (one launch: the
@@ -637,22 +714,17 @@ def _qk_norm_rope_fwd_kernel(
     # QUANT: 0 none, 1 int8, 2 fp8 e4m3; then every step is one exactly rounded operation (see
     # reference.layers.qk_norm_rope_quant; the launcher turns off fused multiply-adds).
     # EVEN: every row and pair of every tile exists (no masks).
-    hb = tl.program_id(0) % HEAD_BLOCKS
-    s_block = tl.program_id(0) // HEAD_BLOCKS
-    b = tl.program_id(2).to(tl.int64)
-    is_k = hb >= q_head_blocks
-    H = _pick(is_k, HK, HQ)
+    # row offsets in int64 only where a tensor's may pass 2^31 (ROWS_INT64; int32 saves ~20
+    # instructions and registers)
+    b = tl.program_id(2).to(tl.int64 if ROWS_INT64 else tl.int32)
     offs_r = tl.arange(0, BLOCK_S * BLOCK_H)                    # a token's heads are adjacent rows
-    offs_s = s_block.to(tl.int64) * BLOCK_S + offs_r // BLOCK_H
-    h = (hb - _pick(is_k, q_head_blocks, 0)) * BLOCK_H + offs_r % BLOCK_H
-    tok, in_seq, pos = _rotary_tokens(b, offs_s, SEQ_OFFSETS, POS, SEQ_OFFSETS, seq_offset, S,
-                                      stride_pb, stride_ps, False, HAS_POS_IDS, HAS_OFFSET_TENSOR)
-    row_mask = in_seq & (h < H)                                                              # [ROWS]
-    h = h.to(tl.int64)
-    x_rows = (_pick(is_k, K, Q) + b * _pick(is_k, stride_kb, stride_qb)
-              + tok * _pick(is_k, stride_ks, stride_qs) + h * _pick(is_k, stride_kh, stride_qh))[:, None]
-    o_rows = (_pick(is_k, K_OUT, Q_OUT) + b * _pick(is_k, stride_kob, stride_qob)
-              + tok * _pick(is_k, stride_kos, stride_qos) + h * _pick(is_k, stride_koh, stride_qoh))[:, None]
+    is_k, tok, h, pos, row_mask = _qk_tile(
+        tl.program_id(0), b, offs_r, POS, SEQ_OFFSETS, seq_offset, S, HQ, HK, q_head_blocks,
+        stride_pb, stride_ps, BLOCK_S, BLOCK_H, HEAD_BLOCKS, ROWS_INT64, HAS_POS_IDS, HAS_OFFSET_TENSOR)
+    x_rows = _qk_rows(is_k, K, Q, b, tok, h, stride_kb, stride_ks, stride_kh,
+                      stride_qb, stride_qs, stride_qh)[:, None]
+    o_rows = _qk_rows(is_k, K_OUT, Q_OUT, b, tok, h, stride_kob, stride_kos, stride_koh,
+                      stride_qob, stride_qos, stride_qoh)[:, None]
     stride_xd = _pick(is_k, stride_kd, stride_qd)
     stride_od = _pick(is_k, stride_kod, stride_qod)
     offs_i = tl.arange(0, BLOCK_HALF)        # offsets within a row in int32: see _inner_int32
@@ -666,16 +738,40 @@ def _qk_norm_rope_fwd_kernel(
         is_rest = (offs_d < D) & ((offs_d < ROT_START) | (offs_d >= ROT_START + 2 * HALF))
         rest_mask = row_mask[:, None] & is_rest[None, :]                                    # [ROWS, BLOCK_D]
         rest = _to_f32(tl.load(x_rows + offs_d[None, :] * stride_xd, mask=rest_mask, other=0.0))
+    # Prefetches, issued once this tile's loads are: the lines of cos and sin into L1, for their
+    # loads after the sum of squares (held in registers from here they cost 32 a thread and their
+    # loads waited beside x's), and into L2 the rows of x of program pid + x_ahead (along grid
+    # axis 0: the GPU starts it about when this one ends), so that its loads find them there: the
+    # DRAM latency hidden without registers (on the H200: runtime.tuning.ROTARY).
+    if PREFETCH_ROPE:
+        _prefetch_rows(COS + pos * stride_cs, row_mask, HALF, stride_cd, ROPE_LINES, ROPE_STEP, 1)
+        _prefetch_rows(SIN + pos * stride_ss, row_mask, HALF, stride_sd, ROPE_LINES, ROPE_STEP, 1)
+    if PREFETCH_X:
+        pid = tl.program_id(0) + x_ahead
+        is_k2, tok2, h2, _, mask2 = _qk_tile(
+            pid, b, offs_r, POS, SEQ_OFFSETS, seq_offset, S, HQ, HK, q_head_blocks, stride_pb,
+            stride_ps, BLOCK_S, BLOCK_H, HEAD_BLOCKS, ROWS_INT64, False, HAS_OFFSET_TENSOR)
+        _prefetch_rows(_qk_rows(is_k2, K, Q, b, tok2, h2, stride_kb, stride_ks, stride_kh,
+                                stride_qb, stride_qs, stride_qh),
+                       mask2 & (pid < tl.num_programs(0)), D, 1, X_LINES, X_STEP, 2)
     ss = _square_sum(a, bb, rest, HAS_REST, SQUARES)                                        # [ROWS]
-    if SQUARES == 3:  # a bf16 square outside fp32's exact range: this tile in fp64
-        inexact = row_mask & ~((ss >= 2.0 ** -64) & (ss < 2.0 ** 126)) & ((ss != 0) | (eps < 2.0 ** -96))
-        if tl.max(inexact.to(tl.int32), axis=0) > 0:
-            ss = _square_sum(a, bb, rest, HAS_REST, 1)
-    if POW2_D:  # dividing by a power of two is exact: a product (a division is ~10 fp64 steps)
-        mean = ss * (1.0 / BLOCK_D)                                  # D == BLOCK_D
+    if SQUARES == 0:
+        rstd = 1.0 / tl.sqrt(_mean(ss, D, BLOCK_D, POW2_D) + eps)
     else:
-        mean = ss / D
-    rstd = (1.0 / tl.sqrt(mean + eps)).to(tl.float32)[:, None]  # fp64 when ss is: so is this
+        # rstd as the oracle rounds it, 1 / sqrt(mean + eps) rounded in fp64 at each step, then to
+        # fp32: from a few fp64 steps where that rounding is certain (_rsqrt_f32_candidate), else
+        # (about one row in 2^22, and a bf16 square outside fp32's exact range) the tile redone
+        y, certain = _rsqrt_f32_candidate(_mean(ss, D, BLOCK_D, POW2_D) + eps)
+        redo = row_mask & ~certain
+        if SQUARES == 3:  # a bf16 square outside fp32's exact range: this tile in fp64
+            redo |= row_mask & ~((ss >= 2.0 ** -64) & (ss < 2.0 ** 126)) & ((ss != 0) | (eps < 2.0 ** -96))
+        if tl.max(redo.to(tl.int32), axis=0) > 0:
+            if SQUARES == 3:
+                ss = _square_sum(a, bb, rest, HAS_REST, 1)
+            rstd = (1.0 / tl.sqrt(_mean(ss, D, BLOCK_D, POW2_D) + eps)).to(tl.float32)
+        else:
+            rstd = y.to(tl.float32)
+    rstd = rstd[:, None]
     a = a * rstd
     bb = bb * rstd
     W = _pick(is_k, K_W, Q_W)
@@ -696,12 +792,14 @@ def _qk_norm_rope_fwd_kernel(
     ra = a * cos - bb * sin
     rb = bb * cos + a * sin
     if QUANT:
+        # the code range's end, a constant: the division by it then needs no reciprocal at run time
+        qmax = 127.0 if QUANT == 1 else 448.0
         amax = tl.max(tl.maximum(tl.abs(ra), tl.abs(rb)), axis=1)
         if HAS_REST:
             amax = tl.maximum(amax, tl.max(tl.abs(rest), axis=1))
         scale = tl.where(amax > 0, tl.math.div_rn(amax, qmax), 1.0)                         # [ROWS]
-        scale_ptr = (_pick(is_k, K_SCALE, Q_SCALE) + b * _pick(is_k, stride_ksb, stride_qsb)
-                     + tok * _pick(is_k, stride_kss, stride_qss) + h * _pick(is_k, stride_ksh, stride_qsh))
+        scale_ptr = _qk_rows(is_k, K_SCALE, Q_SCALE, b, tok, h, stride_ksb, stride_kss, stride_ksh,
+                             stride_qsb, stride_qss, stride_qsh)
         _store(scale_ptr, scale, row_mask, EVEN)
         # one correctly rounded division per row; per element a product (an IEEE division per
         # element made this kernel compute-bound: about 30 instructions each on sm90)
@@ -976,10 +1074,26 @@ def _one_launch(q, k, q_weight, k_weight) -> bool:
 def _inner_int32(t):
     """t, or a contiguous copy when the offsets along its last dim (up to size * stride) do not fit
     int32, as _qk_norm_rope_fwd_kernel takes them (int32 there saves registers and instructions;
-    rows are still addressed in int64, so a > 2^31-element tensor works either way)."""
+    rows are addressed in int64 when a tensor's offsets reach 2^31: ROW_OFFSET_LIMIT)."""
     if t.shape[-1] * abs(t.stride(-1)) >= 2 ** 31:
         return t.contiguous()
     return t
+
+
+ROW_OFFSET_LIMIT = 2 ** 31  # offsets below it are int32 in the q-and-k kernel (tests lower it)
+
+
+def _fits_int32(t) -> bool:
+    """Whether every element offset of t (None: nothing) is below ROW_OFFSET_LIMIT."""
+    return t is None or sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride()) if n) < ROW_OFFSET_LIMIT
+
+
+_LINE = 128  # bytes in a cache line (NVIDIA's L1 and L2)
+
+
+def _lines(n, t) -> int:
+    """Cache lines that n contiguous elements of t span from a line's start (a power of two)."""
+    return triton.next_power_of_2(max(triton.cdiv(n * t.element_size(), _LINE), 1))
 
 
 def qk_norm_rope_fwd(*, q, k, q_out, k_out, q_weight, k_weight, cos, sin, rot_start, rotary_dim,
@@ -1025,6 +1139,11 @@ def qk_norm_rope_fwd(*, q, k, q_out, k_out, q_weight, k_weight, cos, sin, rot_st
     q_w, k_w = (q_weight, k_weight) if q_weight is not None else (q, q)
     q_sc, k_sc = (q_scale, k_scale) if quant else (q_out, q_out)
     cap = tuning.quant_register_cap(cfg, D, rotary_dim, interleaved) if quant else 0
+    ROWS_INT64 = not all(_fits_int32(t) for t in (q, k, q_out, k_out, cos, sin, q_scale, k_scale))
+    # prefetches (PTX: set in NVIDIA rows of the table only) of lines of contiguous features
+    ahead = cfg.quant_prefetch_ahead if quant else cfg.norm_prefetch_ahead
+    ahead = ahead if q.stride(-1) == k.stride(-1) == 1 and grid[0] + ahead < 2 ** 31 else 0
+    prefetch_rope = bool(cfg.prefetch_rope) and cos.stride(-1) == sin.stride(-1) == 1 and cos.dtype == sin.dtype
     _qk_norm_rope_fwd_kernel[grid](
         q, k, q_out, k_out, q_w, k_w, q_sc, k_sc, cos, sin, pos,
         seqlen_offsets if offsets_tensor else None,
@@ -1032,12 +1151,14 @@ def qk_norm_rope_fwd(*, q, k, q_out, k_out, q_weight, k_weight, cos, sin, rot_st
         *(q_scale.stride() if quant else (0, 0, 0)), *(k_scale.stride() if quant else (0, 0, 0)),
         _stride(q_weight), _stride(k_weight), *cos.stride(), *sin.stride(), *pos_strides,
         S, HQ, HK, D, rot_start, half, q_head_blocks, 0 if offsets_tensor else int(seqlen_offsets),
-        eps, offset, float(reference_qmax(quant_dtype)),
+        eps, offset, ahead,
         BLOCK_S=block_s, BLOCK_H=block_h, BLOCK_HALF=block_half,
         BLOCK_D=triton.next_power_of_2(D), HAS_REST=rotary_dim < D, INTERLEAVED=interleaved,
         HAS_WEIGHT=q_weight is not None, QUANT=_QUANT_CODES[quant_dtype],
         SQUARES=_SQUARES.get(q.dtype, 1) if quant else 0, EVEN=even, POW2_D=D & (D - 1) == 0,
         HAS_POS_IDS=pos is not None, HAS_OFFSET_TENSOR=offsets_tensor, HEAD_BLOCKS=head_blocks,
+        ROWS_INT64=ROWS_INT64, PREFETCH_X=ahead > 0, X_LINES=_lines(D, q), X_STEP=_LINE // q.element_size(),
+        PREFETCH_ROPE=prefetch_rope, ROPE_LINES=_lines(half, cos), ROPE_STEP=_LINE // cos.element_size(),
         num_warps=cfg.norm_num_warps if quant_dtype is None else cfg.quant_num_warps,
         # the quantized path is specified as exactly rounded steps: no fused multiply-adds
         **({"enable_fp_fusion": False} if quant else {}),

@@ -501,6 +501,11 @@ class RotaryConfig:
     quant_num_warps: int = 4    # warps of RMSNorm + RoPE + quantization of q and k
     quant_maxnreg: int = 0      # registers a thread of it may use (NVIDIA rows only; 0: ptxas picks),
                                 # at the shapes it fits without spills (quant_register_cap)
+    # prefetches by PTX instructions, so in NVIDIA rows only (layers.kernels._prefetch_rows):
+    prefetch_rope: int = 0         # 1: the q-and-k kernels' cos and sin rows into L1
+    norm_prefetch_ahead: int = 0   # RMSNorm + RoPE of q and k: a program's prefetch into L2 of the
+                                   # rows of x of the program this many later (0: none)
+    quant_prefetch_ahead: int = 0  # the same for the quantized form
 
 
 # sm90: `python -m benchmarks.tune_layers` on the H200 (CUDA-graph timing, Llama-3-8B shapes):
@@ -582,10 +587,25 @@ class RotaryConfig:
 # quantized form needs about 620 instructions a program (not 700) for 80% of copy; the ~310 that are
 # not the oracle's per-element steps (addresses, the fp64 rstd, two divisions, the tile-wide checks,
 # the weights' layout change, cos and sin) are each 20 to 80.
+# (2026-12-03; A/B, 2c88e8c's code and the new alternated in one run on the H200, twice) Fewer
+# instructions did not help alone: int32 row offsets where they fit and the fp64 rstd from the
+# hardware's reciprocal square root where its fp32 rounding is certain (layers.kernels.
+# _rsqrt_f32_candidate) cut the quantized form from 700 to 662 SASS instructions on the path
+# taken and RMSNorm + RoPE from 420 to 393, at the same GB/s (2838 and 3783 against 2838 and 3793).
+# ncu then showed 20% of stall samples on the first use of x (DRAM) and 12% on cos and sin (L2),
+# each warp holding only its 2 KB of x in flight. Prefetches, which hold no registers, took it:
+# cos and sin into L1 once x's loads are issued (prefetch_rope), and into L2 x's rows of the
+# program `quant_prefetch_ahead` later (swept 512 to 7392; 2048 to 3696 alike, 2560 best; about
+# 3700 one-warp programs are resident). Quantized: 2853 -> 2990 (cos and sin) -> 3030 GB/s (both);
+# RMSNorm + RoPE 3840 -> 3935 with cos and sin alone (x ahead lowers it: 3850 at 2560, 3110 at
+# 7392). 2c88e8c's 700-instruction kernel with the same prefetches stays at 2870: once the latency is
+# hidden the instruction count binds again, so the two changes count only together. bench-layers
+# that day: 3043 GB/s (72% of copy) and 3913 (92%). `benchmarks.tune_layers ROTARY_PREFETCH`
+# sweeps these fields.
 ROTARY: dict[str, RotaryConfig] = {
     "generic": RotaryConfig(32, 4, norm_block_rows=32, quant_block_rows=32, norm_num_warps=4),
     "sm90": RotaryConfig(32, 4, norm_block_rows=8, quant_block_rows=8, norm_num_warps=1, quant_num_warps=1,
-                         quant_maxnreg=72),
+                         quant_maxnreg=72, prefetch_rope=1, quant_prefetch_ahead=2560),
     "gfx1201": RotaryConfig(32, 4, norm_block_rows=16, bwd_block_s=8, quant_block_rows=32, norm_num_warps=4),
 }
 ROTARY["gfx1151"] = ROTARY["gfx1201"]
