@@ -284,8 +284,8 @@ def _rsqrt_candidate_kernel(M, Y, CERTAIN, n, BLOCK: tl.constexpr):
 
 def test_rsqrt_candidate_is_uncertain_near_fp32_rounding_boundaries(device):
     """_rsqrt_f32_candidate's certainty, directly: the rows above (rstd within 3 fp64 ulps of an
-    fp32 midpoint), 0, inf, NaN and an rstd below fp32's normal range are uncertain (their tiles
-    are redone); random means are almost
+    fp32 midpoint) or 5 to 60 ulps from one, 0, inf, NaN and an rstd below fp32's normal range
+    are uncertain (their tiles are redone); random means are almost
     all certain, and where certain, y rounds to fp32 as the oracle's 1 / sqrt(m) does."""
     rows = torch.zeros(len(_NEAR_MIDPOINT_ROWS), 128, dtype=torch.int16)
     rows[:, :3] = torch.tensor(_NEAR_MIDPOINT_ROWS, dtype=torch.int16)
@@ -295,13 +295,23 @@ def test_rsqrt_candidate_is_uncertain_near_fp32_rounding_boundaries(device):
     # 0, inf, NaN, and means whose rstd is below fp32's normal range (2^-130, 2^-150 and 2^-160)
     special = torch.tensor([0.0, float("inf"), float("nan"), 2.0 ** 260, 2.0 ** 300, 2.0 ** 320],
                            dtype=torch.float64)
+    # means whose rstd lies 5 to 60 fp64 ulps from a midpoint: within the ~19 the argument needs
+    # and the 64 the kernel asks for, so uncertain too (a lower threshold would pass them)
+    y0 = torch.empty(400, dtype=torch.float64).uniform_(1, 2, generator=gen(16))
+    sign = torch.randint(0, 2, (400,), generator=gen(18)) * 2 - 1
+    d = torch.randint(5, 61, (400,), generator=gen(17)) * sign
+    y0 = ((y0.view(torch.int64) & ~0x1FFFFFFF) | (0x10000000 + d)).view(torch.float64)
+    mid = 1.0 / (y0 * y0)
+    low = ((1.0 / torch.sqrt(mid)).view(torch.int64) & 0x1FFFFFFF) - 0x10000000
+    mid = mid[(low.abs() >= 5) & (low.abs() <= 60)]
+    assert len(mid) > 300
     rand = torch.exp(torch.empty(4000, dtype=torch.float64).uniform_(-80, 80, generator=gen(15)))
-    m = torch.cat([near, special, rand]).to(device)
+    m = torch.cat([near, special, mid, rand]).to(device)
     y = torch.empty_like(m)
     certain = torch.empty(m.shape, dtype=torch.int8, device=device)
     _rsqrt_candidate_kernel[(1,)](m, y, certain, m.numel(), BLOCK=triton.next_power_of_2(m.numel()))
     certain = certain.bool().cpu()
-    n = len(near) + len(special)
+    n = len(near) + len(special) + len(mid)
     assert not certain[:n].any(), certain[:n]
     assert certain[n:].float().mean() > 0.99
     oracle = (1.0 / torch.sqrt(m.cpu())).float()
@@ -475,7 +485,8 @@ def test_q_and_k_kernel_int64_row_offsets(device, quant, monkeypatch):
     _check_q_and_k_on_a_padded_layout(device, quant, B=2, S=5, HQ=4, HK=2, seed=13)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="prefetches are PTX: the interpreter has none")
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.version.hip is not None,
+                    reason="prefetches are PTX: NVIDIA GPUs only (the interpreter has none)")
 @pytest.mark.parametrize("ahead", [1, 7, 100000])
 @pytest.mark.parametrize("quant", [None, torch.float8_e4m3fn], ids=["rms_norm_rope", "quant e4m3"])
 def test_q_and_k_kernel_prefetches(device, quant, ahead, monkeypatch):

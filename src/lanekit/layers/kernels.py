@@ -1139,11 +1139,14 @@ def qk_norm_rope_fwd(*, q, k, q_out, k_out, q_weight, k_weight, cos, sin, rot_st
     q_w, k_w = (q_weight, k_weight) if q_weight is not None else (q, q)
     q_sc, k_sc = (q_scale, k_scale) if quant else (q_out, q_out)
     cap = tuning.quant_register_cap(cfg, D, rotary_dim, interleaved) if quant else 0
-    ROWS_INT64 = not all(_fits_int32(t) for t in (q, k, q_out, k_out, cos, sin, q_scale, k_scale))
-    # prefetches (PTX: set in NVIDIA rows of the table only) of lines of contiguous features
+    ROWS_INT64 = not all(_fits_int32(t) for t in (q, k, q_out, k_out, cos, sin, q_scale, k_scale, pos))
+    # prefetches (PTX: set in NVIDIA rows of the table only; the interpreter has no inline asm) of
+    # lines of contiguous features
+    native = not triton_interpreted()
     ahead = cfg.quant_prefetch_ahead if quant else cfg.norm_prefetch_ahead
-    ahead = ahead if q.stride(-1) == k.stride(-1) == 1 and grid[0] + ahead < 2 ** 31 else 0
-    prefetch_rope = bool(cfg.prefetch_rope) and cos.stride(-1) == sin.stride(-1) == 1 and cos.dtype == sin.dtype
+    ahead = ahead if native and q.stride(-1) == k.stride(-1) == 1 and grid[0] + ahead < 2 ** 31 else 0
+    prefetch_rope = (native and bool(cfg.prefetch_rope) and cos.stride(-1) == sin.stride(-1) == 1
+                     and cos.dtype == sin.dtype)
     _qk_norm_rope_fwd_kernel[grid](
         q, k, q_out, k_out, q_w, k_w, q_sc, k_sc, cos, sin, pos,
         seqlen_offsets if offsets_tensor else None,
