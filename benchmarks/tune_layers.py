@@ -1,9 +1,10 @@
 """Sweep the fused layers' tile tables on the GPU: `python -m benchmarks.tune_layers [TABLE[:op] ...]`.
 
 For each sweep (NORM, ROTARY, GLU: the tables of lanekit.runtime.tuning that the layers read, by
-name; ROTARY_MAXNREG and ROTARY_PREFETCH: more of ROTARY's fields, as TABLE_OF maps them), every candidate replaces this
-GPU's row in turn and the bench shapes of benchmarks/layers.py are timed; prints GB/s per
-candidate, best first. Copy the winners into tuning.py by hand, with the figures as comment.
+name; ROTARY_MAXNREG and ROTARY_PREFETCH: more of ROTARY's fields, as TABLE_OF maps them), every
+candidate replaces this GPU's row in turn and the bench shapes of benchmarks/layers.py are timed;
+prints GB/s per candidate, best first. Copy the winners into tuning.py by hand, with the figures
+as comment.
 """
 
 from __future__ import annotations

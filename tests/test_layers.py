@@ -285,8 +285,9 @@ def _rsqrt_candidate_kernel(M, Y, CERTAIN, n, BLOCK: tl.constexpr):
 def test_rsqrt_candidate_is_uncertain_near_fp32_rounding_boundaries(device):
     """_rsqrt_f32_candidate's certainty, directly: the rows above (rstd within 3 fp64 ulps of an
     fp32 midpoint) or 5 to 60 ulps from one, 0, inf, NaN and an rstd below fp32's normal range
-    are uncertain (their tiles are redone); random means are almost
-    all certain, and where certain, y rounds to fp32 as the oracle's 1 / sqrt(m) does."""
+    are uncertain (their tiles are redone); random means are almost all certain, and where
+    certain, y rounds to fp32 as the oracle's 1 / sqrt(m) does. Outputs start poisoned (NaN, and
+    -1, which reads as certain)."""
     rows = torch.zeros(len(_NEAR_MIDPOINT_ROWS), 128, dtype=torch.int16)
     rows[:, :3] = torch.tensor(_NEAR_MIDPOINT_ROWS, dtype=torch.int16)
     x64 = rows.view(torch.bfloat16).double()
@@ -307,8 +308,8 @@ def test_rsqrt_candidate_is_uncertain_near_fp32_rounding_boundaries(device):
     assert len(mid) > 300
     rand = torch.exp(torch.empty(4000, dtype=torch.float64).uniform_(-80, 80, generator=gen(15)))
     m = torch.cat([near, special, mid, rand]).to(device)
-    y = torch.empty_like(m)
-    certain = torch.empty(m.shape, dtype=torch.int8, device=device)
+    y = torch.full_like(m, float("nan"))
+    certain = torch.full(m.shape, -1, dtype=torch.int8, device=device)
     _rsqrt_candidate_kernel[(1,)](m, y, certain, m.numel(), BLOCK=triton.next_power_of_2(m.numel()))
     certain = certain.bool().cpu()
     n = len(near) + len(special) + len(mid)
@@ -465,14 +466,14 @@ def _check_q_and_k_on_a_padded_layout(device, quant, B, S, HQ, HK, seed):
     pos = torch.randint(0, 16, (B, S), generator=g).to(device)
     args = (q, k, w, w, theta.cos(), theta.sin())
     kw = dict(rotary_dim=32, position_ids=pos)
+    with poisoned_outputs():
+        got = (L.rms_norm_rope(*args, **kw, lane="triton") if quant is None
+               else L.qk_norm_rope_quant(*args, **kw, quant_dtype=quant, lane="triton"))
     if quant is None:
-        got = L.rms_norm_rope(*args, **kw, lane="triton")
         want = ref.rms_norm_rope(*(f64(t) for t in args), **kw)
         for o, e in zip(got, want, strict=True):
             assert_close(o, e, "norm")
         return
-    with poisoned_outputs():
-        got = L.qk_norm_rope_quant(*args, **kw, quant_dtype=quant, lane="triton")
     _assert_codes_exact(got, ref.qk_norm_rope_quant(*args, **kw, quant_dtype=quant))
 
 

@@ -645,20 +645,15 @@ def _rsqrt_f32_candidate(m):
 def _prefetch_rows(rows, row_mask, n, stride, LINES: tl.constexpr, STEP: tl.constexpr,
                    LEVEL: tl.constexpr):
     """Asks for the cache lines of features [0, n) of each row (pointers [ROWS], rows with
-    row_mask only) to be brought into L1 (LEVEL 1) or L2 (LEVEL 2), STEP features a line, LINES
-    lines a row: PTX's prefetch, a hint that holds no register and reads nothing into one (NVIDIA
-    only: runtime.tuning.ROTARY asks for it in NVIDIA rows alone)."""
+    row_mask only) to be brought into LEVEL, "L1" or "L2", STEP features a line, LINES lines a
+    row: PTX's prefetch, a hint that holds no register and reads nothing into one (NVIDIA only:
+    runtime.tuning.ROTARY asks for it in NVIDIA rows alone)."""
     offs = tl.arange(0, LINES) * STEP
     ptrs = (rows[:, None] + offs[None, :] * stride).to(tl.int64, bitcast=True)
     mask = (row_mask[:, None] & (offs < n)[None, :]).to(tl.int32)
-    if LEVEL == 1:
-        tl.inline_asm_elementwise(
-            "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L1 [$1]; mov.u32 $0, 0; }",
-            "=r,l,r", [ptrs, mask], dtype=tl.int32, is_pure=False, pack=1)
-    else:
-        tl.inline_asm_elementwise(
-            "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
-            "=r,l,r", [ptrs, mask], dtype=tl.int32, is_pure=False, pack=1)
+    tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global." + LEVEL + " [$1]; mov.u32 $0, 0; }",
+        "=r,l,r", [ptrs, mask], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -744,8 +739,8 @@ def _qk_norm_rope_fwd_kernel(
     # axis 0: the GPU starts it about when this one ends), so that its loads find them there: the
     # DRAM latency hidden without registers (on the H200: runtime.tuning.ROTARY).
     if PREFETCH_ROPE:
-        _prefetch_rows(COS + pos * stride_cs, row_mask, HALF, stride_cd, ROPE_LINES, ROPE_STEP, 1)
-        _prefetch_rows(SIN + pos * stride_ss, row_mask, HALF, stride_sd, ROPE_LINES, ROPE_STEP, 1)
+        _prefetch_rows(COS + pos * stride_cs, row_mask, HALF, stride_cd, ROPE_LINES, ROPE_STEP, "L1")
+        _prefetch_rows(SIN + pos * stride_ss, row_mask, HALF, stride_sd, ROPE_LINES, ROPE_STEP, "L1")
     if PREFETCH_X:
         pid = tl.program_id(0) + x_ahead
         is_k2, tok2, h2, _, mask2 = _qk_tile(
@@ -753,7 +748,7 @@ def _qk_norm_rope_fwd_kernel(
             stride_ps, BLOCK_S, BLOCK_H, HEAD_BLOCKS, ROWS_INT64, False, HAS_OFFSET_TENSOR)
         _prefetch_rows(_qk_rows(is_k2, K, Q, b, tok2, h2, stride_kb, stride_ks, stride_kh,
                                 stride_qb, stride_qs, stride_qh),
-                       mask2 & (pid < tl.num_programs(0)), D, 1, X_LINES, X_STEP, 2)
+                       mask2 & (pid < tl.num_programs(0)), D, 1, X_LINES, X_STEP, "L2")
     ss = _square_sum(a, bb, rest, HAS_REST, SQUARES)                                        # [ROWS]
     if SQUARES == 0:
         rstd = 1.0 / tl.sqrt(_mean(ss, D, BLOCK_D, POW2_D) + eps)
