@@ -492,8 +492,9 @@ def test_q_and_k_kernel_int64_row_offsets(device, quant, monkeypatch):
 @pytest.mark.parametrize("quant", [None, torch.float8_e4m3fn], ids=["rms_norm_rope", "quant e4m3"])
 def test_q_and_k_kernel_prefetches(device, quant, ahead, monkeypatch):
     """The q-and-k kernel with its prefetches on (cos and sin into L1; into L2 the rows of the
-    program `ahead` later, past the grid's end for the last ones, or for all at 100000): the
-    oracle's results, with masked tiles (5 and 3 heads). A prefetch reads nothing into a register;
+    tile of the same heads 1, 2 and 33333 token blocks later, past the end for the last ones, or for
+    all at 100000 programs ahead): the oracle's results, with masked tiles (5 and 3 heads; the
+    launcher rounds `ahead` programs to token blocks of 3). A prefetch reads nothing into a register;
     this shows the addresses it takes change nothing (and under compute-sanitizer, scripts/gpu.sh
     sanitizer, that none is out of bounds)."""
     from lanekit.runtime import tuning

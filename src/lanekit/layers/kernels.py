@@ -657,15 +657,14 @@ def _prefetch_rows(rows, row_mask, n, stride, LINES: tl.constexpr, STEP: tl.cons
 
 
 @triton.jit
-def _qk_tile(pid, b, offs_r, POS, SEQ_OFFSETS, seq_offset, S, HQ, HK, q_head_blocks, stride_pb,
-             stride_ps, BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_BLOCKS: tl.constexpr,
-             ROWS_INT64: tl.constexpr, HAS_POS_IDS: tl.constexpr, HAS_OFFSET_TENSOR: tl.constexpr):
-    """(is_k, token, head, position, row mask) of the rows offs_r of program pid's tile in
-    _qk_norm_rope_fwd_kernel: tokens [s * BLOCK_S, ...) of batch entry b and head block j of q,
-    or for j >= q_head_blocks head block j - q_head_blocks of k, pid = s * HEAD_BLOCKS + j."""
-    hb = pid % HEAD_BLOCKS
+def _qk_tile(sb, hb, b, offs_r, POS, SEQ_OFFSETS, seq_offset, S, HQ, HK, q_head_blocks, stride_pb,
+             stride_ps, BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr, ROWS_INT64: tl.constexpr,
+             HAS_POS_IDS: tl.constexpr, HAS_OFFSET_TENSOR: tl.constexpr):
+    """(is_k, token, head, position, row mask) of the rows offs_r of tile (sb, hb) in
+    _qk_norm_rope_fwd_kernel: tokens [sb * BLOCK_S, ...) of batch entry b and head block hb of q,
+    or for hb >= q_head_blocks head block hb - q_head_blocks of k."""
     is_k = hb >= q_head_blocks
-    offs_s = (pid // HEAD_BLOCKS).to(tl.int64 if ROWS_INT64 else tl.int32) * BLOCK_S + offs_r // BLOCK_H
+    offs_s = sb.to(tl.int64 if ROWS_INT64 else tl.int32) * BLOCK_S + offs_r // BLOCK_H
     h = (hb - _pick(is_k, q_head_blocks, 0)) * BLOCK_H + offs_r % BLOCK_H
     tok, in_seq, pos = _rotary_tokens(b, offs_s, SEQ_OFFSETS, POS, SEQ_OFFSETS, seq_offset, S,
                                       stride_pb, stride_ps, False, HAS_POS_IDS, HAS_OFFSET_TENSOR)
@@ -712,10 +711,12 @@ def _qk_norm_rope_fwd_kernel(
     # row offsets in int64 only where a tensor's may pass 2^31 (ROWS_INT64; int32 saves ~20
     # instructions and registers)
     b = tl.program_id(2).to(tl.int64 if ROWS_INT64 else tl.int32)
+    sb = tl.program_id(0) // HEAD_BLOCKS
+    hb = tl.program_id(0) % HEAD_BLOCKS
     offs_r = tl.arange(0, BLOCK_S * BLOCK_H)                    # a token's heads are adjacent rows
     is_k, tok, h, pos, row_mask = _qk_tile(
-        tl.program_id(0), b, offs_r, POS, SEQ_OFFSETS, seq_offset, S, HQ, HK, q_head_blocks,
-        stride_pb, stride_ps, BLOCK_S, BLOCK_H, HEAD_BLOCKS, ROWS_INT64, HAS_POS_IDS, HAS_OFFSET_TENSOR)
+        sb, hb, b, offs_r, POS, SEQ_OFFSETS, seq_offset, S, HQ, HK, q_head_blocks, stride_pb,
+        stride_ps, BLOCK_S, BLOCK_H, ROWS_INT64, HAS_POS_IDS, HAS_OFFSET_TENSOR)
     x_rows = _qk_rows(is_k, K, Q, b, tok, h, stride_kb, stride_ks, stride_kh,
                       stride_qb, stride_qs, stride_qh)[:, None]
     o_rows = _qk_rows(is_k, K_OUT, Q_OUT, b, tok, h, stride_kob, stride_kos, stride_koh,
@@ -735,20 +736,20 @@ def _qk_norm_rope_fwd_kernel(
         rest = _to_f32(tl.load(x_rows + offs_d[None, :] * stride_xd, mask=rest_mask, other=0.0))
     # Prefetches, issued once this tile's loads are: the lines of cos and sin into L1, for their
     # loads after the sum of squares (held in registers from here they cost 32 a thread and their
-    # loads waited beside x's), and into L2 the rows of x of program pid + x_ahead (along grid
-    # axis 0: the GPU starts it about when this one ends), so that its loads find them there: the
-    # DRAM latency hidden without registers (on the H200: runtime.tuning.ROTARY).
+    # loads waited beside x's), and into L2 the rows of x of the same head block x_ahead token
+    # blocks later (program pid + x_ahead * HEAD_BLOCKS along grid axis 0: the GPU starts it about
+    # when this one ends), so that its loads find them there: the DRAM latency hidden without
+    # registers (on the H200: runtime.tuning.ROTARY). Only its tokens differ from this tile's:
+    # the rest of its addresses is this tile's, computed once.
     if PREFETCH_ROPE:
         _prefetch_rows(COS + pos * stride_cs, row_mask, HALF, stride_cd, ROPE_LINES, ROPE_STEP, "L1")
         _prefetch_rows(SIN + pos * stride_ss, row_mask, HALF, stride_sd, ROPE_LINES, ROPE_STEP, "L1")
     if PREFETCH_X:
-        pid = tl.program_id(0) + x_ahead
-        is_k2, tok2, h2, _, mask2 = _qk_tile(
-            pid, b, offs_r, POS, SEQ_OFFSETS, seq_offset, S, HQ, HK, q_head_blocks, stride_pb,
-            stride_ps, BLOCK_S, BLOCK_H, HEAD_BLOCKS, ROWS_INT64, False, HAS_OFFSET_TENSOR)
-        _prefetch_rows(_qk_rows(is_k2, K, Q, b, tok2, h2, stride_kb, stride_ks, stride_kh,
-                                stride_qb, stride_qs, stride_qh),
-                       mask2 & (pid < tl.num_programs(0)), D, 1, X_LINES, X_STEP, "L2")
+        _, tok2, h2, _, mask2 = _qk_tile(
+            sb + x_ahead, hb, b, offs_r, POS, SEQ_OFFSETS, seq_offset, S, HQ, HK, q_head_blocks,
+            stride_pb, stride_ps, BLOCK_S, BLOCK_H, ROWS_INT64, False, HAS_OFFSET_TENSOR)
+        _prefetch_rows(_qk_rows(is_k, K, Q, b, tok2, h2, stride_kb, stride_ks, stride_kh,
+                                stride_qb, stride_qs, stride_qh), mask2, D, 1, X_LINES, X_STEP, "L2")
     ss = _square_sum(a, bb, rest, HAS_REST, SQUARES)                                        # [ROWS]
     if SQUARES == 0:
         rstd = 1.0 / tl.sqrt(_mean(ss, D, BLOCK_D, POW2_D) + eps)
@@ -1138,8 +1139,10 @@ def qk_norm_rope_fwd(*, q, k, q_out, k_out, q_weight, k_weight, cos, sin, rot_st
     # prefetches (PTX: set in NVIDIA rows of the table only; the interpreter has no inline asm) of
     # lines of contiguous features
     native = not triton_interpreted()
-    ahead = cfg.quant_prefetch_ahead if quant else cfg.norm_prefetch_ahead
-    ahead = ahead if native and q.stride(-1) == k.stride(-1) == 1 and grid[0] + ahead < 2 ** 31 else 0
+    ahead = cfg.quant_prefetch_ahead if quant else cfg.norm_prefetch_ahead   # programs
+    ahead = max(1, round(ahead / head_blocks)) if ahead else 0                 # token blocks
+    s_blocks = triton.cdiv(S, block_s)
+    ahead = ahead if native and q.stride(-1) == k.stride(-1) == 1 and (s_blocks + ahead) * block_s < 2 ** 31 else 0
     prefetch_rope = (native and bool(cfg.prefetch_rope) and cos.stride(-1) == sin.stride(-1) == 1
                      and cos.dtype == sin.dtype)
     _qk_norm_rope_fwd_kernel[grid](

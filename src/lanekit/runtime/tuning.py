@@ -504,7 +504,8 @@ class RotaryConfig:
     # prefetches by PTX instructions, so in NVIDIA rows only (layers.kernels._prefetch_rows):
     prefetch_rope: int = 0         # 1: the q-and-k kernels' cos and sin rows into L1
     norm_prefetch_ahead: int = 0   # RMSNorm + RoPE of q and k: a program's prefetch into L2 of the
-                                   # rows of x of the program this many later (0: none)
+                                   # rows of x of the program about this many later, of the same
+                                   # head block (a whole number of token blocks; 0: none)
     quant_prefetch_ahead: int = 0  # the same for the quantized form
 
 
@@ -602,6 +603,20 @@ class RotaryConfig:
 # hidden the instruction count binds again, so the two changes count only together. bench-layers
 # that day: 3043 GB/s (72% of copy) and 3913 (92%). `benchmarks.tune_layers ROTARY_PREFETCH`
 # sweeps these fields.
+# (2026-12-03, later; A/B against f132437 alternated in one run, five pairs) The x prefetch now
+# takes the tile of the same head block a whole number of token blocks ahead (the row's count of
+# programs rounded to them): only its tokens differ from the program's own tile, so its addresses
+# reuse the tile's. 722 -> 691 SASS instructions on the path taken; quantized 3009-3024 -> 3025-3049
+# GB/s (+0.6%), RMSNorm + RoPE unchanged (no x prefetch). Fewer instructions buy little now: ncu on
+# it, an instruction issued on 70% of cycles, 6.28 warps a scheduler active, 2.18 eligible, 8.95
+# cycles a warp waits an instruction, DRAM 59% busy. Tried the same day, not kept:
+# - quant_maxnreg 56 and 64 (36 and 32 warps an SM, 18 and 15 spill instructions): 2845 and 2866
+#   GB/s against 3027 at 72; 80 reads as 72 (3026).
+# - programs looping over tiles (grid-stride, a grid of 14 to 28 programs an SM, weights loaded
+#   once): 579 instructions a tile against 722, but 137 registers uncapped (weights, pointers and
+#   strides held across the loop); capped at 72 it spills (64 spill instructions) and the loop form
+#   with one tile a program fell to 1616 GB/s. Best looping: 2775 (14 programs an SM, 112
+#   registers, no spills) against 3096 for the shipped kernel in that run.
 ROTARY: dict[str, RotaryConfig] = {
     "generic": RotaryConfig(32, 4, norm_block_rows=32, quant_block_rows=32, norm_num_warps=4),
     "sm90": RotaryConfig(32, 4, norm_block_rows=8, quant_block_rows=8, norm_num_warps=1, quant_num_warps=1,
