@@ -33,7 +33,7 @@ CANDIDATES = {
                         for r, w, n in itertools.product((8, 16), (1, 2), (0, 80, 72, 64, 56))],
                        ["qk_norm_rope_quant e4m3"]),
     # the q-and-k kernels' prefetches (NVIDIA): cos and sin into L1, and into L2 the rows of the
-    # program this many later, at the tiles and cap that led the sweeps above
+    # same head block about this many programs later, at the tiles and cap that led the sweeps above
     "ROTARY_PREFETCH": ([dict(block_rows=32, num_warps=4, norm_block_rows=8, norm_num_warps=1, quant_block_rows=8,
                               quant_num_warps=1, quant_maxnreg=72, prefetch_rope=p, norm_prefetch_ahead=n,
                               quant_prefetch_ahead=n)

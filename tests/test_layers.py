@@ -153,6 +153,34 @@ def test_fused_swiglu_gradient_comes_back_fused_and_matches_silu(device):
     assert_close(d[..., :40], dy * up * s * (1 + gate * (1 - s)), "eltwise")    # the issue's formula
 
 
+@pytest.mark.parametrize("N, block", [(100, 64), (96, 32), (80, 16), (48, 64)],
+                         ids=["none divides", "half", "quarter", "one block"])
+def test_fused_glu_rows_take_a_block_that_divides_them(device, N, block, monkeypatch):
+    """Rows that cannot be flattened (a fused (rows, 2N) input and its fused gradient) of several
+    blocks take the largest block down to a quarter of the row's (64 here) that divides N, with
+    warps in proportion, or the row's own block where none does or the row is one block: forward
+    and backward launch with that block and give the oracle's values and gradients."""
+    from lanekit.layers import kernels
+    from lanekit.runtime import tuning
+    arch = tuning.arch_id(torch.device(device))
+    monkeypatch.setitem(tuning.GLU, arch, tuning.EltwiseConfig(64, 4))
+    chosen = []
+    grid_of = kernels._glu_grid
+    monkeypatch.setattr(kernels, "_glu_grid", lambda *a: chosen.append(grid_of(*a)) or chosen[-1])
+    g = gen(17)
+    fused = randn(3, 2 * N, dtype=torch.bfloat16, device=device, generator=g).requires_grad_()
+    dy = randn(3, N, dtype=torch.bfloat16, device=device, generator=g)
+    y = L.swiglu(fused, lane="triton")
+    (d,) = torch.autograd.grad(y, fused, dy)
+    expected = ((3 * -(-N // block),), block, max(1, 4 * block // 64))
+    assert chosen == [expected, expected]                                   # forward, backward
+    x64 = f64(fused.detach()).requires_grad_()
+    y_ref = ref.swiglu(x64)
+    (d_ref,) = torch.autograd.grad(y_ref, x64, f64(dy))
+    assert_close(y, y_ref, "eltwise")
+    assert_close(d, d_ref, "eltwise")
+
+
 @pytest.mark.parametrize("dtype", [torch.int8, torch.float8_e4m3fn], ids=["int8", "e4m3"])
 def test_quantized_qk_dequantizes_to_the_normalized_rotated_values(device, dtype):
     """codes * scale is the norm-then-RoPE result to within half a code (int8) or a step of e4m3."""
@@ -488,21 +516,21 @@ def test_q_and_k_kernel_int64_row_offsets(device, quant, monkeypatch):
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.version.hip is not None,
                     reason="prefetches are PTX: NVIDIA GPUs only (the interpreter has none)")
-@pytest.mark.parametrize("ahead", [1, 7, 100000])
+@pytest.mark.parametrize("ahead", [1, 7, 12])
 @pytest.mark.parametrize("quant", [None, torch.float8_e4m3fn], ids=["rms_norm_rope", "quant e4m3"])
 def test_q_and_k_kernel_prefetches(device, quant, ahead, monkeypatch):
     """The q-and-k kernel with its prefetches on (cos and sin into L1; into L2 the rows of the
-    tile of the same heads 1, 2 and 33333 token blocks later, past the end for the last ones, or for
-    all at 100000 programs ahead): the oracle's results, with masked tiles (5 and 3 heads; the
-    launcher rounds `ahead` programs to token blocks of 3). A prefetch reads nothing into a register;
-    this shows the addresses it takes change nothing (and under compute-sanitizer, scripts/gpu.sh
-    sanitizer, that none is out of bounds)."""
+    tile of the same heads 1, 2 and 4 token blocks later: `ahead` programs rounded to token blocks
+    of 3 head blocks each, past the end for the last tiles): the oracle's results, with masked
+    tiles (37 tokens, 5 and 3 heads). A prefetch reads nothing into a register; this shows the
+    addresses it takes change nothing (and under compute-sanitizer, scripts/gpu.sh sanitizer, that
+    none is out of bounds)."""
     from lanekit.runtime import tuning
     arch = tuning.arch_id(torch.device(device))
     row = dataclasses.replace(tuning.rotary_config(torch.device(device)), prefetch_rope=1,
                               norm_prefetch_ahead=ahead, quant_prefetch_ahead=ahead)
     monkeypatch.setitem(tuning.ROTARY, arch, row)
-    _check_q_and_k_on_a_padded_layout(device, quant, B=3, S=7, HQ=5, HK=3, seed=14)
+    _check_q_and_k_on_a_padded_layout(device, quant, B=3, S=37, HQ=5, HK=3, seed=14)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="more than 2^31 elements needs GPU memory")

@@ -967,9 +967,18 @@ def _glu_bwd_kernel(DY, G, U, DG, DU, stride_dym, stride_dyn, stride_gm, stride_
 
 
 def _glu_grid(rows, N, device):
+    """(grid, BLOCK_N, num_warps): the row's block, or where rows of several blocks (inputs that
+    could not be flattened: _flat) leave the last block of each partly idle, the largest power of
+    two down to block_n >> fit_shifts that divides N, with warps in proportion (N = 14336, half of
+    each row's last 4096-block idle: 2048 and half the warps). A row of one block keeps it."""
     cfg = tuning.glu_config(device)
-    block = min(cfg.block_n, triton.next_power_of_2(max(N, 1)))
-    return (rows * triton.cdiv(N, block),), block, cfg.num_warps
+    block, num_warps = min(cfg.block_n, triton.next_power_of_2(max(N, 1))), cfg.num_warps
+    if rows > 1 and N > block and N % block:
+        for shift in range(1, cfg.fit_shifts + 1):
+            if N % (block >> shift) == 0:
+                block, num_warps = block >> shift, max(1, num_warps >> shift)
+                break
+    return (rows * triton.cdiv(N, block),), block, num_warps
 
 
 def _flat(*ts):
@@ -1124,7 +1133,8 @@ def qk_norm_rope_fwd(*, q, k, q_out, k_out, q_weight, k_weight, cos, sin, rot_st
     block_s = max(1, rows // block_h)
     q_head_blocks = triton.cdiv(HQ, block_h)
     head_blocks = q_head_blocks + triton.cdiv(HK, block_h)   # a constexpr: % and // by it are cheap
-    grid = (triton.cdiv(S, block_s) * head_blocks, 1, B)
+    s_blocks = triton.cdiv(S, block_s)
+    grid = (s_blocks * head_blocks, 1, B)
     block_half = triton.next_power_of_2(max(half, 1))
     even = S % block_s == 0 and HQ % block_h == 0 and HK % block_h == 0 and half == block_half
     offsets_tensor = isinstance(seqlen_offsets, torch.Tensor)
@@ -1141,8 +1151,9 @@ def qk_norm_rope_fwd(*, q, k, q_out, k_out, q_weight, k_weight, cos, sin, rot_st
     native = not triton_interpreted()
     ahead = cfg.quant_prefetch_ahead if quant else cfg.norm_prefetch_ahead   # programs
     ahead = max(1, round(ahead / head_blocks)) if ahead else 0                 # token blocks
-    s_blocks = triton.cdiv(S, block_s)
-    ahead = ahead if native and q.stride(-1) == k.stride(-1) == 1 and (s_blocks + ahead) * block_s < 2 ** 31 else 0
+    # (none where every prefetched tile would lie past the end: short sequences)
+    ahead = ahead if (native and q.stride(-1) == k.stride(-1) == 1 and ahead < s_blocks
+                      and (s_blocks + ahead) * block_s < 2 ** 31) else 0
     prefetch_rope = (native and bool(cfg.prefetch_rope) and cos.stride(-1) == sin.stride(-1) == 1
                      and cos.dtype == sin.dtype)
     _qk_norm_rope_fwd_kernel[grid](

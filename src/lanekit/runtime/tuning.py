@@ -630,11 +630,18 @@ ROTARY["gfx1151"] = ROTARY["gfx1201"]
 class EltwiseConfig:
     block_n: int      # features per program (one row)
     num_warps: int
+    # a row of several blocks whose N block_n does not divide (rows not flattened: a fused input)
+    # takes the largest block down to block_n >> fit_shifts that does, and warps in proportion
+    fit_shifts: int = 2
 
 
 # sm90: the same sweep, SwiGLU at 8k x 14336: 8192 features and 16 warps 4248 GB/s, against 4152 to
 # 4191 for 1024 to 4096 features with 4 to 16 warps. Again on 2026-12-01 (`tune_layers GLU`): 4096
 # and 16 warps 4366, 2048 and 8 warps 4357 (4356 fused), 8192 and 16 warps 4336: all within 1%.
+# (2026-12-03, A/B against 1417c16 alternated in one run, three pairs) SwiGLU from one fused
+# (8k, 2 x 14336) tensor, whose halves cannot be flattened into one row: 4096-blocks leave half of
+# each row's last block idle; 2048 and 8 warps (fit_shifts) 4363-4364 GB/s against 4335-4337,
+# torch.compile 4355-4356 in the same runs.
 GLU: dict[str, EltwiseConfig] = {"generic": EltwiseConfig(1024, 4), "sm90": EltwiseConfig(4096, 16)}
 
 # Under the interpreter every program runs in Python: fewer, larger programs are faster.
