@@ -523,8 +523,9 @@ def test_q_and_k_kernel_prefetches(device, quant, ahead, monkeypatch):
     tile of the same heads 1, 2 and 4 token blocks later: `ahead` programs rounded to token blocks
     of 3 head blocks each, past the end for the last tiles): the oracle's results, with masked
     tiles (37 tokens, 5 and 3 heads). A prefetch reads nothing into a register; this shows the
-    addresses it takes change nothing (and under compute-sanitizer, scripts/gpu.sh sanitizer, that
-    none is out of bounds)."""
+    addresses it takes change nothing. Prefetches of masked rows are predicated off in the kernel;
+    whether compute-sanitizer's memcheck (scripts/gpu.sh sanitizer) checks a prefetch's address at
+    all is not established, so a clean run there does not show them in bounds."""
     from lanekit.runtime import tuning
     arch = tuning.arch_id(torch.device(device))
     row = dataclasses.replace(tuning.rotary_config(torch.device(device)), prefetch_rope=1,
