@@ -1,6 +1,6 @@
 """SASS of lanekit's launches at the benchmarks' shapes, compiled for sm90 with no GPU.
 
-    python -m benchmarks.sass [case ...] [--dump DIR] [--splits N]
+    python -m benchmarks.sass [case ...] [--dump DIR] [--splits N] [--lines N]
 
 Runs a case of benchmarks.layers or benchmarks.decode through its real launcher on CPU tensors of
 the benchmark's shapes, with sm90's tuning rows; every kernel launch is caught before it runs,
@@ -19,6 +19,8 @@ the CPU's view of a kernel. The decode cases allocate their caches on the CPU (a
 keys, 8 GB at 32k). Their split count is the heuristic's for the CPU (1), where the H200 may pick
 more (pages of 16: 3); one split is a kernel of its own (an int argument of 1 is specialized,
 and it writes the output directly), so --splits N compiles the launches of N splits instead.
+--lines N adds, per launch, the N source lines with the most instructions on the path taken (from
+the line table Triton compiles in, read by the bundled nvdisasm), each with its leading opcodes.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from lanekit.runtime import tuning
 
 TARGET = GPUTarget("cuda", 90, 32)
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+NVDISASM = os.path.join(os.path.dirname(CUOBJDUMP), "nvdisasm")
 # opcodes worth a column: fp64 arithmetic, conversions, shuffles, 64-bit integer address math
 WATCH = ("F2F", "I2F", "F2I", "DADD", "DMUL", "DFMA", "MUFU", "SHFL", "IMAD.WIDE", "LDG", "STG")
 
@@ -67,6 +70,30 @@ def _addressed(sass: str) -> list[tuple[int, str]]:
     """(address, opcode with modifiers) of each instruction of the disassembly, NOPs left out."""
     ops = [(a, t.split()[1] if t.startswith("@") else t.split()[0]) for a, t in _lines(sass)]
     return [(a, op) for a, op in ops if not op.startswith("NOP")]
+
+
+def _by_line(kernel, cold: set) -> list[tuple[str, int, collections.Counter]]:
+    """(file name, line, opcode counts) of each source line's instructions outside the cold
+    ranges, most instructions first: the disassembly with its line table (nvdisasm -g), where a
+    `//## File "...", line N` comment heads the instructions compiled from line N. Instructions
+    inlined from a helper count at the helper's line."""
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "k.cubin")
+        with open(path, "wb") as f:
+            f.write(kernel.asm["cubin"])
+        text = subprocess.run([NVDISASM, "-g", "-c", path], check=True, capture_output=True, text=True).stdout
+    where, counts = None, collections.defaultdict(collections.Counter)
+    for line in text.splitlines():
+        m = re.search(r'//## File "([^"]+)", line (\d+)', line)
+        if m:
+            where = (os.path.basename(m.group(1)), int(m.group(2)))
+            continue
+        m = re.search(r"/\*([0-9a-f]{4,})\*/\s+(.*?);", line)
+        if m and where and int(m.group(1), 16) not in cold:
+            op = m.group(2).split()[1] if m.group(2).startswith("@") else m.group(2).split()[0]
+            if not op.startswith("NOP"):
+                counts[where][op] += 1
+    return sorted(((f, n, c) for (f, n), c in counts.items()), key=lambda r: -sum(r[2].values()))
 
 
 def _last_exit(lines: list[tuple[int, str]]) -> float:
@@ -213,7 +240,8 @@ def _launch(family, case, splits: int | None = None):
     return lambda: bench._lanekit(case)(*inputs)
 
 
-def report(case: dict, dump: str | None = None, family=bench, splits: int | None = None) -> list[dict]:
+def report(case: dict, dump: str | None = None, family=bench, splits: int | None = None,
+           lines: int = 0) -> list[dict]:
     _triton_lane_on_cpu()
     call = _launch(family, case, splits)
     with tuning.compiling_for("sm90"), _Capture() as cap:   # sm90's tuning rows, as on the H200
@@ -232,6 +260,7 @@ def report(case: dict, dump: str | None = None, family=bench, splits: int | None
                          per_element=len(ops) / per, hot_per_element=hot / per,
                          weighted_per_element=weighted / per,
                          watched=dict(sorted(counts.items())), loop=_largest_loop(sass),
+                         lines=_by_line(kernel, cold)[:lines] if lines else [],
                          tile={k: bound[k] for k in ("BLOCK_M", "BLOCK_N") if k in bound}
                          | {"num_warps": kernel.metadata.num_warps, "num_stages": kernel.metadata.num_stages}))
         if dump:
@@ -247,6 +276,8 @@ def main(argv=None):
                                             "q-and-k ones and adaln)")
     p.add_argument("--dump", help="write each launch's SASS into this folder")
     p.add_argument("--splits", type=int, help="decode cases: this split count (default: the CPU's heuristic, 1)")
+    p.add_argument("--lines", type=int, default=0, metavar="N",
+                   help="the N source lines with the most instructions on the path taken, per launch")
     args = p.parse_args(argv)
     wanted = args.cases or ["rms_norm_rope q,k", "qk_norm_rope_quant e4m3", "adaln"]
     known = [(family, case) for family in (bench, decode) for case in family.cases()]
@@ -256,7 +287,7 @@ def main(argv=None):
     for family, case in known:
         if family.name(case) not in wanted:
             continue
-        for r in report(case, args.dump, family, args.splits):
+        for r in report(case, args.dump, family, args.splits, args.lines):
             counts = f"{r['instructions']} SASS, {r['hot']} on the path taken"
             if not math.isnan(r["per_element"]):   # kernels with a model of the elements a thread holds
                 counts += (f" ({r['per_element']:.1f} and {r['hot_per_element']:.1f} per element; "
@@ -265,6 +296,8 @@ def main(argv=None):
                   f"{counts}  {r['watched']}")
             if r["loop"]:
                 print(f"    largest loop: {r['loop']['instructions']} instructions an iteration  {r['loop']['ops']}")
+            for file, line, ops in r["lines"]:
+                print(f"    {sum(ops.values()):5d}  {file}:{line}  {dict(ops.most_common(4))}")
 
 
 if __name__ == "__main__":

@@ -26,15 +26,20 @@ TRITON_TYPE = {torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.float32: "
 HOW = "To regenerate: " + export.REGENERATE + "."
 
 
+def _compiling_child(args: list[str], cwd: Path) -> str:
+    """Run ``python args`` in a child whose Triton compiles (no interpreter); its stdout."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO / "src"), str(REPO), env.get("PYTHONPATH", "")])
+    done = subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env, cwd=cwd)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
 def _compiled_python(code: str, tmp_path: Path) -> str:
     """Run ``code`` in a child Python whose Triton compiles (no interpreter); its stdout."""
     script = tmp_path / "probe.py"
     script.write_text(textwrap.dedent(code))
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO / "src"), str(REPO), env.get("PYTHONPATH", "")])
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, cwd=tmp_path)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return done.stdout
+    return _compiling_child([str(script)], tmp_path)
 
 
 def test_export_writes_a_binary_and_a_manifest_per_kernel_for_every_target(tmp_path):
@@ -233,3 +238,16 @@ def test_waves_per_eu_reaches_the_launch_only_where_a_row_sets_it():
     assert TileConfig(64, 32, 4, 1).options() == {"num_warps": 4, "num_stages": 1}
     assert RnnTileConfig(16, 32, 32, 4, 1, waves_per_eu=2).options() == {
         "num_warps": 4, "num_stages": 1, "waves_per_eu": 2}
+
+
+def test_sass_tool_attributes_the_path_taken_to_source_lines():
+    """`python -m benchmarks.sass CASE --lines N` (a benchmark's launch compiled for sm90 on the
+    CPU) prints, under each launch, N source lines of lanekit's kernels with their instruction
+    counts, most first, summing to at most the instructions on the path taken."""
+    out = _compiling_child(["-m", "benchmarks.sass", "rms_norm", "--lines", "3"], REPO)
+    head, *lines = out.strip().splitlines()
+    hot = int(head.split(" SASS, ")[1].split()[0])
+    counts = [int(line.split()[0]) for line in lines]
+    assert len(lines) == 3 and all(".py:" in line for line in lines), out
+    assert counts == sorted(counts, reverse=True) and 0 < sum(counts) <= hot, out
+    assert any("kernels.py:" in line for line in lines), out
