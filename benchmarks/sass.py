@@ -50,14 +50,19 @@ NVDISASM = os.path.join(os.path.dirname(CUOBJDUMP), "nvdisasm")
 WATCH = ("F2F", "I2F", "F2I", "DADD", "DMUL", "DFMA", "MUFU", "SHFL", "IMAD.WIDE", "LDG", "STG")
 
 
-def _sass(kernel) -> tuple[str, int]:
-    """(disassembly, registers per thread) of a compiled kernel."""
+def _on_cubin(kernel, *commands: list[str]) -> list[str]:
+    """The output of each command (a tool and its flags) run on the compiled kernel's cubin."""
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "k.cubin")
         with open(path, "wb") as f:
             f.write(kernel.asm["cubin"])
-        sass, usage = (subprocess.run([CUOBJDUMP, flag, path], check=True, capture_output=True,
-                                      text=True).stdout for flag in ("-sass", "-res-usage"))
+        return [subprocess.run([*command, path], check=True, capture_output=True, text=True).stdout
+                for command in commands]
+
+
+def _sass(kernel) -> tuple[str, int]:
+    """(disassembly, registers per thread) of a compiled kernel."""
+    sass, usage = _on_cubin(kernel, [CUOBJDUMP, "-sass"], [CUOBJDUMP, "-res-usage"])
     return sass, int(re.search(r"REG:(\d+)", usage).group(1))
 
 
@@ -77,23 +82,13 @@ def _by_line(kernel, cold: set) -> list[tuple[str, int, collections.Counter]]:
     ranges, most instructions first: the disassembly with its line table (nvdisasm -g), where a
     `//## File "...", line N` comment heads the instructions compiled from line N. Instructions
     inlined from a helper count at the helper's line."""
-    with tempfile.TemporaryDirectory() as d:
-        path = os.path.join(d, "k.cubin")
-        with open(path, "wb") as f:
-            f.write(kernel.asm["cubin"])
-        text = subprocess.run([NVDISASM, "-g", "-c", path], check=True, capture_output=True, text=True).stdout
-    where, counts = None, collections.defaultdict(collections.Counter)
-    for line in text.splitlines():
-        m = re.search(r'//## File "([^"]+)", line (\d+)', line)
-        if m:
-            where = (os.path.basename(m.group(1)), int(m.group(2)))
-            continue
-        m = re.search(r"/\*([0-9a-f]{4,})\*/\s+(.*?);", line)
-        if m and where and int(m.group(1), 16) not in cold:
-            op = m.group(2).split()[1] if m.group(2).startswith("@") else m.group(2).split()[0]
-            if not op.startswith("NOP"):
-                counts[where][op] += 1
-    return sorted(((f, n, c) for (f, n), c in counts.items()), key=lambda r: -sum(r[2].values()))
+    (text,) = _on_cubin(kernel, [NVDISASM, "-g", "-c"])
+    # re.split with two groups: the text before the first marker, then (file, line, text) triples
+    parts = re.split(r'//## File "([^"]+)", line (\d+).*', text)
+    counts = collections.defaultdict(collections.Counter)
+    for file, line, body in zip(parts[1::3], parts[2::3], parts[3::3]):
+        counts[(os.path.basename(file), int(line))].update(op for a, op in _addressed(body) if a not in cold)
+    return sorted(((f, n, c) for (f, n), c in counts.items() if c), key=lambda r: -sum(r[2].values()))
 
 
 def _last_exit(lines: list[tuple[int, str]]) -> float:
