@@ -1178,10 +1178,6 @@ def qk_norm_rope_fwd(*, q, k, q_out, k_out, q_weight, k_weight, cos, sin, rot_st
     )
 
 
-def reference_qmax(dtype) -> float:
-    return {None: 0.0, torch.int8: 127.0, torch.float8_e4m3fn: 448.0}[dtype]
-
-
 def rms_norm_rope_bwd(*, dq_out, dk_out, q, k, q_weight, k_weight, cos, sin, eps, offset,
                       rotary_dim, interleaved, position_ids, seqlen_offsets):
     """Gradients (dq, dk, dq_weight, dk_weight; a weight's None when it is) of RMSNorm-then-RoPE of
