@@ -201,13 +201,14 @@ def check(c, *inputs) -> str | None:
         q, k, qw, kw, cos, sin = inputs
         eps = float(torch.tensor(1e-6, dtype=torch.float32))
         expected = ref.qk_norm_rope_quant(q[:, t], k[:, t], qw, kw, cos, sin, eps=eps)
-        got, tolerance = [o[:, t] for o in out], "codes"
+        got, tolerance = [o[:, t] for o in out], ("codes", "norm", "codes", "norm")   # codes, scales
     else:
         expected = ref.glu(*(v[t] for v in x64), activation="gelu_tanh" if op == "geglu tanh" else "silu")
         got, tolerance = [out[0][t]], "eltwise"
     expected = expected if isinstance(expected, tuple) else (expected,)
-    for o, e in zip(got, expected, strict=True):
-        result = compare(o, e, tolerance)
+    tolerances = tolerance if isinstance(tolerance, tuple) else (tolerance,) * len(got)
+    for o, e, tol in zip(got, expected, tolerances, strict=True):
+        result = compare(o, e, tol)
         if not result.ok:
             return result.detail
     return None

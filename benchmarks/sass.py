@@ -128,8 +128,8 @@ def _weight(op: str) -> int:
 def _cold_ranges(sass: str) -> set[int]:
     """Addresses of the instructions that real inputs do not reach: those a conditional forward
     branch skips over a block of fp64 conversions or of clamps (the rare tiles of
-    _qk_norm_rope_fwd_kernel: a bf16 square outside fp32's exact range, redone in fp64; a
-    subnormal scale, whose codes are clamped), and those after the kernel's last EXIT."""
+    _qk_norm_rope_fwd_kernel: a row's max |u| or sum of squares outside [2^-100, 2^100), the tile
+    redone with its scales in fp64 and its codes clamped), and those after the kernel's last EXIT."""
     lines = _lines(sass)
     cold = set()
     for addr, text in lines:

@@ -607,8 +607,8 @@ register(Op(
     lanes={"triton": f"{_LAYERS}:qk_norm_rope_quant_triton",
            "reference": f"{_LAYERS}:qk_norm_rope_quant_reference"},
     samples=_qk_quant_samples,
-    outputs=(("q_codes", "codes"), ("q_scale", "codes"), ("k_codes", "codes"), ("k_scale", "codes")),
-    doc="QK-norm, RoPE on the tail dims, per-(token, head) fp8 e4m3 / int8 codes, bit-exact",
+    outputs=(("q_codes", "codes"), ("q_scale", "norm"), ("k_codes", "codes"), ("k_scale", "norm")),
+    doc="QK-norm, RoPE on the tail dims, per-(token, head) fp8 e4m3 / int8 codes (bit-exact) and scales",
 ))
 for _name, _act in (("swiglu", "silu"), ("geglu", "gelu")):
     register(Op(

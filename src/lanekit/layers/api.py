@@ -365,17 +365,20 @@ def qk_norm_rope_quant(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor 
     Per head vector x of q and k: n = RMSNorm(x) * (offset + weight); RoPE on n's *tail*
     features [D - rotary_dim, D) (as MLA-style models place their rotary part last); then
     scale = max|n| / qmax (qmax 448 for e4m3, 127 for int8; 1 for an all-zero vector) and codes =
-    n * (1 / scale) rounded to nearest, ties to even, clamped (int8 to [-128, 127]). Dequantize
-    with codes * scale. Forward only.
+    n / scale rounded to nearest, ties to even, clamped (int8 to [-128, 127]). Dequantize with
+    codes * scale. Forward only.
 
-    The codes are bit-exact against ``lanekit.reference.layers.qk_norm_rope_quant``: the sum of
-    squares is taken in float64 (exact for 16-bit inputs), and every later step is one correctly
-    rounded fp32 operation in the order that oracle documents (no fused multiply-adds). eps and
-    offset are used as their nearest fp32 values.
+    The codes are bit-exact against ``lanekit.reference.layers.qk_norm_rope_quant``, and depend on
+    no sum: the norm's factor rstd, the same for a whole head vector, divides out of n / scale, so
+    they are taken from u = RoPE(x * (offset + w)) as u * min(qmax / max|u|, 2^127), each step
+    one correctly rounded fp32 operation in the order that oracle documents (no fused
+    multiply-adds; rows at the ends of the range from x scaled by a power of two first). They
+    equal n / scale's up to where rounding ties fall. The scales carry rstd, within the project's
+    "norm" tolerance (fp32, 8 steps). eps and offset are used as their nearest fp32 values. A head
+    vector holding inf or NaN gets a NaN scale (its codes are not specified).
 
     Arguments:
-        q: (B, S, Hq, D); k: (B, S, Hkv, D); fp16 or bf16 (fp32 too, exact only while the squares'
-            sum is).
+        q: (B, S, Hq, D); k: (B, S, Hkv, D); fp16, bf16 or fp32.
         q_weight, k_weight: (D,) or None.
         cos, sin: (S_ro, rotary_dim / 2); rotary_dim, interleaved, position_ids, seqlen_offsets:
             as in :func:`apply_rotary`.

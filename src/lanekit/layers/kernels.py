@@ -9,9 +9,10 @@ Three kernel families:
   (without quantization), q and k in one launch too.
 - ``_glu_fwd_kernel`` / ``_glu_bwd_kernel``: SwiGLU and GeGLU.
 
-Every kernel computes in fp32 and casts once on the store (the quantized path's sum of squares is
-fp64); offsets are int64, but in ``_qk_norm_rope_fwd_kernel``: int32 within a row (its launcher
-checks they fit), and int32 for its rows too unless some tensor's offsets reach 2^31.
+Every kernel computes in fp32 and casts once on the store (the quantized path's rare redone tiles
+take their scales in fp64); offsets are int64, but in ``_qk_norm_rope_fwd_kernel``: int32 within a
+row (its launcher checks they fit), and int32 for its rows too unless some tensor's offsets reach
+2^31.
 """
 
 from __future__ import annotations
@@ -507,9 +508,6 @@ def _quantize(x, qmax, QUANT: tl.constexpr, CLAMP: tl.constexpr = True):
 # one launch
 # --------------------------------------------------------------------------------------------
 
-_TWO_POW_896 = tl.constexpr(2.0 ** 896)
-
-
 @triton.jit
 def _pick(is_k, k_value, q_value):
     """k's value in a k program, q's in a q program (program-uniform scalars and pointers)."""
@@ -556,89 +554,74 @@ def _store(ptr, value, mask, EVEN: tl.constexpr):
 
 
 @triton.jit
-def _scaled_f64(p):
-    """p * 2^-896 in fp64, exactly, for fp32 p >= 0, without a conversion instruction (F2F.F64 runs
-    16 per clock per SM on sm90; this is one integer multiply-wide). p's bit pattern shifted left
-    by 29 into 64 bits keeps the sign bit 0, puts p's exponent field e in the fp64's exponent field
-    and p's 23 mantissa bits at the top of the fp64's 52: a normal p = 2^(e - 127) * 1.m reads as
-    2^(e - 1023) * 1.m = p * 2^-896, and a subnormal p (e = 0, p = m * 2^-149) as the fp64
-    subnormal m * 2^29 * 2^-1074 = p * 2^-896 as well."""
-    wide = p.to(tl.uint32, bitcast=True).to(tl.uint64) << 29
-    return wide.to(tl.float64, bitcast=True)
-
-
-@triton.jit
-def _square_sum(a, bb, rest, HAS_REST: tl.constexpr, SQUARES: tl.constexpr):
-    """The sum over the features (axis 1) of the squares of a, bb [and rest], per row.
-
-    SQUARES 0: in fp32 (the norm without quantization). 1: in fp64 (fp32 inputs: the oracle's
-    float64 sum). 2 (fp16 inputs), 3 (bf16 inputs): in fp64 again, of the squares taken in fp32,
-    where they are exact, and read into fp64 with no conversion (_scaled_f64).
-
-    Why that sum equals the oracle's float64 sum (reference.layers.qk_norm_rope_quant): the square
-    of an fp16 value is exact in fp32 (at most 22 significant bits, from 2^-48 to below 2^32), and
-    so is the square of a bf16 value with |x| < 2^64 whose square has no bit below 2^-149 (16
-    significant bits: certain for |x| >= 2^-67), or 0. Each exact square enters the fp64 sum as
-    p * 2^-896 exactly, every partial sum is that of the oracle's terms scaled by 2^-896 (no fp64
-    underflow: terms start at 2^-1045, fp64 steps at 2^-1074; no overflow), and the total is scaled
-    back by 2^896, exactly. So the result is the fp64 sum of the oracle's own exact squares in
-    another order, which is the same number whenever the oracle's sum is exact (squares within 30
-    binades of each other: every partial sum of any order is then representable), the case its
-    docstring promises; outside it neither order is exact, as before. A bf16 row with an inexact
-    square ends with a sum outside [2^-64, 2^126), or 0, which the caller redoes with SQUARES 1:
-    |x| >= 2^64 squares to inf (read as 2^128: the sum is at least that; a NaN reads above it); a
-    square that lost bits below 2^-149 is under 2^-134, and if the row's squares are within the
-    oracle's 30 binades of it, the row sums to under D * 2^-104, below 2^-64 for any D < 2^40. A
-    sum of 0 from squares that all rounded to 0 (each under 2^-150) needs no redo when
-    eps >= 2^-96: the true mean is then under half a step of eps, and mean + eps rounds to eps
-    in the oracle too.
-    """
-    # a's and bb's squares added in each thread first: one reduction across threads, not two
-    if SQUARES == 0:
-        ss = tl.sum(a * a + bb * bb, axis=1)
-        if HAS_REST:
-            ss += tl.sum(rest * rest, axis=1)
-    elif SQUARES == 1:
-        a64, b64 = a.to(tl.float64), bb.to(tl.float64)
-        ss = tl.sum(a64 * a64 + b64 * b64, axis=1)
-        if HAS_REST:
-            r64 = rest.to(tl.float64)
-            ss += tl.sum(r64 * r64, axis=1)
-    else:
-        ss = tl.sum(_scaled_f64(a * a) + _scaled_f64(bb * bb), axis=1)
-        if HAS_REST:
-            ss += tl.sum(_scaled_f64(rest * rest), axis=1)
-        ss = ss * tl.full([], _TWO_POW_896, tl.float64)
+def _square_sum(a, bb, rest, HAS_REST: tl.constexpr):
+    """The fp32 sum over the features (axis 1) of the squares of a, bb [and rest], per row: a's and
+    bb's squares added in each thread first (one reduction across threads, not two), fused
+    multiply-adds asked for by name (the quantized launch turns off contraction)."""
+    ss = tl.sum(tl.fma(bb, bb, a * a), axis=1)
+    if HAS_REST:
+        ss += tl.sum(rest * rest, axis=1)
     return ss
 
 
 @triton.jit
 def _mean(ss, D, BLOCK_D: tl.constexpr, POW2_D: tl.constexpr):
-    """ss / D, rounded once."""
-    if POW2_D:  # dividing by a power of two is exact: a product (a division is ~10 fp64 steps)
+    """ss / D."""
+    if POW2_D:  # dividing by a power of two is exact: a product
         return ss * (1.0 / BLOCK_D)                                  # D == BLOCK_D
     return ss / D
 
 
 @triton.jit
-def _rsqrt_f32_candidate(m):
-    """(y, certain) for fp64 m: y an fp64 approximation of m^(-1/2), and where `certain`, y rounds to
-    fp32 as the oracle's 1 / sqrt(m) does (each fp64 step rounded, then to fp32). About 15
-    instructions, against about 40 for the correctly rounded square root and division.
+def _max_nan(x, y):
+    return tl.maximum(x, y, propagate_nan=tl.PropagateNan.ALL)
 
-    y is the hardware's approximate reciprocal square root (refined to near fp64 precision by the
-    compiler on sm90 and gfx942). Its error is measured, not assumed: e = m y^2 - 1 (a fused
-    multiply-add, within 2^-53 of the exact residual), and y = m^(-1/2) (1 + e)^(1/2). |e| < 2^-48
-    puts y within 2^-48.9 of m^(-1/2) relative, 17 of its own ulps; the oracle's two roundings put
-    its fp64 value within 2 more. Rounding y and that value to fp32 gives the same number unless an
-    fp32 rounding boundary (a midpoint between fp32 neighbours, where the low 29 bits of the fp64
-    significand read 2^28) lies between them: `certain` asks for more than 64 ulps of distance from
-    it, and a normal fp32 result. Not certain: about one row in 2^22, and an m of 0, inf or NaN."""
-    y = tl.math.rsqrt(m)
-    e = tl.fma(m * y, y, -1.0)  # -(1 - m y^2)
-    low = (y.to(tl.int64, bitcast=True) & 0x1FFFFFFF).to(tl.int32) - 0x10000000
-    certain = (tl.abs(e) < 2.0 ** -48) & (y >= 2.0 ** -126) & (y < 2.0 ** 127) & (tl.abs(low) > 64)
-    return y, certain
+
+@triton.jit
+def _abs_max(a, bb, rest, HAS_REST: tl.constexpr):
+    """max |x| over the features (axis 1) of a, bb [and rest], per row; NaN where one is NaN (as
+    torch.amax: the hardware's max would drop it)."""
+    m = tl.reduce(_max_nan(tl.abs(a), tl.abs(bb)), 1, _max_nan)
+    if HAS_REST:
+        m = _max_nan(m, tl.reduce(tl.abs(rest), 1, _max_nan))
+    return m
+
+
+@triton.jit
+def _unit_power(m):
+    """The power of two 2^k, k in [-126, 126], that brings fp32 m >= 0 into [1, 2) (k = 126 for 0
+    and subnormal m, -126 for m >= 2^126 and NaN), built from m's exponent bits; as
+    reference.layers.unit_power."""
+    e = (m.to(tl.int32, bitcast=True) >> 23) & 0xFF
+    k = tl.where(e == 0, 126, tl.minimum(tl.maximum(127 - e, -126), 126))
+    return ((k + 127) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _reciprocal_power(p):
+    """1 / p for a power of two p = 2^k of _unit_power (exponent field k + 127 -> 127 - k)."""
+    return ((254 << 23) - p.to(tl.int32, bitcast=True)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _qk_weigh_rotate(a, bb, rest, W, stride_w, offset, da, db, offs_i, offs_d, is_rest, COS, SIN,
+                     pos, stride_cs, stride_cd, stride_ss, stride_sd, pair_mask, HALF,
+                     EVEN: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_REST: tl.constexpr):
+    """(a * wa, bb * wb) rotated, and rest * w_rest, in _qk_norm_rope_fwd_kernel: the weights
+    (offset + W) of the features a, bb and rest hold, then RoPE by cos and sin at the rows'
+    positions; every step one rounded fp32 operation."""
+    if HAS_WEIGHT:
+        wa = _per_feature(_to_f32(tl.load(W + da * stride_w, mask=offs_i < HALF, other=0.0)) + offset)
+        wb = _per_feature(_to_f32(tl.load(W + db * stride_w, mask=offs_i < HALF, other=0.0)) + offset)
+        a = a * wa[None, :]
+        bb = bb * wb[None, :]
+        if HAS_REST:
+            w_rest = _per_feature(_to_f32(tl.load(W + offs_d * stride_w, mask=is_rest, other=0.0)) + offset)
+            rest = rest * w_rest[None, :]
+    # cos and sin of a row's token, loaded for each of its heads (cache hits)
+    cos = _load_f32(COS + pos[:, None] * stride_cs + offs_i[None, :] * stride_cd, pair_mask, EVEN)
+    sin = _load_f32(SIN + pos[:, None] * stride_ss + offs_i[None, :] * stride_sd, pair_mask, EVEN)
+    return a * cos - bb * sin, bb * cos + a * sin, rest
 
 
 @triton.jit
@@ -691,7 +674,7 @@ def _qk_norm_rope_fwd_kernel(
     S, HQ, HK, D, ROT_START, HALF, q_head_blocks, seq_offset, eps, offset, x_ahead,
     BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr,
     HAS_REST: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_WEIGHT: tl.constexpr,
-    QUANT: tl.constexpr, SQUARES: tl.constexpr, EVEN: tl.constexpr, POW2_D: tl.constexpr,
+    QUANT: tl.constexpr, EVEN: tl.constexpr, POW2_D: tl.constexpr,
     HAS_POS_IDS: tl.constexpr, HAS_OFFSET_TENSOR: tl.constexpr, HEAD_BLOCKS: tl.constexpr,
     ROWS_INT64: tl.constexpr, PREFETCH_X: tl.constexpr, X_LINES: tl.constexpr, X_STEP: tl.constexpr,
     PREFETCH_ROPE: tl.constexpr, ROPE_LINES: tl.constexpr, ROPE_STEP: tl.constexpr,
@@ -705,8 +688,9 @@ def _qk_norm_rope_fwd_kernel(
     # BLOCK_S tokens x BLOCK_H heads of one batch entry, each (token, head) row of D features in
     # three pieces: the rotary pairs' first members a, their second members bb, and the features
     # outside the rotary range (rest).
-    # QUANT: 0 none, 1 int8, 2 fp8 e4m3; then every step is one exactly rounded operation (see
-    # reference.layers.qk_norm_rope_quant; the launcher turns off fused multiply-adds).
+    # QUANT: 0 none, 1 int8, 2 fp8 e4m3; then every step of the codes is one correctly rounded
+    # fp32 operation (see reference.layers.qk_norm_rope_quant; the launcher turns off fused
+    # multiply-adds).
     # EVEN: every row and pair of every tile exists (no masks).
     # row offsets in int64 only where a tensor's may pass 2^31 (ROWS_INT64; int32 saves ~20
     # instructions and registers)
@@ -729,10 +713,10 @@ def _qk_norm_rope_fwd_kernel(
     a = _load_f32(x_rows + da[None, :] * stride_xd, pair_mask, EVEN)
     bb = _load_f32(x_rows + db[None, :] * stride_xd, pair_mask, EVEN)
     rest = a  # a placeholder when there is no rest
+    offs_d = tl.arange(0, BLOCK_D)
+    is_rest = (offs_d < D) & ((offs_d < ROT_START) | (offs_d >= ROT_START + 2 * HALF))
+    rest_mask = row_mask[:, None] & is_rest[None, :]                                        # [ROWS, BLOCK_D]
     if HAS_REST:
-        offs_d = tl.arange(0, BLOCK_D)
-        is_rest = (offs_d < D) & ((offs_d < ROT_START) | (offs_d >= ROT_START + 2 * HALF))
-        rest_mask = row_mask[:, None] & is_rest[None, :]                                    # [ROWS, BLOCK_D]
         rest = _to_f32(tl.load(x_rows + offs_d[None, :] * stride_xd, mask=rest_mask, other=0.0))
     # Prefetches, issued once this tile's loads are: the lines of cos and sin into L1, for their
     # loads after the sum of squares (held in registers from here they cost 32 a thread and their
@@ -750,62 +734,70 @@ def _qk_norm_rope_fwd_kernel(
             stride_pb, stride_ps, BLOCK_S, BLOCK_H, ROWS_INT64, False, HAS_OFFSET_TENSOR)
         _prefetch_rows(_qk_rows(is_k, K, Q, b, tok2, h2, stride_kb, stride_ks, stride_kh,
                                 stride_qb, stride_qs, stride_qh), mask2, D, 1, X_LINES, X_STEP, "L2")
-    ss = _square_sum(a, bb, rest, HAS_REST, SQUARES)                                        # [ROWS]
-    if SQUARES == 0:
-        rstd = 1.0 / tl.sqrt(_mean(ss, D, BLOCK_D, POW2_D) + eps)
-    else:
-        # rstd as the oracle rounds it, 1 / sqrt(mean + eps) rounded in fp64 at each step, then to
-        # fp32: from a few fp64 steps where that rounding is certain (_rsqrt_f32_candidate), else
-        # (about one row in 2^22, and a bf16 square outside fp32's exact range) the tile redone
-        y, certain = _rsqrt_f32_candidate(_mean(ss, D, BLOCK_D, POW2_D) + eps)
-        redo = row_mask & ~certain
-        if SQUARES == 3:  # a bf16 square outside fp32's exact range: this tile in fp64
-            redo |= row_mask & ~((ss >= 2.0 ** -64) & (ss < 2.0 ** 126)) & ((ss != 0) | (eps < 2.0 ** -96))
-        if tl.max(redo.to(tl.int32), axis=0) > 0:
-            if SQUARES == 3:
-                ss = _square_sum(a, bb, rest, HAS_REST, 1)
-            rstd = (1.0 / tl.sqrt(_mean(ss, D, BLOCK_D, POW2_D) + eps)).to(tl.float32)
-        else:
-            rstd = y.to(tl.float32)
-    rstd = rstd[:, None]
-    a = a * rstd
-    bb = bb * rstd
+    ss = _square_sum(a, bb, rest, HAS_REST)                                                 # [ROWS]
     W = _pick(is_k, K_W, Q_W)
     stride_w = _pick(is_k, stride_kw, stride_qw)
-    if HAS_WEIGHT:
-        wa = _per_feature(_to_f32(tl.load(W + da * stride_w, mask=offs_i < HALF, other=0.0)) + offset)
-        wb = _per_feature(_to_f32(tl.load(W + db * stride_w, mask=offs_i < HALF, other=0.0)) + offset)
-        a = a * wa[None, :]
-        bb = bb * wb[None, :]
-    if HAS_REST:
-        rest = rest * rstd
-        if HAS_WEIGHT:
-            w_rest = _per_feature(_to_f32(tl.load(W + offs_d * stride_w, mask=is_rest, other=0.0)) + offset)
-            rest = rest * w_rest[None, :]
-    # cos and sin of a row's token, loaded for each of its heads (cache hits)
-    cos = _load_f32(COS + pos[:, None] * stride_cs + offs_i[None, :] * stride_cd, pair_mask, EVEN)
-    sin = _load_f32(SIN + pos[:, None] * stride_ss + offs_i[None, :] * stride_sd, pair_mask, EVEN)
-    ra = a * cos - bb * sin
-    rb = bb * cos + a * sin
-    if QUANT:
-        # the code range's end, a constant: the division by it then needs no reciprocal at run time
-        qmax = 127.0 if QUANT == 1 else 448.0
-        amax = tl.max(tl.maximum(tl.abs(ra), tl.abs(rb)), axis=1)
+    if not QUANT:
+        rstd = (1.0 / tl.sqrt(_mean(ss, D, BLOCK_D, POW2_D) + eps))[:, None]
+        a = a * rstd
+        bb = bb * rstd
         if HAS_REST:
-            amax = tl.maximum(amax, tl.max(tl.abs(rest), axis=1))
-        scale = tl.where(amax > 0, tl.math.div_rn(amax, qmax), 1.0)                         # [ROWS]
+            rest = rest * rstd
+        ra, rb, rest = _qk_weigh_rotate(
+            a, bb, rest, W, stride_w, offset, da, db, offs_i, offs_d, is_rest, COS, SIN, pos,
+            stride_cs, stride_cd, stride_ss, stride_sd, pair_mask, HALF, EVEN, HAS_WEIGHT, HAS_REST)
+    else:
+        # The codes are those of u = RoPE(x * (offset + w)), without the norm: rstd, one positive
+        # factor per row, divides out of n / scale (reference.layers.qk_norm_rope_quant). So they
+        # depend on no sum, and the fp32 sum of squares serves the scale alone.
+        qmax = 127.0 if QUANT == 1 else 448.0     # a constant: no reciprocal of it at run time
+        ra, rb, rest = _qk_weigh_rotate(
+            a, bb, rest, W, stride_w, offset, da, db, offs_i, offs_d, is_rest, COS, SIN, pos,
+            stride_cs, stride_cd, stride_ss, stride_sd, pair_mask, HALF, EVEN, HAS_WEIGHT, HAS_REST)
+        amax = _abs_max(ra, rb, rest, HAS_REST)                                              # [ROWS]
+        # Rows whose max |u| lies outside [2^-100, 2^100) (all zero, tiny, huge or not finite)
+        # take u from x * p instead, p the power of two that brings their max |x| into [1, 2); rows
+        # whose sum of squares lies outside that range, their scale from fp64. Both are rare, so
+        # the tile is redone, from x reloaded (in the oracle too, row by row: p is 1 elsewhere).
+        redo = row_mask & ~((amax >= 2.0 ** -100) & (amax < 2.0 ** 100))
+        p = tl.full(amax.shape, 1.0, tl.float32)
+        slow = redo | (row_mask & ~((ss >= 2.0 ** -100) & (ss < 2.0 ** 100)))
+        slow_tile = tl.max(slow.to(tl.int32), axis=0) > 0
+        if slow_tile:
+            a = _load_f32(x_rows + da[None, :] * stride_xd, pair_mask, EVEN)
+            bb = _load_f32(x_rows + db[None, :] * stride_xd, pair_mask, EVEN)
+            if HAS_REST:
+                rest = _to_f32(tl.load(x_rows + offs_d[None, :] * stride_xd, mask=rest_mask, other=0.0))
+            # x * p_x, max |x| brought into [1, 2): its fp32 squares neither overflow nor lose
+            # more than 2^-100 of the sum; p_x's square taken out again in fp64. (The scale is
+            # compared by tolerance: no fp64 division, whose slow path spills.)
+            p_x = _unit_power(_abs_max(a, bb, rest, HAS_REST))
+            ss_x = _square_sum(a * p_x[:, None], bb * p_x[:, None], rest * p_x[:, None], HAS_REST)
+            p = tl.where(redo, p_x, 1.0)
+            ra, rb, rest = _qk_weigh_rotate(
+                a * p[:, None], bb * p[:, None], rest * p[:, None], W, stride_w, offset, da, db,
+                offs_i, offs_d, is_rest, COS, SIN, pos, stride_cs, stride_cd, stride_ss, stride_sd,
+                pair_mask, HALF, EVEN, HAS_WEIGHT, HAS_REST)
+            amax = _abs_max(ra, rb, rest, HAS_REST)
+            inv_p = _reciprocal_power(p).to(tl.float64)
+            inv_px = _reciprocal_power(p_x).to(tl.float64)
+            rstd64 = tl.math.rsqrt(ss_x.to(tl.float64) * inv_px * inv_px * (1.0 / D) + eps)
+            scale = (amax.to(tl.float64) * inv_p * rstd64 * (1.0 / qmax)).to(tl.float32)
+        else:
+            scale = amax * tl.math.rsqrt(_mean(ss, D, BLOCK_D, POW2_D) + eps) * (1.0 / qmax)
+        scale = tl.where(amax == 0, 1.0, scale)
         scale_ptr = _qk_rows(is_k, K_SCALE, Q_SCALE, b, tok, h, stride_ksb, stride_kss, stride_ksh,
                              stride_qsb, stride_qss, stride_qsh)
         _store(scale_ptr, scale, row_mask, EVEN)
-        # one correctly rounded division per row; per element a product (an IEEE division per
-        # element made this kernel compute-bound: about 30 instructions each on sm90)
-        inv = tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)[:, None]
-        # The clamp to the code range cannot act where the scale is a normal number: |n| <= amax,
-        # scale >= (amax / qmax)(1 - 2^-24), inv <= (1 / scale)(1 + 2^-24), so |n * inv| rounded
-        # is at most qmax (1 + 2^-22), which rounds to qmax at most (int8: 127.00003; e4m3: 448.0001,
-        # the next step up being 32 away). Tiles with a subnormal (or NaN) scale clamp.
-        tiny = ~(scale >= 1.1754943508222875e-38)
-        if tl.max(tiny.to(tl.int32), axis=0) > 0:
+        # one correctly rounded division per row, a product per element (an IEEE division per
+        # element made this kernel compute-bound: about 30 instructions each on sm90), bounded so
+        # that an all-zero row's is finite
+        inv = tl.minimum(tl.math.div_rn(tl.full(amax.shape, qmax, tl.float32), amax), 2.0 ** 127)[:, None]
+        # The clamp to the code range cannot act where max |u| lies in [2^-100, 2^100): |u| <= amax,
+        # inv <= (qmax / amax)(1 + 2^-24), so |u * inv| rounded is at most qmax (1 + 2^-22), which
+        # rounds to qmax at most (int8: 127.00003; e4m3: 448.0001, the next step up being 32 away).
+        # Redone tiles clamp.
+        if slow_tile:
             ra = _quantize(ra * inv, qmax, QUANT, True)
             rb = _quantize(rb * inv, qmax, QUANT, True)
             if HAS_REST:
@@ -1065,8 +1057,6 @@ def rotary_fwd(*, x, cos, sin, out, rot_start, rotary_dim, interleaved=False, co
     )
     return out
 
-_SQUARES = {torch.float16: 2, torch.bfloat16: 3}
-
 
 def _one_launch(q, k, q_weight, k_weight) -> bool:
     """Whether q and k can share a launch: the kernel picks k's pointers in k's programs, so both
@@ -1167,7 +1157,7 @@ def qk_norm_rope_fwd(*, q, k, q_out, k_out, q_weight, k_weight, cos, sin, rot_st
         BLOCK_S=block_s, BLOCK_H=block_h, BLOCK_HALF=block_half,
         BLOCK_D=triton.next_power_of_2(D), HAS_REST=rotary_dim < D, INTERLEAVED=interleaved,
         HAS_WEIGHT=q_weight is not None, QUANT=_QUANT_CODES[quant_dtype],
-        SQUARES=_SQUARES.get(q.dtype, 1) if quant else 0, EVEN=even, POW2_D=D & (D - 1) == 0,
+        EVEN=even, POW2_D=D & (D - 1) == 0,
         HAS_POS_IDS=pos is not None, HAS_OFFSET_TENSOR=offsets_tensor, HEAD_BLOCKS=head_blocks,
         ROWS_INT64=ROWS_INT64, PREFETCH_X=ahead > 0, X_LINES=_lines(D, q), X_STEP=_LINE // q.element_size(),
         PREFETCH_ROPE=prefetch_rope, ROPE_LINES=_lines(half, cos), ROPE_STEP=_LINE // cos.element_size(),

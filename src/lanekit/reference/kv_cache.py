@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from lanekit.reference.layers import QUANT_MAX, quantize_per_head
+from lanekit.reference.layers import quantize_per_head, to_codes
 
 F32 = torch.float32
 
@@ -37,13 +37,8 @@ def quantize_kv(x: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | None 
     if scale is None:
         return quantize_per_head(v, dtype)
     s = scale.to(F32).expand(x.shape[:-1])
-    q = v / s.unsqueeze(-1)           # divided by a tensor: correctly rounded (see quantize_per_head)
-    qmax = QUANT_MAX[dtype]
-    if dtype == torch.int8:
-        codes = torch.round(q).clamp(-128, 127).to(torch.int8)
-    else:
-        codes = q.clamp(-qmax, qmax).to(dtype)
-    return codes, s.contiguous()
+    # divided by a tensor: correctly rounded (see quantize_per_head)
+    return to_codes(v / s.unsqueeze(-1), dtype), s.contiguous()
 
 
 def dequantize_kv(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = F32) -> torch.Tensor:

@@ -128,26 +128,33 @@ def rms_norm_rope(q, k, q_weight, k_weight, cos, sin, eps=1e-6, offset=0.0, inte
 QUANT_MAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
 
 
-def quantize_per_head(v: torch.Tensor, dtype: torch.dtype, reciprocal: bool = False):
+def to_codes(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """fp32 x (already divided by its scale) as ``dtype`` codes: rounded to nearest, ties to even,
+    clamped to the format's range (int8: [-128, 127]; e4m3: +-448, the cast rounding)."""
+    if dtype == torch.int8:
+        return torch.round(x).clamp(-128, 127).to(torch.int8)   # torch.round: ties to even
+    return x.clamp(-QUANT_MAX[dtype], QUANT_MAX[dtype]).to(dtype)  # the cast rounds ties to even
+
+
+def quantize_per_head(v: torch.Tensor, dtype: torch.dtype):
     """Per-(token, head) symmetric quantization of float32 v (..., D): scale = amax / qmax (1 when
-    the row is all zero), codes = v / scale, or with ``reciprocal`` v * (1 / scale) (one division
-    per row instead of one per element), rounded to nearest, ties to even, clamped to the format's
-    range (int8: [-128, 127]; e4m3: +-448). Every step is one correctly rounded fp32 operation.
-    Returns (codes in ``dtype``, scale fp32 (...))."""
+    the row is all zero), codes = :func:`to_codes` of v / scale. Every step is one correctly
+    rounded fp32 operation. Returns (codes in ``dtype``, scale fp32 (...))."""
     amax = v.abs().amax(-1)
     # divided by tensors: PyTorch's CUDA kernels multiply by the reciprocal of a Python scalar
     # divisor, which is not the correctly rounded quotient
     qmax = torch.full_like(amax, QUANT_MAX[dtype])
     scale = torch.where(amax > 0, amax / qmax, torch.ones_like(amax))
-    if reciprocal:
-        x = v * (torch.ones_like(scale) / scale).unsqueeze(-1)
-    else:
-        x = v / scale.unsqueeze(-1)
-    if dtype == torch.int8:
-        codes = torch.round(x).clamp(-128, 127).to(torch.int8)   # torch.round: ties to even
-    else:
-        codes = x.clamp(-QUANT_MAX[dtype], QUANT_MAX[dtype]).to(dtype)  # the cast rounds ties to even
-    return codes, scale
+    return to_codes(v / scale.unsqueeze(-1), dtype), scale
+
+
+def unit_power(m: torch.Tensor) -> torch.Tensor:
+    """The power of two 2^k, k in [-126, 126], that brings fp32 m >= 0 into [1, 2), from m's
+    exponent bits: k = 127 - e for the biased exponent e, clamped (k = 126 for 0 and subnormal m,
+    -126 for m >= 2^126 and NaN)."""
+    e = (m.view(torch.int32) >> 23) & 0xFF
+    k = torch.where(e == 0, 126, (127 - e).clamp(-126, 126))
+    return ((k + 127) << 23).to(torch.int32).view(torch.float32)
 
 
 def qk_norm_rope_quant(q, k, q_weight, k_weight, cos, sin, eps=1e-6, offset=0.0,
@@ -155,32 +162,52 @@ def qk_norm_rope_quant(q, k, q_weight, k_weight, cos, sin, eps=1e-6, offset=0.0,
                        quant_dtype=torch.float8_e4m3fn):
     """RMSNorm per head, RoPE on the last ``rotary_dim`` features, then per-(token, head) quant.
 
-    Exact by construction, so that codes can be compared bit for bit: the sum of squares is taken
-    in float64 (exact for 16-bit inputs whose squares span fewer than 30 binades, which holds for
-    any realistic row), rstd = 1 / sqrt(sum / D + eps) in float64 rounded once to fp32, and every
-    later step is one correctly rounded fp32 operation in this order: n = (x * rstd) * (offset + w);
-    rotary (a * cos - b * sin, b * cos + a * sin, each product rounded); then
-    :func:`quantize_per_head` by the reciprocal of the scale (codes = round(n * (1 / scale)): one
-    division per head vector and a product per element, as vLLM's fp8 quantizers compute). Returns
-    (q_codes, q_scale, k_codes, k_scale), scales (B, S, H) fp32.
+    The codes are specified bit for bit, and depend on no sum. RMSNorm multiplies a head vector
+    by rstd = 1 / sqrt(mean(x^2) + eps), one positive number for the whole vector, and dividing by
+    the scale (max |n| / qmax) takes any such factor out again: n / scale = u * qmax / max |u| for
+    u = RoPE(x * (offset + w)). So the codes are taken from u, every step one correctly rounded
+    fp32 operation in this order: x * (offset + w); rotary (a * cos - b * sin, b * cos + a * sin,
+    each product rounded); amax = max |u|; inv = min(qmax / amax, 2^127) (one division per row,
+    as vLLM's fp8 quantizers take the reciprocal once; the bound keeps an all-zero row's finite);
+    codes = :func:`to_codes` of u * inv. They equal n / scale's rounded up to where that
+    calculation's own roundings would fall, with one rounding fewer (no x * rstd).
+
+    A row whose amax lies outside [2^-100, 2^100) (all zero, tiny, huge or not finite) takes u from
+    x * p instead, p = :func:`unit_power` of max |x|: an exact scaling that changes no code where
+    no step of u over- or underflows, and keeps rows at the ends of bf16's range (whose products
+    with the weights would) as precise as any other. Elsewhere p = 1.
+
+    scale = amax / p * rstd / qmax, in float64 (the sum of squares too) rounded once to fp32; 1
+    for an all-zero row: codes * scale is the RMSNorm-then-RoPE vector n. Rows holding inf or NaN
+    get a NaN scale; their codes are not specified. Returns (q_codes, q_scale, k_codes, k_scale),
+    scales (B, S, H) fp32.
     """
     f32 = torch.float32
     D = q.shape[-1]
     rd = rotary_dim if rotary_dim is not None else 2 * cos.shape[-1]
     pos = rotary_positions(q.shape, position_ids=position_ids, seqlen_offsets=seqlen_offsets)
+    c = cos.to(f32)[pos.to(cos.device)].unsqueeze(-2)
+    s = sin.to(f32)[pos.to(sin.device)].unsqueeze(-2)
+    qmax = QUANT_MAX[quant_dtype]
+
+    def direction(x, wf):
+        u = x * wf if wf is not None else x
+        return torch.cat((u[..., : D - rd], _rotate_pairs(u[..., D - rd:], c, s, interleaved)), dim=-1)
 
     def one(x, w):
-        x64 = x.to(torch.float64)
-        rstd = (1.0 / torch.sqrt((x64 * x64).sum(-1, keepdim=True) / D + eps)).to(f32)
         wf = w.to(f32) + f32_scalar(offset) if w is not None else None
-        n = x.to(f32) * rstd
-        if wf is not None:
-            n = n * wf
-        head, tail = n[..., : D - rd], n[..., D - rd:]
-        c = cos.to(f32)[pos.to(cos.device)].unsqueeze(-2)
-        s = sin.to(f32)[pos.to(sin.device)].unsqueeze(-2)
-        tail = _rotate_pairs(tail, c, s, interleaved)
-        return quantize_per_head(torch.cat((head, tail), dim=-1), quant_dtype, reciprocal=True)
+        xf = x.to(f32)
+        amax = direction(xf, wf).abs().amax(-1)
+        redo = ~((amax >= 2.0 ** -100) & (amax < 2.0 ** 100))
+        p = torch.where(redo, unit_power(xf.abs().amax(-1)), torch.ones_like(amax))
+        u = direction(xf * p.unsqueeze(-1), wf)
+        amax = u.abs().amax(-1)
+        inv = torch.minimum(torch.full_like(amax, qmax) / amax, torch.full_like(amax, 2.0 ** 127))
+        x64 = x.to(torch.float64)
+        rstd = 1.0 / torch.sqrt((x64 * x64).sum(-1) / D + eps)
+        scale = (amax.to(torch.float64) / p.to(torch.float64) * rstd / qmax).to(f32)
+        scale = torch.where(amax == 0, torch.ones_like(scale), scale)
+        return to_codes(u * inv.unsqueeze(-1), quant_dtype), scale
 
     return (*one(q, q_weight), *one(k, k_weight))
 

@@ -617,10 +617,24 @@ class RotaryConfig:
 #   strides held across the loop); capped at 72 it spills (64 spill instructions) and the loop form
 #   with one tile a program fell to 1616 GB/s. Best looping: 2775 (14 programs an SM, 112
 #   registers, no spills) against 3096 for the shipped kernel in that run.
+# (2026-12-03, third session) The quantized form's codes no longer depend on the norm (the per-row
+# rstd divides out of n / scale: reference.layers.qk_norm_rope_quant), so the kernel dropped the
+# exact fp64 sum of squares, the fp64 rstd and its certainty check, the product by rstd, and one
+# of its two correctly rounded divisions: 691 -> 558 SASS instructions on the path taken, no
+# spills at the 72 cap. A/B on the H200 (.gpu/ab_loop.py, the bench's inputs, CUDA graphs, old and
+# new code alternated, three pairs each): 2965-2987 -> 3247-3266 GB/s on one machine; on another
+# 3130-3146 -> 3362-3366, and 3389-3396 with quant_prefetch_ahead 2048 (3126-3128 for the old
+# code at 2048): kept. Swept on the new kernel (`tune_layers ROTARY_MAXNREG ROTARY_PREFETCH`): caps
+# 64 and 80 and ptxas's own count read below 72 (2926, 3189, 3260 against 3250 in the A/B); the
+# prefetch at 1024 to 3696 within 1% (2048 best, 3214 in tune_layers' timing, 2560 3190). Tried,
+# not kept: the outputs and scales addressed by one contiguous row index instead of picked strides
+# (546 instructions, 12 fewer, but ptxas then spilled 4 registers on the path taken at the 72 cap:
+# 3140 GB/s against 3364). ncu on the kept kernel: 38.0 us, an instruction issued on 63% of cycles,
+# 6.15 warps a scheduler active and 1.43 eligible, DRAM 65% busy.
 ROTARY: dict[str, RotaryConfig] = {
     "generic": RotaryConfig(32, 4, norm_block_rows=32, quant_block_rows=32, norm_num_warps=4),
     "sm90": RotaryConfig(32, 4, norm_block_rows=8, quant_block_rows=8, norm_num_warps=1, quant_num_warps=1,
-                         quant_maxnreg=72, prefetch_rope=1, quant_prefetch_ahead=2560),
+                         quant_maxnreg=72, prefetch_rope=1, quant_prefetch_ahead=2048),
     "gfx1201": RotaryConfig(32, 4, norm_block_rows=16, bwd_block_s=8, quant_block_rows=32, norm_num_warps=4),
 }
 ROTARY["gfx1151"] = ROTARY["gfx1201"]
