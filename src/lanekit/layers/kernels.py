@@ -668,13 +668,12 @@ def _qk_rows(is_k, K, Q, b, tok, h, stride_kb, stride_ks, stride_kh, stride_qb, 
 def _qk_norm_rope_fwd_kernel(
     Q, K, Q_OUT, K_OUT, Q_W, K_W, Q_SCALE, K_SCALE, COS, SIN, POS, SEQ_OFFSETS,
     stride_qb, stride_qs, stride_qh, stride_qd, stride_kb, stride_ks, stride_kh, stride_kd,
-    stride_qob, stride_qos, stride_qoh, stride_qod, stride_kob, stride_kos, stride_koh, stride_kod,
-    stride_qsb, stride_qss, stride_qsh, stride_ksb, stride_kss, stride_ksh, stride_qw, stride_kw,
+    stride_qw, stride_kw,
     stride_cs, stride_cd, stride_ss, stride_sd, stride_pb, stride_ps,
     S, HQ, HK, D, ROT_START, HALF, q_head_blocks, seq_offset, eps, offset, x_ahead,
     BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr,
     HAS_REST: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_WEIGHT: tl.constexpr,
-    QUANT: tl.constexpr, EVEN: tl.constexpr, POW2_D: tl.constexpr,
+    QUANT: tl.constexpr, EVEN: tl.constexpr, ROT_ALL: tl.constexpr, POW2_D: tl.constexpr,
     HAS_POS_IDS: tl.constexpr, HAS_OFFSET_TENSOR: tl.constexpr, HEAD_BLOCKS: tl.constexpr,
     ROWS_INT64: tl.constexpr, PREFETCH_X: tl.constexpr, X_LINES: tl.constexpr, X_STEP: tl.constexpr,
     PREFETCH_ROPE: tl.constexpr, ROPE_LINES: tl.constexpr, ROPE_STEP: tl.constexpr,
@@ -703,10 +702,11 @@ def _qk_norm_rope_fwd_kernel(
         stride_ps, BLOCK_S, BLOCK_H, ROWS_INT64, HAS_POS_IDS, HAS_OFFSET_TENSOR)
     x_rows = _qk_rows(is_k, K, Q, b, tok, h, stride_kb, stride_ks, stride_kh,
                       stride_qb, stride_qs, stride_qh)[:, None]
-    o_rows = _qk_rows(is_k, K_OUT, Q_OUT, b, tok, h, stride_kob, stride_kos, stride_koh,
-                      stride_qob, stride_qos, stride_qoh)[:, None]
     stride_xd = _pick(is_k, stride_kd, stride_qd)
-    stride_od = _pick(is_k, stride_kod, stride_qod)
+    if EVEN:   # every pair exists: the feature offsets are constants, folded into the addresses
+        HALF = BLOCK_HALF
+    if ROT_ALL:
+        ROT_START = 0
     offs_i = tl.arange(0, BLOCK_HALF)        # offsets within a row in int32: see _inner_int32
     da, db = _rotary_pairs(offs_i, ROT_START, HALF, INTERLEAVED)
     pair_mask = row_mask[:, None] & (offs_i < HALF)[None, :]                       # [ROWS, BLOCK_HALF]
@@ -735,6 +735,9 @@ def _qk_norm_rope_fwd_kernel(
         _prefetch_rows(_qk_rows(is_k, K, Q, b, tok2, h2, stride_kb, stride_ks, stride_kh,
                                 stride_qb, stride_qs, stride_qh), mask2, D, 1, X_LINES, X_STEP, "L2")
     ss = _square_sum(a, bb, rest, HAS_REST)                                                 # [ROWS]
+    # the outputs (and scales) are contiguous (the launcher's contract): row (b, tok, h) of them
+    # is row (b * S + tok) * H + h, one index for all, with no strides to pick
+    row = (b * S + tok) * _pick(is_k, HK, HQ) + h
     W = _pick(is_k, K_W, Q_W)
     stride_w = _pick(is_k, stride_kw, stride_qw)
     if not QUANT:
@@ -772,7 +775,9 @@ def _qk_norm_rope_fwd_kernel(
             # more than 2^-100 of the sum; p_x's square taken out again in fp64. (The scale is
             # compared by tolerance: no fp64 division, whose slow path spills.)
             p_x = _unit_power(_abs_max(a, bb, rest, HAS_REST))
+            inv_px = _reciprocal_power(p_x).to(tl.float64)
             ss_x = _square_sum(a * p_x[:, None], bb * p_x[:, None], rest * p_x[:, None], HAS_REST)
+            rstd64 = tl.math.rsqrt(ss_x.to(tl.float64) * inv_px * inv_px * (1.0 / D) + eps)
             p = tl.where(redo, p_x, 1.0)
             ra, rb, rest = _qk_weigh_rotate(
                 a * p[:, None], bb * p[:, None], rest * p[:, None], W, stride_w, offset, da, db,
@@ -780,15 +785,11 @@ def _qk_norm_rope_fwd_kernel(
                 pair_mask, HALF, EVEN, HAS_WEIGHT, HAS_REST)
             amax = _abs_max(ra, rb, rest, HAS_REST)
             inv_p = _reciprocal_power(p).to(tl.float64)
-            inv_px = _reciprocal_power(p_x).to(tl.float64)
-            rstd64 = tl.math.rsqrt(ss_x.to(tl.float64) * inv_px * inv_px * (1.0 / D) + eps)
             scale = (amax.to(tl.float64) * inv_p * rstd64 * (1.0 / qmax)).to(tl.float32)
         else:
             scale = amax * tl.math.rsqrt(_mean(ss, D, BLOCK_D, POW2_D) + eps) * (1.0 / qmax)
         scale = tl.where(amax == 0, 1.0, scale)
-        scale_ptr = _qk_rows(is_k, K_SCALE, Q_SCALE, b, tok, h, stride_ksb, stride_kss, stride_ksh,
-                             stride_qsb, stride_qss, stride_qsh)
-        _store(scale_ptr, scale, row_mask, EVEN)
+        _store(_pick(is_k, K_SCALE, Q_SCALE) + row, scale, row_mask, EVEN)
         # one correctly rounded division per row, a product per element (an IEEE division per
         # element made this kernel compute-bound: about 30 instructions each on sm90), bounded so
         # that an all-zero row's is finite
@@ -807,10 +808,11 @@ def _qk_norm_rope_fwd_kernel(
             rb = _quantize(rb * inv, qmax, QUANT, False)
             if HAS_REST:
                 rest = _quantize(rest * inv, qmax, QUANT, False)
-    _store(o_rows + da[None, :] * stride_od, ra.to(Q_OUT.dtype.element_ty), pair_mask, EVEN)
-    _store(o_rows + db[None, :] * stride_od, rb.to(Q_OUT.dtype.element_ty), pair_mask, EVEN)
+    o_rows = (_pick(is_k, K_OUT, Q_OUT) + row * (BLOCK_D if POW2_D else D))[:, None]
+    _store(o_rows + da[None, :], ra.to(Q_OUT.dtype.element_ty), pair_mask, EVEN)
+    _store(o_rows + db[None, :], rb.to(Q_OUT.dtype.element_ty), pair_mask, EVEN)
     if HAS_REST:
-        tl.store(o_rows + offs_d[None, :] * stride_od, rest.to(Q_OUT.dtype.element_ty), mask=rest_mask)
+        tl.store(o_rows + offs_d[None, :], rest.to(Q_OUT.dtype.element_ty), mask=rest_mask)
 
 @triton.jit
 def _rms_norm_rope_bwd_kernel(
@@ -1098,7 +1100,9 @@ def qk_norm_rope_fwd(*, q, k, q_out, k_out, q_weight, k_weight, cos, sin, rot_st
     [rot_start, rot_start + rotary_dim), into q_out and k_out: in one launch (for each block of
     tokens, programs of q's head blocks, then of k's), or one per tensor when their weights differ
     in presence or dtype. quant_dtype: int8 or float8_e4m3fn codes into the outs, per-(token, head)
-    fp32 scales into q_scale, k_scale (B, S, H)."""
+    fp32 scales into q_scale, k_scale (B, S, H). The outs and scales are contiguous (the kernel
+    addresses them by row index alone)."""
+    assert all(t is None or t.is_contiguous() for t in (q_out, k_out, q_scale, k_scale))
     if not _one_launch(q, k, q_weight, k_weight):
         for x, out, w, scale in ((q, q_out, q_weight, q_scale), (k, k_out, k_weight, k_scale)):
             qk_norm_rope_fwd(q=x, k=x[:, :, :0], q_out=out, k_out=out[:, :, :0], q_weight=w,
@@ -1149,15 +1153,13 @@ def qk_norm_rope_fwd(*, q, k, q_out, k_out, q_weight, k_weight, cos, sin, rot_st
     _qk_norm_rope_fwd_kernel[grid](
         q, k, q_out, k_out, q_w, k_w, q_sc, k_sc, cos, sin, pos,
         seqlen_offsets if offsets_tensor else None,
-        *q.stride(), *k.stride(), *q_out.stride(), *k_out.stride(),
-        *(q_scale.stride() if quant else (0, 0, 0)), *(k_scale.stride() if quant else (0, 0, 0)),
-        _stride(q_weight), _stride(k_weight), *cos.stride(), *sin.stride(), *pos_strides,
+        *q.stride(), *k.stride(), _stride(q_weight), _stride(k_weight), *cos.stride(), *sin.stride(), *pos_strides,
         S, HQ, HK, D, rot_start, half, q_head_blocks, 0 if offsets_tensor else int(seqlen_offsets),
         eps, offset, ahead,
         BLOCK_S=block_s, BLOCK_H=block_h, BLOCK_HALF=block_half,
         BLOCK_D=triton.next_power_of_2(D), HAS_REST=rotary_dim < D, INTERLEAVED=interleaved,
         HAS_WEIGHT=q_weight is not None, QUANT=_QUANT_CODES[quant_dtype],
-        EVEN=even, POW2_D=D & (D - 1) == 0,
+        EVEN=even, ROT_ALL=rot_start == 0, POW2_D=D & (D - 1) == 0,
         HAS_POS_IDS=pos is not None, HAS_OFFSET_TENSOR=offsets_tensor, HEAD_BLOCKS=head_blocks,
         ROWS_INT64=ROWS_INT64, PREFETCH_X=ahead > 0, X_LINES=_lines(D, q), X_STEP=_LINE // q.element_size(),
         PREFETCH_ROPE=prefetch_rope, ROPE_LINES=_lines(half, cos), ROPE_STEP=_LINE // cos.element_size(),

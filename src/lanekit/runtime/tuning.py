@@ -630,7 +630,12 @@ class RotaryConfig:
 # not kept: the outputs and scales addressed by one contiguous row index instead of picked strides
 # (546 instructions, 12 fewer, but ptxas then spilled 4 registers on the path taken at the 72 cap:
 # 3140 GB/s against 3364). ncu on the kept kernel: 38.0 us, an instruction issued on 63% of cycles,
-# 6.15 warps a scheduler active and 1.43 eligible, DRAM 65% busy.
+# 6.15 warps a scheduler active and 1.43 eligible, DRAM 65% busy. bench-layers at 968dc46: 3223
+# GB/s, 76% of copy (4220). Later that day, not yet timed (the device budget was spent; tests,
+# compute-sanitizer and lanekit check passed natively): with every pair present the feature offsets
+# are constants (EVEN: HALF = BLOCK_HALF; ROT_ALL: rotary from feature 0), which freed the
+# registers that the contiguous output rows had spilled, so those went in too: 558 -> 519 SASS
+# instructions on the path taken, no spills at the 72 cap; RMSNorm + RoPE 408 -> 383, 62 registers.
 ROTARY: dict[str, RotaryConfig] = {
     "generic": RotaryConfig(32, 4, norm_block_rows=32, quant_block_rows=32, norm_num_warps=4),
     "sm90": RotaryConfig(32, 4, norm_block_rows=8, quant_block_rows=8, norm_num_warps=1, quant_num_warps=1,
