@@ -227,7 +227,12 @@ def _assert_quant_matches(got, expected):
         else:
             assert torch.equal(o.isnan(), e.isnan()), f"{name}: NaN where the oracle has none, or not"
             o, e = o.double()[~e.isnan()], e.double()[~e.isnan()]
-            unit = torch.exp2(torch.floor(torch.log2(e.abs().clamp_min(2.0 ** -149)))) * 2.0 ** -23
+            inf = e.isinf()
+            assert torch.equal(o[inf], e[inf]), f"{name}: infinities differ from the oracle's"
+            o, e = o[~inf], e[~inf]
+            # one step of fp32 at each scale's own magnitude (at least its smallest normal's: ulp())
+            tiny = torch.finfo(torch.float32).tiny
+            unit = torch.exp2(torch.floor(torch.log2(e.abs().clamp_min(tiny)))) * 2.0 ** -23
             steps = ((o - e).abs() / unit).max().item() if e.numel() else 0.0
             allowed = TOLERANCES["norm"].steps_for(torch.float32)
             assert steps <= allowed, f"{name}: {steps:.2f} steps off (allowed {allowed})"
@@ -280,6 +285,30 @@ def test_quantized_qk_codes_keep_the_sign_of_zero_weights(device, quant):
     _assert_quant_matches(got, want)
     if quant == torch.float8_e4m3fn:   # the case can fail: some codes are -0.0
         assert (want[0].view(torch.uint8) == 0x80).any()
+
+
+@pytest.mark.parametrize("quant", [torch.float8_e4m3fn, torch.int8], ids=["e4m3", "int8"])
+def test_quantized_qk_codes_pin_the_division_and_its_rounding(device, quant):
+    """fp32 rows, with RoPE the identity (cos 1, sin 0) and no weights so that u = x, picked from
+    2^18 random rows as those whose codes round(u * (qmax / amax)) differ from both nearby
+    formulas, round(u * (1 / (amax / qmax))) and round(u / (amax / qmax)): the kernel's codes must
+    be the oracle's there, which pins its one correctly rounded division per row (random rows
+    alone do not: those formulas change about one code in 10^6)."""
+    qmax = ref.QUANT_MAX[quant]
+    x = torch.randn(1 << 18, 64, generator=gen(23))
+    amax = x.abs().amax(-1, keepdim=True)
+    qm = torch.full_like(amax, qmax)
+    want = ref.to_codes(x * (qm / amax), quant).view(torch.uint8)
+    differ = ((want != ref.to_codes(x * (torch.ones_like(amax) / (amax / qm)), quant).view(torch.uint8))
+              & (want != ref.to_codes(x / (amax / qm), quant).view(torch.uint8))).any(-1)
+    rows = differ.nonzero().flatten()
+    assert len(rows) >= 4, len(rows)    # the premise: such rows exist (21 for int8, 7 for e4m3)
+    q = x[rows[: min(len(rows), 8) // 4 * 4]].view(1, -1, 4, 64).to(device)
+    k = randn(1, q.shape[1], 2, 64, dtype=torch.float32, device=device, generator=gen(24))
+    cos, sin = torch.ones(q.shape[1], 32, device=device), torch.zeros(q.shape[1], 32, device=device)
+    with poisoned_outputs():
+        got = L.qk_norm_rope_quant(q, k, None, None, cos, sin, quant_dtype=quant, lane="triton")
+    _assert_quant_matches(got, ref.qk_norm_rope_quant(q, k, None, None, cos, sin, quant_dtype=quant))
 
 
 @pytest.mark.parametrize("quant", [torch.float8_e4m3fn, torch.int8], ids=["e4m3", "int8"])

@@ -373,7 +373,8 @@ def qk_norm_rope_quant(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor 
     they are taken from u = RoPE(x * (offset + w)) as u * min(qmax / max|u|, 2^127), each step
     one correctly rounded fp32 operation in the order that oracle documents (no fused
     multiply-adds; rows at the ends of the range from x scaled by a power of two first). They
-    equal n / scale's up to where rounding ties fall. The scales carry rstd, within the project's
+    equal n / scale's up to where rounding ties fall, for weights, cos and sin well inside fp32's
+    normal range (see the oracle for its ends). The scales carry rstd, within the project's
     "norm" tolerance (fp32, 8 steps). eps and offset are used as their nearest fp32 values. A head
     vector holding inf or NaN gets a NaN scale (its codes are not specified).
 

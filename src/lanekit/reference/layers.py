@@ -173,9 +173,12 @@ def qk_norm_rope_quant(q, k, q_weight, k_weight, cos, sin, eps=1e-6, offset=0.0,
     calculation's own roundings would fall, with one rounding fewer (no x * rstd).
 
     A row whose amax lies outside [2^-100, 2^100) (all zero, tiny, huge or not finite) takes u from
-    x * p instead, p = :func:`unit_power` of max |x|: an exact scaling that changes no code where
-    no step of u over- or underflows, and keeps rows at the ends of bf16's range (whose products
-    with the weights would) as precise as any other. Elsewhere p = 1.
+    x * p instead, p = :func:`unit_power` of max |x|: a scaling by a power of two, exact but for
+    elements it takes below fp32's normal range, that changes no code where no step of u over- or
+    underflows, and keeps rows of huge or tiny x (at the ends of bf16's range, whose products with
+    the weights would) as precise as any other. Elsewhere p = 1. p follows x alone: where the
+    weights or cos and sin are what put amax out of range (|w| near 2^-125 or 2^127), the codes are
+    still this function's, but lose precision, or overflow.
 
     scale = amax / p * rstd / qmax, in float64 (the sum of squares too) rounded once to fp32; 1
     for an all-zero row: codes * scale is the RMSNorm-then-RoPE vector n. Rows holding inf or NaN
