@@ -179,6 +179,19 @@ def test_fused_glu_rows_take_a_block_that_divides_them(device, N, block, monkeyp
     assert_close(d, d_ref, "eltwise")
 
 
+def _dequantization_error(codes, scale, n):
+    """(|codes * scale - n|, its bound) on the CPU, for the oracle's RMSNorm-then-RoPE n in fp64: half
+    a code (int8), and 2^-10 of one for the fp32 roundings; or half an e4m3 step, 2^-4 of the value,
+    or 2^-10 (in codes) below its normal range."""
+    codes, scale, n = codes.cpu(), scale.cpu().double()[..., None], n.cpu()
+    deq = codes.double() * scale
+    if codes.dtype == torch.int8:
+        bound = (0.5 + 2.0 ** -10) * scale
+    else:
+        bound = torch.maximum(deq.abs() * 2 ** -4, 2 ** -10 * scale)
+    return (deq - n).abs(), bound
+
+
 @pytest.mark.parametrize("dtype", [torch.int8, torch.float8_e4m3fn], ids=["int8", "e4m3"])
 def test_quantized_qk_dequantizes_to_the_normalized_rotated_values(device, dtype):
     """codes * scale is the norm-then-RoPE result to within half a code (int8) or a step of e4m3."""
@@ -193,12 +206,8 @@ def test_quantized_qk_dequantizes_to_the_normalized_rotated_values(device, dtype
     expected = ref.rms_norm_rope(f64(q), f64(k), f64(w), f64(w), f64(theta.cos()), f64(theta.sin()))
     for codes, scale, n in ((qc, qs, expected[0]), (kc, ks, expected[1])):
         assert codes.dtype == dtype and scale.shape == n.shape[:-1]
-        deq = codes.double() * scale.double()[..., None]
-        if dtype == torch.int8:  # half a code, and 2^-10 of one for the fp32 roundings
-            bound = (0.5 + 2.0 ** -10) * scale.double()[..., None]
-        else:  # half an e4m3 step: 2^-4 of the value, or 2^-10 (in codes) below the normal range
-            bound = torch.maximum(deq.abs() * 2 ** -4, 2 ** -10 * scale.double()[..., None])
-        assert ((deq - n).abs() <= bound * 1.0001).all()
+        err, bound = _dequantization_error(codes, scale, n)
+        assert (err <= bound * 1.0001).all()
 
 
 def _wide_rows(g, shape, dtype, low, span, zeros=0.1):
@@ -373,10 +382,8 @@ def test_quantized_qk_tiles_at_the_ends_of_the_range_are_redone_and_exact(device
     _assert_quant_matches(got, ref.qk_norm_rope_quant(*args, eps=eps32, quant_dtype=torch.int8))
     n = ref.rms_norm_rope(f64(q), f64(k), f64(w), f64(w), f64(theta.cos()), f64(theta.sin()), eps=eps32)
     for codes, scale, want in ((got[0], got[1], n[0]), (got[2], got[3], n[1])):
-        finite = scale.isfinite().cpu()
-        deq = codes.cpu().double() * scale.cpu().double()[..., None]
-        bound = (0.5 + 2.0 ** -10) * scale.cpu().double()[..., None]   # and the fp32 roundings
-        assert ((deq - want.cpu()).abs() <= bound)[finite].all()
+        err, bound = _dequantization_error(codes, scale, want)
+        assert (err <= bound)[scale.isfinite().cpu()].all()
     if rows == "a zero row":
         assert got[1][0, 2, 5] == 1.0 and not got[0][0, 2, 5].any()
     if rows == "inf and NaN":

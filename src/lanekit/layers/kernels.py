@@ -604,6 +604,19 @@ def _reciprocal_power(p):
 
 
 @triton.jit
+def _qk_load_x(x_rows, da, db, offs_d, stride_xd, pair_mask, rest_mask, EVEN: tl.constexpr,
+               HAS_REST: tl.constexpr):
+    """(a, bb, rest) in fp32 of the rows x_rows in _qk_norm_rope_fwd_kernel: the rotary pairs' first
+    and second members, and the features outside the rotary range (a placeholder without)."""
+    a = _load_f32(x_rows + da[None, :] * stride_xd, pair_mask, EVEN)
+    bb = _load_f32(x_rows + db[None, :] * stride_xd, pair_mask, EVEN)
+    rest = a
+    if HAS_REST:
+        rest = _to_f32(tl.load(x_rows + offs_d[None, :] * stride_xd, mask=rest_mask, other=0.0))
+    return a, bb, rest
+
+
+@triton.jit
 def _qk_weigh_rotate(a, bb, rest, W, stride_w, offset, da, db, offs_i, offs_d, is_rest, COS, SIN,
                      pos, stride_cs, stride_cd, stride_ss, stride_sd, pair_mask, HALF,
                      EVEN: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_REST: tl.constexpr):
@@ -710,14 +723,10 @@ def _qk_norm_rope_fwd_kernel(
     offs_i = tl.arange(0, BLOCK_HALF)        # offsets within a row in int32: see _inner_int32
     da, db = _rotary_pairs(offs_i, ROT_START, HALF, INTERLEAVED)
     pair_mask = row_mask[:, None] & (offs_i < HALF)[None, :]                       # [ROWS, BLOCK_HALF]
-    a = _load_f32(x_rows + da[None, :] * stride_xd, pair_mask, EVEN)
-    bb = _load_f32(x_rows + db[None, :] * stride_xd, pair_mask, EVEN)
-    rest = a  # a placeholder when there is no rest
     offs_d = tl.arange(0, BLOCK_D)
     is_rest = (offs_d < D) & ((offs_d < ROT_START) | (offs_d >= ROT_START + 2 * HALF))
     rest_mask = row_mask[:, None] & is_rest[None, :]                                        # [ROWS, BLOCK_D]
-    if HAS_REST:
-        rest = _to_f32(tl.load(x_rows + offs_d[None, :] * stride_xd, mask=rest_mask, other=0.0))
+    a, bb, rest = _qk_load_x(x_rows, da, db, offs_d, stride_xd, pair_mask, rest_mask, EVEN, HAS_REST)
     # Prefetches, issued once this tile's loads are: the lines of cos and sin into L1, for their
     # loads after the sum of squares (held in registers from here they cost 32 a thread and their
     # loads waited beside x's), and into L2 the rows of x of the same head block x_ahead token
@@ -740,37 +749,31 @@ def _qk_norm_rope_fwd_kernel(
     row = (b * S + tok) * _pick(is_k, HK, HQ) + h
     W = _pick(is_k, K_W, Q_W)
     stride_w = _pick(is_k, stride_kw, stride_qw)
+    # With QUANT the codes are those of u = RoPE(x * (offset + w)), without the norm: rstd, one
+    # positive factor per row, divides out of n / scale (reference.layers.qk_norm_rope_quant). So
+    # they depend on no sum, and the fp32 sum of squares serves the scale alone.
     if not QUANT:
         rstd = (1.0 / tl.sqrt(_mean(ss, D, BLOCK_D, POW2_D) + eps))[:, None]
         a = a * rstd
         bb = bb * rstd
         if HAS_REST:
             rest = rest * rstd
-        ra, rb, rest = _qk_weigh_rotate(
-            a, bb, rest, W, stride_w, offset, da, db, offs_i, offs_d, is_rest, COS, SIN, pos,
-            stride_cs, stride_cd, stride_ss, stride_sd, pair_mask, HALF, EVEN, HAS_WEIGHT, HAS_REST)
-    else:
-        # The codes are those of u = RoPE(x * (offset + w)), without the norm: rstd, one positive
-        # factor per row, divides out of n / scale (reference.layers.qk_norm_rope_quant). So they
-        # depend on no sum, and the fp32 sum of squares serves the scale alone.
+    ra, rb, rest = _qk_weigh_rotate(
+        a, bb, rest, W, stride_w, offset, da, db, offs_i, offs_d, is_rest, COS, SIN, pos,
+        stride_cs, stride_cd, stride_ss, stride_sd, pair_mask, HALF, EVEN, HAS_WEIGHT, HAS_REST)
+    if QUANT:
         qmax = 127.0 if QUANT == 1 else 448.0     # a constant: no reciprocal of it at run time
-        ra, rb, rest = _qk_weigh_rotate(
-            a, bb, rest, W, stride_w, offset, da, db, offs_i, offs_d, is_rest, COS, SIN, pos,
-            stride_cs, stride_cd, stride_ss, stride_sd, pair_mask, HALF, EVEN, HAS_WEIGHT, HAS_REST)
         amax = _abs_max(ra, rb, rest, HAS_REST)                                              # [ROWS]
         # Rows whose max |u| lies outside [2^-100, 2^100) (all zero, tiny, huge or not finite)
         # take u from x * p instead, p the power of two that brings their max |x| into [1, 2); rows
         # whose sum of squares lies outside that range, their scale from fp64. Both are rare, so
         # the tile is redone, from x reloaded (in the oracle too, row by row: p is 1 elsewhere).
         redo = row_mask & ~((amax >= 2.0 ** -100) & (amax < 2.0 ** 100))
-        p = tl.full(amax.shape, 1.0, tl.float32)
         slow = redo | (row_mask & ~((ss >= 2.0 ** -100) & (ss < 2.0 ** 100)))
         slow_tile = tl.max(slow.to(tl.int32), axis=0) > 0
         if slow_tile:
-            a = _load_f32(x_rows + da[None, :] * stride_xd, pair_mask, EVEN)
-            bb = _load_f32(x_rows + db[None, :] * stride_xd, pair_mask, EVEN)
-            if HAS_REST:
-                rest = _to_f32(tl.load(x_rows + offs_d[None, :] * stride_xd, mask=rest_mask, other=0.0))
+            a, bb, rest = _qk_load_x(x_rows, da, db, offs_d, stride_xd, pair_mask, rest_mask, EVEN,
+                                     HAS_REST)
             # x * p_x, max |x| brought into [1, 2): its fp32 squares neither overflow nor lose
             # more than 2^-100 of the sum; p_x's square taken out again in fp64. (The scale is
             # compared by tolerance: no fp64 division, whose slow path spills.)
@@ -813,6 +816,7 @@ def _qk_norm_rope_fwd_kernel(
     _store(o_rows + db[None, :], rb.to(Q_OUT.dtype.element_ty), pair_mask, EVEN)
     if HAS_REST:
         tl.store(o_rows + offs_d[None, :], rest.to(Q_OUT.dtype.element_ty), mask=rest_mask)
+
 
 @triton.jit
 def _rms_norm_rope_bwd_kernel(
