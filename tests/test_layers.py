@@ -390,6 +390,69 @@ def test_quantized_qk_tiles_at_the_ends_of_the_range_are_redone_and_exact(device
         assert got[1][0, 2, 5].isnan() and got[1][0, 3, 0].isnan()
 
 
+# (x's magnitude, weight, cos and sin, eps): rows whose max |u| the weights or cos and sin put out of
+# [2^-100, 2^100), or whose fp32 scale would overflow or fall below fp32's normal range, though x
+# lies well inside it
+_PUT_OUT_OF_RANGE = {
+    "tiny weights": (2.0 ** 20, 2.0 ** -125, None, 1e-6),
+    "tiny weights, tiny x": (2.0 ** -60, 2.0 ** -60, None, 0.0),
+    "subnormal weights": (2.0 ** 60, 2.0 ** -140, None, 1e-6),
+    "huge weights": (1.0, 2.0 ** 110, None, 1e-6),
+    "huge weights, huge x": (2.0 ** 60, 2.0 ** 60, None, 1e-6),
+    "huge cos and sin": (2.0 ** 20, 1.0, 2.0 ** 100, 1e-6),
+    "tiny cos and sin": (1.0, 1.0, 2.0 ** -110, 1e-6),
+    "scale past fp32, eps 0": (2.0 ** -46, 2.0 ** 127, 1.0, 0.0),
+    "subnormal scale": (2.0 ** 30, 2.0 ** -124, None, 1e-6),
+    "u past fp32 from x * p": (2.0 ** 10, 2.0 ** 127, 1.0, 1e-6),
+}
+
+
+@pytest.mark.parametrize("quant", [torch.int8, torch.float8_e4m3fn], ids=["int8", "e4m3"])
+@pytest.mark.parametrize("case", list(_PUT_OUT_OF_RANGE))
+def test_quantized_qk_rows_put_out_of_range_by_the_weights(device, case, quant):
+    """fp32 rows of ordinary x whose weights (or cos and sin) near fp32's ends put max |u| out of
+    [2^-100, 2^100), or make the fp32 scale overflow (eps 0 and two nonzero features: the norm
+    multiplies by 2^49) or fall below fp32's normal range: codes as the oracle's, and as precise
+    as any row's (the largest is qmax: p follows max |u| where it is finite, not max |x| alone);
+    where the scale is a normal number, codes * scale within half a code of RMSNorm-then-RoPE in
+    fp64; and a row whose u overflows even from x * p gets a NaN scale, the others finite ones."""
+    magnitude, weight, rope, eps = _PUT_OUT_OF_RANGE[case]
+    g = gen(29)
+    q = randn(1, 3, 4, 64, dtype=torch.float32, device="cpu", generator=g) * magnitude
+    k = randn(1, 3, 2, 64, dtype=torch.float32, device="cpu", generator=g) * magnitude
+    w = torch.full((64,), weight)
+    w[::5] *= 1.5                                           # not one weight for all
+    if case == "scale past fp32, eps 0":
+        q = torch.zeros_like(q)
+        q[..., 0], q[..., 1] = magnitude, -magnitude / 2
+    if case == "u past fp32 from x * p":
+        # huge weights on the pair (0, 32) alone, zero x there but in one row, where cos = sin = 1
+        # rotate x * p = (1.5, -1.5) to (a - b) * w = 3 * 2^127
+        w = torch.ones(64)
+        w[0] = w[32] = weight
+        q[..., 0] = q[..., 32] = k[..., 0] = k[..., 32] = 0.0
+        q[0, 1, 2] *= 0.1
+        q[0, 1, 2, 0], q[0, 1, 2, 32] = 1.5 * magnitude, -1.5 * magnitude
+    theta = torch.rand(3, 32, generator=g) * 6.3
+    cos, sin = (theta.cos(), theta.sin()) if rope is None else (torch.full((3, 32), rope),) * 2
+    args = [t.to(device) for t in (q, k, w, w, cos, sin)]
+    with poisoned_outputs():
+        got = L.qk_norm_rope_quant(*args, eps=eps, quant_dtype=quant, lane="triton")
+    eps32 = float(torch.tensor(eps, dtype=torch.float32))
+    _assert_quant_matches(got, ref.qk_norm_rope_quant(*args, eps=eps32, quant_dtype=quant))
+    n = ref.rms_norm_rope(*(f64(t) for t in args), eps=eps32)
+    for codes, scale, want in ((got[0], got[1], n[0]), (got[2], got[3], n[1])):
+        scale = scale.cpu()
+        finite = scale.isfinite()
+        assert (codes.cpu().float().abs().amax(-1)[finite] == ref.QUANT_MAX[quant]).all()
+        err, bound = _dequantization_error(codes, scale, want)
+        assert (err <= bound)[scale.abs() >= torch.finfo(torch.float32).tiny].all()
+    if case == "u past fp32 from x * p":
+        assert got[1][0, 1, 2].isnan() and int(got[1].isnan().sum()) == 1
+    else:
+        assert got[1].isfinite().all() and got[3].isfinite().all()
+
+
 @pytest.mark.parametrize("call, arg, error", [
     (lambda x, w: L.rms_norm(x, w[:-1]), "weight", ValueError),
     (lambda x, w: L.rms_norm(x, w, eps=-1.0), "eps", ValueError),

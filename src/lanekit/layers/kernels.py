@@ -588,18 +588,23 @@ def _abs_max(a, bb, rest, HAS_REST: tl.constexpr):
 
 
 @triton.jit
-def _unit_power(m):
-    """The power of two 2^k, k in [-126, 126], that brings fp32 m >= 0 into [1, 2) (k = 126 for 0
-    and subnormal m, -126 for m >= 2^126 and NaN), built from m's exponent bits; as
-    reference.layers.unit_power."""
+def _unit_exponent(m):
+    """The k in [-126, 126] for which fp32 m >= 0 times 2^k lies in [1, 2) (k = 126 for 0 and
+    subnormal m, -126 for m >= 2^126 and NaN), from m's exponent bits; as
+    reference.layers.unit_exponent."""
     e = (m.to(tl.int32, bitcast=True) >> 23) & 0xFF
-    k = tl.where(e == 0, 126, tl.minimum(tl.maximum(127 - e, -126), 126))
+    return tl.where(e == 0, 126, tl.minimum(tl.maximum(127 - e, -126), 126))
+
+
+@triton.jit
+def _power_of_two(k):
+    """2^k in fp32 for int32 k in [-126, 127], from its exponent bits."""
     return ((k + 127) << 23).to(tl.float32, bitcast=True)
 
 
 @triton.jit
 def _reciprocal_power(p):
-    """1 / p for a power of two p = 2^k of _unit_power (exponent field k + 127 -> 127 - k)."""
+    """1 / p for a power of two p = 2^k, k in [-126, 126] (exponent field k + 127 -> 127 - k)."""
     return ((254 << 23) - p.to(tl.int32, bitcast=True)).to(tl.float32, bitcast=True)
 
 
@@ -765,11 +770,14 @@ def _qk_norm_rope_fwd_kernel(
         qmax = 127.0 if QUANT == 1 else 448.0     # a constant: no reciprocal of it at run time
         amax = _abs_max(ra, rb, rest, HAS_REST)                                              # [ROWS]
         # Rows whose max |u| lies outside [2^-100, 2^100) (all zero, tiny, huge or not finite)
-        # take u from x * p instead, p the power of two that brings their max |x| into [1, 2); rows
-        # whose sum of squares lies outside that range, their scale from fp64. Both are rare, so
-        # the tile is redone, from x reloaded (in the oracle too, row by row: p is 1 elsewhere).
+        # take u from x * p instead, p a power of two that brings max |u| into [1, 2) (see the
+        # oracle); rows whose sum of squares lies below 2^-100, or whose scale would not be a
+        # normal fp32 number, their scale from fp64. All are rare, so the tile is redone, from x
+        # reloaded (in the oracle too, row by row: p is 1 elsewhere).
+        t = amax * tl.math.rsqrt(_mean(ss, D, BLOCK_D, POW2_D) + eps)        # scale * qmax, or inf
         redo = row_mask & ~((amax >= 2.0 ** -100) & (amax < 2.0 ** 100))
-        slow = redo | (row_mask & ~((ss >= 2.0 ** -100) & (ss < 2.0 ** 100)))
+        slow = redo | (row_mask & ~((ss >= 2.0 ** -100) & (t >= qmax * 2.0 ** -126)
+                                    & (t < qmax * 2.0 ** 127)))
         slow_tile = tl.max(slow.to(tl.int32), axis=0) > 0
         if slow_tile:
             a, bb, rest = _qk_load_x(x_rows, da, db, offs_d, stride_xd, pair_mask, rest_mask, EVEN,
@@ -777,11 +785,16 @@ def _qk_norm_rope_fwd_kernel(
             # x * p_x, max |x| brought into [1, 2): its fp32 squares neither overflow nor lose
             # more than 2^-100 of the sum; p_x's square taken out again in fp64. (The scale is
             # compared by tolerance: no fp64 division, whose slow path spills.)
-            p_x = _unit_power(_abs_max(a, bb, rest, HAS_REST))
+            k_x = _unit_exponent(_abs_max(a, bb, rest, HAS_REST))
+            p_x = _power_of_two(k_x)
             inv_px = _reciprocal_power(p_x).to(tl.float64)
             ss_x = _square_sum(a * p_x[:, None], bb * p_x[:, None], rest * p_x[:, None], HAS_REST)
             rstd64 = tl.math.rsqrt(ss_x.to(tl.float64) * inv_px * inv_px * (1.0 / D) + eps)
-            p = tl.where(redo, p_x, 1.0)
+            # p from max |u| where it is finite and nonzero (at most 2^125 / max |x|: x * p stays
+            # finite), else from max |x|
+            k = tl.where((amax > 0) & (amax < float("inf")),
+                         tl.minimum(_unit_exponent(amax), k_x + 125), k_x)
+            p = tl.where(redo, _power_of_two(k), 1.0)
             ra, rb, rest = _qk_weigh_rotate(
                 a * p[:, None], bb * p[:, None], rest * p[:, None], W, stride_w, offset, da, db,
                 offs_i, offs_d, is_rest, COS, SIN, pos, stride_cs, stride_cd, stride_ss, stride_sd,
@@ -789,8 +802,10 @@ def _qk_norm_rope_fwd_kernel(
             amax = _abs_max(ra, rb, rest, HAS_REST)
             inv_p = _reciprocal_power(p).to(tl.float64)
             scale = (amax.to(tl.float64) * inv_p * rstd64 * (1.0 / qmax)).to(tl.float32)
+            # u not finite even from x * p (inf or NaN in x, or weights that overflow it)
+            scale = tl.where(amax < float("inf"), scale, float("nan"))
         else:
-            scale = amax * tl.math.rsqrt(_mean(ss, D, BLOCK_D, POW2_D) + eps) * (1.0 / qmax)
+            scale = t * (1.0 / qmax)
         scale = tl.where(amax == 0, 1.0, scale)
         _store(_pick(is_k, K_SCALE, Q_SCALE) + row, scale, row_mask, EVEN)
         # one correctly rounded division per row, a product per element (an IEEE division per

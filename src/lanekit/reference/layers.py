@@ -148,12 +148,16 @@ def quantize_per_head(v: torch.Tensor, dtype: torch.dtype):
     return to_codes(v / scale.unsqueeze(-1), dtype), scale
 
 
-def unit_power(m: torch.Tensor) -> torch.Tensor:
-    """The power of two 2^k, k in [-126, 126], that brings fp32 m >= 0 into [1, 2), from m's
-    exponent bits: k = 127 - e for the biased exponent e, clamped (k = 126 for 0 and subnormal m,
-    -126 for m >= 2^126 and NaN)."""
+def unit_exponent(m: torch.Tensor) -> torch.Tensor:
+    """The k in [-126, 126] for which m * 2^k lies in [1, 2), for fp32 m >= 0, from m's exponent
+    bits: k = 127 - e for the biased exponent e, clamped (k = 126 for 0 and subnormal m, -126 for
+    m >= 2^126 and NaN). int32."""
     e = (m.view(torch.int32) >> 23) & 0xFF
-    k = torch.where(e == 0, 126, (127 - e).clamp(-126, 126))
+    return torch.where(e == 0, 126, (127 - e).clamp(-126, 126)).to(torch.int32)
+
+
+def power_of_two(k: torch.Tensor) -> torch.Tensor:
+    """2^k in fp32 for int32 k in [-126, 127], from its exponent bits (exact)."""
     return ((k + 127) << 23).to(torch.int32).view(torch.float32)
 
 
@@ -173,17 +177,17 @@ def qk_norm_rope_quant(q, k, q_weight, k_weight, cos, sin, eps=1e-6, offset=0.0,
     calculation's own roundings would fall, with one rounding fewer (no x * rstd).
 
     A row whose amax lies outside [2^-100, 2^100) (all zero, tiny, huge or not finite) takes u from
-    x * p instead, p = :func:`unit_power` of max |x|: a scaling by a power of two, exact but for
-    elements it takes below fp32's normal range, that changes no code where no step of u over- or
-    underflows, and keeps rows of huge or tiny x (at the ends of bf16's range, whose products with
-    the weights would) as precise as any other. Elsewhere p = 1. p follows x alone: where the
-    weights or cos and sin are what put amax out of range (|w| near 2^-125 or 2^127), the codes are
-    still this function's, but lose precision, or overflow.
+    x * p instead, p = 2^k a power of two that brings amax into [1, 2): k = :func:`unit_exponent`
+    of amax where amax is finite and nonzero, at most k_x + 125 for k_x that of max |x| (so that
+    |x * p| < 2^126), and k_x where amax is 0, inf or NaN (u under- or overflowed entirely). Such a
+    scaling is exact but for elements it takes below fp32's normal range, changes no code where no
+    step of u over- or underflows, and keeps rows of huge or tiny x, or of weights or cos and sin
+    near fp32's ends, as precise as any other. Elsewhere p = 1.
 
     scale = amax / p * rstd / qmax, in float64 (the sum of squares too) rounded once to fp32; 1
-    for an all-zero row: codes * scale is the RMSNorm-then-RoPE vector n. Rows holding inf or NaN
-    get a NaN scale; their codes are not specified. Returns (q_codes, q_scale, k_codes, k_scale),
-    scales (B, S, H) fp32.
+    for an all-zero row: codes * scale is the RMSNorm-then-RoPE vector n. A row whose amax is not
+    finite even so (inf or NaN in x, or a u that overflows from x * p) gets a NaN scale; its codes
+    are not specified. Returns (q_codes, q_scale, k_codes, k_scale), scales (B, S, H) fp32.
     """
     f32 = torch.float32
     D = q.shape[-1]
@@ -202,13 +206,16 @@ def qk_norm_rope_quant(q, k, q_weight, k_weight, cos, sin, eps=1e-6, offset=0.0,
         xf = x.to(f32)
         amax = direction(xf, wf).abs().amax(-1)
         redo = ~((amax >= 2.0 ** -100) & (amax < 2.0 ** 100))
-        p = torch.where(redo, unit_power(xf.abs().amax(-1)), torch.ones_like(amax))
+        k_x = unit_exponent(xf.abs().amax(-1))
+        k = torch.where((amax > 0) & amax.isfinite(), torch.minimum(unit_exponent(amax), k_x + 125), k_x)
+        p = torch.where(redo, power_of_two(k), torch.ones_like(amax))
         u = direction(xf * p.unsqueeze(-1), wf)
         amax = u.abs().amax(-1)
         inv = torch.minimum(torch.full_like(amax, qmax) / amax, torch.full_like(amax, 2.0 ** 127))
         x64 = x.to(torch.float64)
         rstd = 1.0 / torch.sqrt((x64 * x64).sum(-1) / D + eps)
         scale = (amax.to(torch.float64) / p.to(torch.float64) * rstd / qmax).to(f32)
+        scale = torch.where(amax.isfinite(), scale, torch.full_like(scale, float("nan")))
         scale = torch.where(amax == 0, torch.ones_like(scale), scale)
         return to_codes(u * inv.unsqueeze(-1), quant_dtype), scale
 
