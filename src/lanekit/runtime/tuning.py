@@ -636,6 +636,11 @@ class RotaryConfig:
 # are constants (EVEN: HALF = BLOCK_HALF; ROT_ALL: rotary from feature 0), which freed the
 # registers that the contiguous output rows had spilled, so those went in too: 558 -> 519 SASS
 # instructions on the path taken, no spills at the 72 cap; RMSNorm + RoPE 408 -> 383, 62 registers.
+# (2026-12-03, fourth session) Timed, with the fixes at the ends of the range on top (7981b7d: 531
+# instructions on the path taken, its program-uniform addresses now on the uniform datapath), the
+# three alternated on one H200 (.gpu/ab.py, three rounds, copy 4231 GB/s): 968dc46 3207-3215 GB/s,
+# 723d4de's kernel 3320-3333, 7981b7d 3424-3431. bench-layers at 7981b7d: 3458 GB/s, 81% of copy
+# (4244), 1.93x torch.compile.
 ROTARY: dict[str, RotaryConfig] = {
     "generic": RotaryConfig(32, 4, norm_block_rows=32, quant_block_rows=32, norm_num_warps=4),
     "sm90": RotaryConfig(32, 4, norm_block_rows=8, quant_block_rows=8, norm_num_warps=1, quant_num_warps=1,
