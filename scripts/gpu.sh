@@ -2,7 +2,7 @@
 # The GPU run, on the machine with the GPU (the device tool), from the repo root:
 #   bash scripts/gpu.sh [STEP ...]
 #   steps: info tests sanitizer check check-sanitized demo tune tune-bwd tune-layers profile bench
-#   bench-layers bench-decode tune-decode ncu (default, in this order: info tests check demo bench bench-layers
+#   bench-layers bench-decode tune-decode ncu ab (default, in this order: info tests check demo bench bench-layers
 #   bench-decode sanitizer).
 #   check-sanitized is lanekit check under compute-sanitizer's memcheck: every kernel on every
 #   registered sample, checked for out-of-bounds accesses as well as against its oracle.
@@ -10,6 +10,8 @@
 #   (a ~ in the case stands for a space; the settings replace fields of this GPU's tuning rows, as
 #   benchmarks.run_case --set does), with Nsight Compute's throughput, memory and stall sections
 #   (and any more named in NCU_SECTIONS, e.g. "--section SourceCounters").
+#   ab times one case across source trees, alternating (benchmarks.ab):
+#   AB_ARGS='layers "qk_norm_rope_quant e4m3" old=.gpu/old/src new=src' (carry .gpu).
 # Uses the machine's own python3 (torch, triton, transformers preinstalled); lanekit from src/.
 # Each step's log goes to $OUT/<step>.log; a line per step with its exit code and last line.
 set -u
@@ -48,6 +50,7 @@ for s in "${steps[@]}"; do
     bench-layers) run_step bench-layers python3 -m benchmarks.run layers --json "$OUT/bench-layers.json" ;;
     bench-decode) run_step bench-decode python3 -m benchmarks.run decode prefill --json "$OUT/bench-decode.json" ;;
     tune-decode) run_step tune-decode python3 -m benchmarks.tune_decode ${TUNE_ARGS:-} ;;
+    ab) run_step ab bash -c "python3 -m benchmarks.ab ${AB_ARGS:-}" ;;
     ncu) run_step ncu bash -c 'for spec in ${NCU_CASES:-"layers:adaln:_norm_fwd"}; do
            IFS=: read -r fam case kernel sets <<<"$spec"; echo "=== $fam $case ($kernel) $sets"
            ncu --clock-control none -k "regex:$kernel" --launch-skip 2 --launch-count 1 \
