@@ -640,7 +640,8 @@ class RotaryConfig:
 # instructions on the path taken, its program-uniform addresses now on the uniform datapath), the
 # three alternated on one H200 (.gpu/ab.py, three rounds, copy 4231 GB/s): 968dc46 3207-3215 GB/s,
 # 723d4de's kernel 3320-3333, 7981b7d 3424-3431. bench-layers at 7981b7d: 3458 GB/s, 81% of copy
-# (4244), 1.93x torch.compile.
+# (4244), 1.93x torch.compile. Again on another H200 with `benchmarks.ab` (two rounds): 723d4de's
+# kernel 3357-3381 GB/s, 7981b7d 3473-3479 (copy 4244-4248).
 ROTARY: dict[str, RotaryConfig] = {
     "generic": RotaryConfig(32, 4, norm_block_rows=32, quant_block_rows=32, norm_num_warps=4),
     "sm90": RotaryConfig(32, 4, norm_block_rows=8, quant_block_rows=8, norm_num_warps=1, quant_num_warps=1,
