@@ -372,8 +372,10 @@ def qk_norm_rope_quant(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor 
     no sum: the norm's factor rstd, the same for a whole head vector, divides out of n / scale, so
     they are taken from u = RoPE(x * (offset + w)) as u * min(qmax / max|u|, 2^127), each step
     one correctly rounded fp32 operation in the order that oracle documents (no fused
-    multiply-adds; rows whose max|u| lies at the ends of fp32's range, because of x, the weights
-    or cos and sin, from x scaled first by a power of two that brings max|u| into [1, 2)). They
+    multiply-adds; rows whose max|u| lies at the ends of fp32's range, because of x or the
+    weights, from x scaled first by a power of two that brings max|u| into [1, 2); that holds
+    for cos and sin of a rotation, |cos|, |sin| <= 1, and the oracle says what happens far from
+    it). They
     equal n / scale's up to where rounding ties fall. The scales carry rstd, within the project's
     "norm" tolerance (fp32, 8 steps). eps and offset are used as their nearest fp32 values. A head
     vector holding inf or NaN, or whose u overflows fp32 even so, gets a NaN scale (its codes are

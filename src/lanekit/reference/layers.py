@@ -181,8 +181,11 @@ def qk_norm_rope_quant(q, k, q_weight, k_weight, cos, sin, eps=1e-6, offset=0.0,
     of amax where amax is finite and nonzero, at most k_x + 125 for k_x that of max |x| (so that
     |x * p| < 2^126), and k_x where amax is 0, inf or NaN (u under- or overflowed entirely). Such a
     scaling is exact but for elements it takes below fp32's normal range, changes no code where no
-    step of u over- or underflows, and keeps rows of huge or tiny x, or of weights or cos and sin
-    near fp32's ends, as precise as any other. Elsewhere p = 1.
+    step of u over- or underflows, and keeps rows of huge or tiny x, or of weights near fp32's
+    ends, as precise as any other, where cos and sin are a rotation's (|cos|, |sin| <= 1, with
+    cos^2 + sin^2 near 1: then max |u| is about max |x * w|). Elsewhere p = 1. With cos and sin far
+    from that (2^100, or both 0 or subnormal for a pair) x * p can still under- or overflow on the
+    way: such a row may lose precision, come out as zero codes with scale 1, or get a NaN scale.
 
     scale = amax / p * rstd / qmax, in float64 (the sum of squares too) rounded once to fp32; 1
     for an all-zero row: codes * scale is the RMSNorm-then-RoPE vector n. A row whose amax is not
