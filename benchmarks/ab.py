@@ -35,14 +35,10 @@ def _one(family: str, case: str) -> str:
     c = cases[case]
     inputs = module.make_inputs(c)
     error = module.check(c, *inputs)
-    gbps = getattr(module, "UNIT", "TFLOP/s") == "GB/s"
-    work = module.bytes_moved(c) if gbps else module.flops(c)
-    timer = run.bench_graph if getattr(module, "CUDA_GRAPHS", False) else run.bench
-    ms = timer(module.runners(c, *inputs)["lanekit"])
+    figure = run.measure(module, c, module.runners(c, *inputs)["lanekit"])
     del inputs
     torch.cuda.empty_cache()
-    unit = "GB/s" if gbps else "TFLOP/s"
-    figure = work / ms / (1e6 if gbps else 1e9)
+    unit = "GB/s" if run.is_memory_bound(module) else "TFLOP/s"
     return f"{figure:8.1f} {unit}  copy {run.copy_bandwidth():.0f} GB/s" + (f"  CHECK FAILED: {error}" if error else "")
 
 

@@ -59,6 +59,22 @@ def bench_graph(fn) -> float:
     return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median")
 
 
+def is_memory_bound(module) -> bool:
+    """GB/s for memory-bound families (bytes_moved), TFLOP/s for compute-bound ones (flops)."""
+    return getattr(module, "UNIT", "TFLOP/s") == "GB/s"
+
+
+def work(module, case) -> float:
+    """The case's bytes moved or flops, as its family counts them."""
+    return module.bytes_moved(case) if is_memory_bound(module) else module.flops(case)
+
+
+def measure(module, case, fn) -> float:
+    """fn's GB/s or TFLOP/s on the case, timed from a CUDA graph where the family asks for it."""
+    timer = bench_graph if getattr(module, "CUDA_GRAPHS", False) else bench
+    return work(module, case) / timer(fn) / (1e6 if is_memory_bound(module) else 1e9)
+
+
 def run_family(module, quick: bool, console: Console) -> list[dict]:
     rows = []
     for case in module.cases(quick):
@@ -67,17 +83,14 @@ def run_family(module, quick: bool, console: Console) -> list[dict]:
             error = module.check(case, *inputs)
         except Exception as exc:  # a case that cannot run is reported, and the others still run
             error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
-        # TFLOP/s for compute-bound families (flops), GB/s for memory-bound ones (bytes_moved)
-        gbps = getattr(module, "UNIT", "TFLOP/s") == "GB/s"
-        work = module.bytes_moved(case) if gbps else module.flops(case)
+        gbps = is_memory_bound(module)
         key = "gbps" if gbps else "tflops"
-        row = {"case": module.name(case), ("bytes" if gbps else "flops"): work, "error": error, key: {}}
+        row = {"case": module.name(case), ("bytes" if gbps else "flops"): work(module, case), "error": error,
+               key: {}}
         if error is None:
-            timer = bench_graph if getattr(module, "CUDA_GRAPHS", False) else bench
             for peer, fn in module.runners(case, *inputs).items():
                 try:
-                    ms = timer(fn)
-                    row[key][peer] = work / ms / (1e6 if gbps else 1e9)
+                    row[key][peer] = measure(module, case, fn)
                 except Exception as exc:  # a peer without a kernel for this shape
                     row[key][peer] = None
                     console.print(f"[yellow]{row['case']}: {peer} did not run: {str(exc).splitlines()[0][:120]}")
@@ -108,7 +121,7 @@ def main(argv=None) -> int:
         return 2
     console = Console(width=200)
     info = machine()
-    if any(getattr(FAMILIES[f], "UNIT", "") == "GB/s" for f in args.families):
+    if any(is_memory_bound(FAMILIES[f]) for f in args.families):
         info["copy_gbps"] = copy_bandwidth()
     console.print(info)
     results = {"machine": info, "families": {}}
