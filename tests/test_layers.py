@@ -179,17 +179,20 @@ def test_fused_glu_rows_take_a_block_that_divides_them(device, N, block, monkeyp
     assert_close(d, d_ref, "eltwise")
 
 
-def _dequantization_error(codes, scale, n):
-    """(|codes * scale - n|, its bound) on the CPU, for the oracle's RMSNorm-then-RoPE n in fp64: half
-    a code (int8), and 2^-10 of one for the fp32 roundings; or half an e4m3 step, 2^-4 of the value,
-    or 2^-10 (in codes) below its normal range."""
-    codes, scale, n = codes.cpu(), scale.cpu().double()[..., None], n.cpu()
-    deq = codes.double() * scale
-    if codes.dtype == torch.int8:
-        bound = (0.5 + 2.0 ** -10) * scale
-    else:
-        bound = torch.maximum(deq.abs() * 2 ** -4, 2 ** -10 * scale)
-    return (deq - n).abs(), bound
+def _dequantization_errors(got, args, eps=1e-6):
+    """For q's and k's codes and scales in ``got`` (qk_norm_rope_quant of ``args``): (codes, scale,
+    |codes * scale - n|, its bound) on the CPU, n the oracle's RMSNorm-then-RoPE of ``args`` in
+    fp64. The bound: half a code (int8), and 2^-10 of one for the fp32 roundings; or half an e4m3
+    step, 2^-4 of the value, or 2^-10 (in codes) below its normal range."""
+    n = ref.rms_norm_rope(*(f64(t) for t in args), eps=eps)
+    for codes, scale, want in ((got[0], got[1], n[0]), (got[2], got[3], n[1])):
+        codes, scale, want = codes.cpu(), scale.cpu(), want.cpu()
+        deq = codes.double() * scale.double()[..., None]
+        if codes.dtype == torch.int8:
+            bound = (0.5 + 2.0 ** -10) * scale.double()[..., None]
+        else:
+            bound = torch.maximum(deq.abs() * 2 ** -4, 2 ** -10 * scale.double()[..., None])
+        yield codes, scale, (deq - want).abs(), bound
 
 
 @pytest.mark.parametrize("dtype", [torch.int8, torch.float8_e4m3fn], ids=["int8", "e4m3"])
@@ -200,13 +203,11 @@ def test_quantized_qk_dequantizes_to_the_normalized_rotated_values(device, dtype
     k = randn(2, 5, 2, 64, dtype=torch.bfloat16, device=device, generator=g)
     w = randn(64, dtype=torch.bfloat16, device=device, generator=g)
     theta = torch.rand(8, 32, generator=g).to(device) * 6.3
+    args = (q, k, w, w, theta.cos(), theta.sin())
     with poisoned_outputs():
-        qc, qs, kc, ks = L.qk_norm_rope_quant(q, k, w, w, theta.cos(), theta.sin(), quant_dtype=dtype,
-                                              lane="triton")
-    expected = ref.rms_norm_rope(f64(q), f64(k), f64(w), f64(w), f64(theta.cos()), f64(theta.sin()))
-    for codes, scale, n in ((qc, qs, expected[0]), (kc, ks, expected[1])):
-        assert codes.dtype == dtype and scale.shape == n.shape[:-1]
-        err, bound = _dequantization_error(codes, scale, n)
+        got = L.qk_norm_rope_quant(*args, quant_dtype=dtype, lane="triton")
+    for codes, scale, err, bound in _dequantization_errors(got, args):
+        assert codes.dtype == dtype and scale.shape == err.shape[:-1]
         assert (err <= bound * 1.0001).all()
 
 
@@ -380,10 +381,8 @@ def test_quantized_qk_tiles_at_the_ends_of_the_range_are_redone_and_exact(device
         got = L.qk_norm_rope_quant(*args, eps=eps, quant_dtype=torch.int8, lane="triton")
     eps32 = float(torch.tensor(eps, dtype=torch.float32))
     _assert_quant_matches(got, ref.qk_norm_rope_quant(*args, eps=eps32, quant_dtype=torch.int8))
-    n = ref.rms_norm_rope(f64(q), f64(k), f64(w), f64(w), f64(theta.cos()), f64(theta.sin()), eps=eps32)
-    for codes, scale, want in ((got[0], got[1], n[0]), (got[2], got[3], n[1])):
-        err, bound = _dequantization_error(codes, scale, want)
-        assert (err <= bound)[scale.isfinite().cpu()].all()
+    for _, scale, err, bound in _dequantization_errors(got, args, eps32):
+        assert (err <= bound)[scale.isfinite()].all()
     if rows == "a zero row":
         assert got[1][0, 2, 5] == 1.0 and not got[0][0, 2, 5].any()
     if rows == "inf and NaN":
@@ -440,12 +439,8 @@ def test_quantized_qk_rows_put_out_of_range_by_the_weights(device, case, quant):
         got = L.qk_norm_rope_quant(*args, eps=eps, quant_dtype=quant, lane="triton")
     eps32 = float(torch.tensor(eps, dtype=torch.float32))
     _assert_quant_matches(got, ref.qk_norm_rope_quant(*args, eps=eps32, quant_dtype=quant))
-    n = ref.rms_norm_rope(*(f64(t) for t in args), eps=eps32)
-    for codes, scale, want in ((got[0], got[1], n[0]), (got[2], got[3], n[1])):
-        scale = scale.cpu()
-        finite = scale.isfinite()
-        assert (codes.cpu().float().abs().amax(-1)[finite] == ref.QUANT_MAX[quant]).all()
-        err, bound = _dequantization_error(codes, scale, want)
+    for codes, scale, err, bound in _dequantization_errors(got, args, eps32):
+        assert (codes.float().abs().amax(-1)[scale.isfinite()] == ref.QUANT_MAX[quant]).all()
         assert (err <= bound)[scale.abs() >= torch.finfo(torch.float32).tiny].all()
     if case == "u past fp32 from x * p":
         assert got[1][0, 1, 2].isnan() and int(got[1].isnan().sum()) == 1
