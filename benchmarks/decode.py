@@ -12,6 +12,8 @@ is the one its heuristic picks for that length.
 
 from __future__ import annotations
 
+import re
+
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -37,6 +39,16 @@ def name(c) -> str:
     return f"decode Sk={c['sk'] // 1024}k {c['layout']}"
 
 
+def case_named(text: str) -> dict:
+    """The case a name stands for, the bench's own or another of their form: "decode Sk=32k paged 4",
+    and "... paged 16 in order" for pages handed out in order instead of shuffled (what the
+    pages' placement costs). Raises ValueError for any other text."""
+    m = re.fullmatch(r"decode Sk=(\d+)k (contiguous|paged \d+(?: in order)?)", text)
+    if m is None:
+        raise ValueError(f"case: expected 'decode Sk=<N>k contiguous|paged <P>[ in order]', got {text!r}")
+    return dict(sk=int(m.group(1)) * 1024, layout=m.group(2))
+
+
 def bytes_moved(c) -> float:
     return 2 * B * c["sk"] * HKV * D * 2
 
@@ -54,7 +66,10 @@ def make_inputs(c, device="cuda"):
     else:
         page = int(c["layout"].split()[1])
         pages = sk // page
-        order = torch.randperm(B * pages, generator=g, device=device)
+        if c["layout"].endswith("in order"):
+            order = torch.arange(B * pages, device=device)
+        else:
+            order = torch.randperm(B * pages, generator=g, device=device)
         table = order.reshape(B, pages).to(torch.int32)
         kc = torch.empty(B * pages, page, HKV, D, device=device, dtype=BF16)
         vc = torch.empty_like(kc)

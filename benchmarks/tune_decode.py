@@ -1,5 +1,8 @@
 """Sweep the decode kernel's tile and split count on the GPU: `python -m benchmarks.tune_decode [--quick] [--tiles=BN/W/S,...] [--splits=S,...] [CASE ...]`.
 
+A CASE is a bench case's name or another of its form (benchmarks.decode.case_named): "decode
+Sk=32k paged 4", "decode Sk=4k paged 16 in order" (pages handed out in order, not shuffled).
+
 For each bench case of benchmarks/decode.py, every (block_n, warps, stages) replaces this GPU's rows
 of every decode table (FLASH_ATTN_KVCACHE and its _PER_KEY_PAGES, _SHORT: the candidate is what
 the case runs, whatever its layout and length) and every split count is timed (CUDA
@@ -54,8 +57,8 @@ def main() -> int:
             tiles = [tuning.TileConfig(64, *map(int, t.split("/"))) for t in a[8:].split(",")]
         elif a.startswith("--splits="):
             splits_swept = tuple(map(int, a[9:].split(",")))
-    for case in decode.cases():
-        if (quick and case["sk"] < 32768) or (only and decode.name(case) not in only):
+    for case in [decode.case_named(n) for n in only] if only else decode.cases():
+        if quick and case["sk"] < 32768:
             continue
         q, k, v, kc, vc, seqlens, table = decode.make_inputs(case)
         restore()  # the shipped rows, for the heuristic's own pick
