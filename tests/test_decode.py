@@ -198,6 +198,13 @@ def test_sm90_decode_tile_follows_the_layout_and_the_longest_sequence():
     assert tile(16, False, short) == (short_row, 2)          # a lookup per key, 16 % 64 != 0
     assert tile(16, False, long_) == (per_key_row, 1 if 16 % per_key_row.block_n == 0 else 2)
     assert tile(256, False, short, fp32=True)[0] == tuning.FLASH_ATTN_KVCACHE["generic"][128]
+    # pages of 16 fill the short and the per-key rows' blocks whole: a table load per page
+    for max_keys in (short, long_):
+        cfg, layout = tile(16, False, max_keys)
+        assert tuning.kvcache_block_pages(layout, 16, cfg.block_n, leftpad=False) == (16 if layout == 2 else 0)
+        assert tuning.kvcache_block_pages(layout, 16, cfg.block_n, leftpad=True) == 0
+    assert tuning.kvcache_block_pages(2, 12, 64, leftpad=False) == 0       # not a power of two
+    assert tuning.kvcache_block_pages(2, 128, 64, leftpad=False) == 0      # larger than the block
 
 
 def test_max_seqlen_k_bounds_the_lengths_and_is_checked(device):
@@ -289,6 +296,44 @@ def test_keys_outside_the_window_and_unowned_pages_are_never_read(device):
                                                    window_size=(20, 0), num_splits=2, lane="triton")
     assert torch.isfinite(poisoned).all()
     assert torch.equal(clean, poisoned)
+
+
+@pytest.mark.parametrize("ahead", [True, False], ids=["pages_ahead", "pages_in_step"])
+@pytest.mark.parametrize("page_size", [2, 8, 16])
+def test_blocks_of_whole_pages_read_only_the_keys_they_own(device, page_size, ahead, monkeypatch):
+    # Pages of a power of two that divides the key block take one table load per page, each
+    # entry repeated for the page's keys (tuning.kvcache_block_pages): the interpreter's block
+    # is 32 keys, sm90's 32 or 64. Pages in random order; every key a sequence does not own or
+    # its window does not reach is NaN, spare pages included; splits start mid-sequence.
+    from lanekit.runtime import tuning
+    from lanekit.runtime.lanes import triton_interpreted
+
+    monkeypatch.setattr(tuning, "kvcache_pages_ahead", lambda device: ahead)
+    g = gen(page_size)
+    B, Hq, Hkv, D, window = 3, 8, 2, 64, 37
+    seqlens = [83, 40, 1]
+    max_pages = -(-max(seqlens) // page_size) + 1
+    num_blocks = B * max_pages + 5
+    table = torch.randperm(num_blocks, generator=g)[: B * max_pages].reshape(B, max_pages).to(torch.int32)
+    q = randn(B, 1, Hq, D, dtype=torch.bfloat16, device=device, generator=g)
+    k_cache = randn(num_blocks, page_size, Hkv, D, dtype=torch.bfloat16, device=device, generator=g)
+    v_cache = randn(num_blocks, page_size, Hkv, D, dtype=torch.bfloat16, device=device, generator=g)
+    cfg, layout = tuning.kvcache_tile(q.device, D, fp32=False, page_size=page_size, one_page=False, leftpad=False,
+                                      max_keys=max(seqlens), interpreted=triton_interpreted())
+    assert tuning.kvcache_block_pages(layout, page_size, cfg.block_n, leftpad=False) == page_size
+    args = dict(cache_seqlens=torch.tensor(seqlens, dtype=torch.int32, device=device),
+                block_table=table.to(device), window_size=(window, 0))
+    want = lanekit.flash_attn_with_kvcache(q, k_cache, v_cache, lane="reference", **args)  # the float64 oracle
+    owned = torch.zeros(num_blocks, page_size, dtype=torch.bool)
+    for b, n in enumerate(seqlens):
+        for t in range(max(n - 1 - window, 0), n):
+            owned[table[b, t // page_size], t % page_size] = True
+    k_cache[~owned.to(device)] = math.nan
+    v_cache[~owned.to(device)] = math.nan
+    for num_splits in (1, 3):
+        with poisoned_outputs():
+            got = lanekit.flash_attn_with_kvcache(q, k_cache, v_cache, num_splits=num_splits, lane="triton", **args)
+        assert_close(got, want, "attention_fwd")
 
 
 def test_paged_two_sequences_four_pages_of_256_split_in_two_writes_every_row(device):

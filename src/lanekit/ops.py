@@ -276,6 +276,11 @@ def _kvcache_samples(device):
                        capacity=512, seqlens=(300, 77), num_splits=2, max_seqlen_k=301)
     yield kvcache_case("d128 pages of 256, a table of 8448 (long-cache rows)", device, D=128, page_size=256,
                        capacity=8448, seqlens=(260, 31))
+    # pages of 16 fill the key blocks of both rows whole: one table load per page, not per key
+    yield kvcache_case("d128 pages of 16, window (90, 0), splits 3 (long-cache rows)", device, Hq=8, D=128,
+                       page_size=16, capacity=320, seqlens=(250, 57), window_size=(90, 0), num_splits=3)
+    yield kvcache_case("d128 int8 pages of 8, splits 2 (short-cache rows)", device, Hq=8, D=128, page_size=8,
+                       capacity=200, seqlens=(150, 9), quant=torch.int8, num_splits=2, max_seqlen_k=151)
 
 
 register(Op(

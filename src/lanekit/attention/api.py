@@ -506,7 +506,9 @@ def num_splits_heuristic(batch_programs: int, max_seqlen_k: int | None, device: 
     two (the two per SM this heuristic aimed at before). On 2026-12-02 (tune_decode): the 64-key
     tile (two an SM) at 4k read 4328 GB/s unsplit and 3742 in two (264 resident: 256 programs fill
     one wave, 512 start a second); with pages of 16 at 32k keys the per-key row (32 keys, 2 warps,
-    4 stages), which this heuristic splits in two, 4379 in two, 3601 in three, 3192 unsplit."""
+    4 stages), which this heuristic splits in two, 4379 in two, 3601 in three, 3192 unsplit. Since
+    2026-12-03 that row is the 64-key one (tuning.FLASH_ATTN_KVCACHE_PER_KEY_PAGES), left unsplit:
+    4448 GB/s, and 3793 in two."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
     programs = max(batch_programs, 1)
     splits = (2 * sms * max(programs_per_sm, 1) + programs) // (2 * programs)   # rounded to nearest

@@ -139,6 +139,18 @@ def _page_ids(bt_row, offs_n, n_in, page_size, page_shift=0, POW2_PAGE: tl.const
 
 
 @triton.jit
+def _block_pages(bt_row, start, first, s_hi, PAGE: tl.constexpr, BLOCK_N: tl.constexpr):
+    # The pages of keys start .. start + BLOCK_N - 1 of one sequence (start a multiple of
+    # BLOCK_N, which the page size PAGE divides): one table load per page, not per key, each
+    # page's entry then repeated for its PAGE keys. A page holding no key of [first, s_hi) is
+    # not looked up and gets page 0, its keys masked by the caller.
+    idx = start // PAGE + tl.arange(0, BLOCK_N // PAGE)                          # [BLOCK_N // PAGE]
+    n = idx * PAGE
+    ids = tl.load(bt_row + idx, mask=(n + PAGE > first) & (n < s_hi), other=0)
+    return tl.reshape(tl.broadcast_to(ids[:, None], (BLOCK_N // PAGE, PAGE)), (BLOCK_N,))
+
+
+@triton.jit
 def _page_offsets(page, offs_n, page_size, stride_page, stride_n, POW2_PAGE: tl.constexpr = False):
     # Offsets of keys offs_n in their pages ``page`` of a paged cache (num_blocks, page_size, H,
     # D): row n % page_size of the page; int64, as a page's offset may pass 2^31.
@@ -1034,13 +1046,15 @@ def _flash_attn_kvcache_kernel(
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, HAS_LEFTPAD: tl.constexpr, QUANTIZED: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, PAGES: tl.constexpr, EVEN_D: tl.constexpr, POW2_PAGE: tl.constexpr,
-    HAS_TABLE: tl.constexpr, PAGES_AHEAD: tl.constexpr,
+    HAS_TABLE: tl.constexpr, PAGES_AHEAD: tl.constexpr, PAGE: tl.constexpr,
 ):
     # PAGES: how keys find their page. 0: the whole sequence is one page (a contiguous cache),
     # looked up once; 1: pages hold whole key blocks (page_size a multiple of BLOCK_N, no left
     # padding), one lookup per block; 2: any page_size, one lookup per key (POW2_PAGE: page_size
-    # is 2^page_shift). Pages are loaded a block ahead of the K and V loads that need them (with
-    # PAGES 2 only where PAGES_AHEAD: tuning.kvcache_pages_ahead).
+    # is 2^page_shift), or, where PAGE is not 0, blocks hold whole pages (page_size == PAGE, a
+    # power of two dividing BLOCK_N, no left padding), one lookup per page. Pages are loaded a
+    # block ahead of the K and V loads that need them (with PAGES 2 only where PAGES_AHEAD:
+    # tuning.kvcache_pages_ahead).
     if EVEN_D:  # D fills its block: see EVEN_D above _flash_attn_fwd_kernel
         D = BLOCK_D
         Dv = BLOCK_DV
@@ -1104,8 +1118,12 @@ def _flash_attn_kvcache_kernel(
     if PAGES == 1:
         next_page = tl.load(bt_row + s_lo // page_size, mask=s_lo < s_hi, other=0).to(tl.int64)
     elif PAGES == 2 and PAGES_AHEAD:  # tuning.kvcache_pages_ahead
-        n0 = s_lo + tl.arange(0, BLOCK_N)
-        next_pages = _page_ids(bt_row, n0 + lp, (n0 >= first) & (n0 < s_hi), page_size, page_shift, POW2_PAGE)
+        if PAGE:
+            next_pages = _block_pages(bt_row, s_lo, first, s_hi, PAGE, BLOCK_N)
+        else:
+            n0 = s_lo + tl.arange(0, BLOCK_N)
+            next_pages = _page_ids(bt_row, n0 + lp, (n0 >= first) & (n0 < s_hi), page_size, page_shift,
+                                   POW2_PAGE)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
@@ -1132,15 +1150,28 @@ def _flash_attn_kvcache_kernel(
         else:
             if PAGES_AHEAD:
                 pages = next_pages
-                n1 = offs_n + BLOCK_N
-                next_pages = _page_ids(bt_row, n1 + lp, (n1 >= first) & (n1 < s_hi), page_size, page_shift,
-                                       POW2_PAGE)
+                if PAGE:
+                    next_pages = _block_pages(bt_row, start_n + BLOCK_N, first, s_hi, PAGE, BLOCK_N)
+                else:
+                    n1 = offs_n + BLOCK_N
+                    next_pages = _page_ids(bt_row, n1 + lp, (n1 >= first) & (n1 < s_hi), page_size, page_shift,
+                                           POW2_PAGE)
+            elif PAGE:
+                pages = _block_pages(bt_row, start_n, first, s_hi, PAGE, BLOCK_N)
             else:
                 pages = _page_ids(bt_row, offs_n + lp, n_in, page_size, page_shift, POW2_PAGE)
-            k_off = _page_offsets(pages, offs_n + lp, page_size, stride_kp, stride_kn, POW2_PAGE)
-            v_off = _page_offsets(pages, offs_n + lp, page_size, stride_vp, stride_vn, POW2_PAGE)
-            ks_off = _page_offsets(pages, offs_n + lp, page_size, stride_ksp, stride_ksn, POW2_PAGE)
-            vs_off = _page_offsets(pages, offs_n + lp, page_size, stride_vsp, stride_vsn, POW2_PAGE)
+            if PAGE:  # the block starts a page: key j of it is row j % PAGE of its page
+                page = pages.to(tl.int64)
+                in_page = (tl.arange(0, BLOCK_N) % PAGE).to(tl.int64)
+                k_off = page * stride_kp + in_page * stride_kn
+                v_off = page * stride_vp + in_page * stride_vn
+                ks_off = page * stride_ksp + in_page * stride_ksn
+                vs_off = page * stride_vsp + in_page * stride_vsn
+            else:
+                k_off = _page_offsets(pages, offs_n + lp, page_size, stride_kp, stride_kn, POW2_PAGE)
+                v_off = _page_offsets(pages, offs_n + lp, page_size, stride_vp, stride_vn, POW2_PAGE)
+                ks_off = _page_offsets(pages, offs_n + lp, page_size, stride_ksp, stride_ksn, POW2_PAGE)
+                vs_off = _page_offsets(pages, offs_n + lp, page_size, stride_vsp, stride_vsn, POW2_PAGE)
         k = tl.load(k_base + k_off[None, :] + offs_d[:, None] * stride_kd,
                     mask=n_in[None, :] & (offs_d[:, None] < D), other=0.0)          # [BLOCK_D, BLOCK_N]
         v = tl.load(v_base + v_off[:, None] + offs_dv[None, :] * stride_vd,
@@ -1301,7 +1332,8 @@ def flash_attn_kvcache(
             INPUT_PRECISION="ieee" if q.dtype == torch.float32 else None, PAGES=pages,
             EVEN_D=(D == block_d and Dv == block_dv), POW2_PAGE=pages == 2 and page_size & (page_size - 1) == 0,
             HAS_TABLE=block_table is not None,
-            PAGES_AHEAD=pages == 2 and tuning.kvcache_pages_ahead(q.device), **cfg.options(),
+            PAGES_AHEAD=pages == 2 and tuning.kvcache_pages_ahead(q.device),
+            PAGE=tuning.kvcache_block_pages(pages, page_size, cfg.block_n, leftpad is not None), **cfg.options(),
         )
         if num_splits > 1:
             _merge_splits_kernel[(Sq, Hq, B)](

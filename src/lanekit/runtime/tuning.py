@@ -169,8 +169,25 @@ FLASH_ATTN_KVCACHE["gfx1151"] = FLASH_ATTN_KVCACHE["gfx1201"]
 # of 16 in the bench's random order 4209 GB/s at 4k, in order 4294, the contiguous cache 4328; at
 # 32k 4370, 4289 and 4502. Pages of 256: 4290 / 4307 / 4327 and 4517 / 4512 / 4522. So at 4k about
 # 2% of the gap to the contiguous cache is where the pages lie, not how the kernel walks them.
+#
+# 2026-12-03: now that the kernel loads one table entry per page where a key block holds whole
+# pages (kvcache_block_pages: 654 -> 383 instructions per 32-key block for pages of 16), the 64-key row leads
+# instead (`benchmarks.tune_decode`, 64/4/3, 64/4/4, 32/2/4, 32/4/4, 128/8/3 in 1 to 3 splits, on
+# two H200s): pages of 16 at 32k keys 4448 GB/s unsplit against 4369 for the 32-key row in 2
+# splits (cuDNN 4478 on the contiguous cache); on the first H200 4549 against 4476 (cuDNN 4603).
+# Pages of 1 and 4 at 32k (a table load per key, and 16 a block): 4333 and 4379 unsplit
+# against 4318 and 4369, ties. 4 stages read the same as 3 (4454, 4321, 4370). So this row is now
+# the short row's: 64 keys, 4 warps, 3 stages, two programs an SM, which the split heuristic
+# leaves unsplit (256 programs, one wave); in 2 splits (two waves) it reads 3600 to 3850.
+# `benchmarks.ab` against the code before (a lookup per key, the 32-key row in 2 splits), two
+# rounds: pages of 16 at 32k 4560 / 4561 GB/s against 4439 / 4431; at 4k (the short row both
+# times) 4303 / 4321 against 4302 / 4313; the contiguous cache at 32k 4610 / 4610 against 4611 / 4608.
+# Not done: the sm90 SASS of pages of 16 at 4k shows Triton's pipeliner issuing each block's
+# table loads in the same iteration as the K and V copies that use them (an LDG, then its value
+# used 8 instructions later), so a warp waits a load's latency every block, although the source
+# loads the pages a block ahead; the contiguous cache has no such wait.
 FLASH_ATTN_KVCACHE_PER_KEY_PAGES: dict[str, dict[int, TileConfig]] = {
-    "sm90": {128: TileConfig(64, 32, 2, 4)},
+    "sm90": {128: TileConfig(64, 64, 4, 3)},
 }
 # Rows that replace FLASH_ATTN_KVCACHE's (and FLASH_ATTN_KVCACHE_PER_KEY_PAGES's) when every
 # sequence holds at most KVCACHE_SHORT_KEYS keys (flash_attn_with_kvcache's max_seqlen_k: the used
@@ -425,6 +442,19 @@ def kvcache_tile(device: torch.device, bucket: int, *, fp32: bool, page_size: in
         cfg = kvcache_config(device, bucket, fp32=fp32, per_key_pages=True, max_keys=max_keys)
         pages = layout(cfg.block_n)
     return cfg, pages
+
+
+def kvcache_block_pages(pages: int, page_size: int, block_n: int, leftpad: bool) -> int:
+    """The decode kernel's PAGE: with a page lookup per key (layout 2), the page size where each
+    block of ``block_n`` keys holds whole pages (a power of two dividing block_n, no left
+    padding), so that the kernel loads one table entry per page instead of per key; else 0. On
+    sm90 (`benchmarks.sass`), pages of 16 then issue 408 instructions per block of 64 keys instead
+    of 669, and 383 per block of 32 instead of 654 (2 table loads instead of 16 a thread). On
+    the H200 that alone did not change the speed (`benchmarks.ab`, pages of 16: 4460 / 4480 GB/s
+    against 4451 / 4433 at 32k keys, 4304 / 4301 against 4308 / 4311 at 4k); it made the 64-key
+    tile the fastest for such pages (FLASH_ATTN_KVCACHE_PER_KEY_PAGES)."""
+    whole = pages == 2 and not leftpad and page_size & (page_size - 1) == 0 and block_n % page_size == 0
+    return page_size if whole else 0
 
 
 def _block16(n: int) -> int:
