@@ -139,15 +139,22 @@ def _page_ids(bt_row, offs_n, n_in, page_size, page_shift=0, POW2_PAGE: tl.const
 
 
 @triton.jit
-def _block_pages(bt_row, start, first, s_hi, PAGE: tl.constexpr, BLOCK_N: tl.constexpr):
-    # The pages of keys start .. start + BLOCK_N - 1 of one sequence (start a multiple of
-    # BLOCK_N, which the page size PAGE divides): one table load per page, not per key, each
-    # page's entry then repeated for its PAGE keys. A page holding no key of [first, s_hi) is
-    # not looked up and gets page 0, its keys masked by the caller.
-    idx = start // PAGE + tl.arange(0, BLOCK_N // PAGE)                          # [BLOCK_N // PAGE]
-    n = idx * PAGE
-    ids = tl.load(bt_row + idx, mask=(n + PAGE > first) & (n < s_hi), other=0)
-    return tl.reshape(tl.broadcast_to(ids[:, None], (BLOCK_N // PAGE, PAGE)), (BLOCK_N,))
+def _block_page_ids(bt_row, start, first, s_hi, lp, page_size, page_shift, POW2_PAGE: tl.constexpr,
+                    PAGE: tl.constexpr, BLOCK_N: tl.constexpr):
+    # The pages (as stored, int32) of keys start .. start + BLOCK_N - 1 of one sequence, start a
+    # multiple of BLOCK_N; keys outside [first, s_hi) get page 0, masked by the caller. PAGE (the
+    # page size, a power of two dividing BLOCK_N, no left padding): one table load per page, each
+    # entry repeated for its PAGE keys, a page holding no key of [first, s_hi) not looked up;
+    # PAGE 0: a load per key (_page_ids).
+    if PAGE:
+        idx = start // PAGE + tl.arange(0, BLOCK_N // PAGE)                      # [BLOCK_N // PAGE]
+        n = idx * PAGE
+        ids = tl.load(bt_row + idx, mask=(n + PAGE > first) & (n < s_hi), other=0)
+        pages = tl.reshape(tl.broadcast_to(ids[:, None], (BLOCK_N // PAGE, PAGE)), (BLOCK_N,))
+    else:
+        n = start + tl.arange(0, BLOCK_N)
+        pages = _page_ids(bt_row, n + lp, (n >= first) & (n < s_hi), page_size, page_shift, POW2_PAGE)
+    return pages
 
 
 @triton.jit
@@ -1118,12 +1125,8 @@ def _flash_attn_kvcache_kernel(
     if PAGES == 1:
         next_page = tl.load(bt_row + s_lo // page_size, mask=s_lo < s_hi, other=0).to(tl.int64)
     elif PAGES == 2 and PAGES_AHEAD:  # tuning.kvcache_pages_ahead
-        if PAGE:
-            next_pages = _block_pages(bt_row, s_lo, first, s_hi, PAGE, BLOCK_N)
-        else:
-            n0 = s_lo + tl.arange(0, BLOCK_N)
-            next_pages = _page_ids(bt_row, n0 + lp, (n0 >= first) & (n0 < s_hi), page_size, page_shift,
-                                   POW2_PAGE)
+        next_pages = _block_page_ids(bt_row, s_lo, first, s_hi, lp, page_size, page_shift, POW2_PAGE, PAGE,
+                                     BLOCK_N)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
@@ -1150,28 +1153,21 @@ def _flash_attn_kvcache_kernel(
         else:
             if PAGES_AHEAD:
                 pages = next_pages
-                if PAGE:
-                    next_pages = _block_pages(bt_row, start_n + BLOCK_N, first, s_hi, PAGE, BLOCK_N)
-                else:
-                    n1 = offs_n + BLOCK_N
-                    next_pages = _page_ids(bt_row, n1 + lp, (n1 >= first) & (n1 < s_hi), page_size, page_shift,
-                                           POW2_PAGE)
-            elif PAGE:
-                pages = _block_pages(bt_row, start_n, first, s_hi, PAGE, BLOCK_N)
+                next_pages = _block_page_ids(bt_row, start_n + BLOCK_N, first, s_hi, lp, page_size, page_shift,
+                                             POW2_PAGE, PAGE, BLOCK_N)
             else:
-                pages = _page_ids(bt_row, offs_n + lp, n_in, page_size, page_shift, POW2_PAGE)
-            if PAGE:  # the block starts a page: key j of it is row j % PAGE of its page
-                page = pages.to(tl.int64)
-                in_page = (tl.arange(0, BLOCK_N) % PAGE).to(tl.int64)
-                k_off = page * stride_kp + in_page * stride_kn
-                v_off = page * stride_vp + in_page * stride_vn
-                ks_off = page * stride_ksp + in_page * stride_ksn
-                vs_off = page * stride_vsp + in_page * stride_vsn
+                pages = _block_page_ids(bt_row, start_n, first, s_hi, lp, page_size, page_shift, POW2_PAGE, PAGE,
+                                        BLOCK_N)
+            if PAGE:  # the block starts a page: key j of it sits at row j % PAGE, a constant
+                keys = tl.arange(0, BLOCK_N)
+                size = PAGE
             else:
-                k_off = _page_offsets(pages, offs_n + lp, page_size, stride_kp, stride_kn, POW2_PAGE)
-                v_off = _page_offsets(pages, offs_n + lp, page_size, stride_vp, stride_vn, POW2_PAGE)
-                ks_off = _page_offsets(pages, offs_n + lp, page_size, stride_ksp, stride_ksn, POW2_PAGE)
-                vs_off = _page_offsets(pages, offs_n + lp, page_size, stride_vsp, stride_vsn, POW2_PAGE)
+                keys = offs_n + lp
+                size = page_size
+            k_off = _page_offsets(pages, keys, size, stride_kp, stride_kn, POW2_PAGE)
+            v_off = _page_offsets(pages, keys, size, stride_vp, stride_vn, POW2_PAGE)
+            ks_off = _page_offsets(pages, keys, size, stride_ksp, stride_ksn, POW2_PAGE)
+            vs_off = _page_offsets(pages, keys, size, stride_vsp, stride_vsn, POW2_PAGE)
         k = tl.load(k_base + k_off[None, :] + offs_d[:, None] * stride_kd,
                     mask=n_in[None, :] & (offs_d[:, None] < D), other=0.0)          # [BLOCK_D, BLOCK_N]
         v = tl.load(v_base + v_off[:, None] + offs_dv[None, :] * stride_vd,
