@@ -3,7 +3,8 @@
     ncu --clock-control none -k regex:_norm_fwd --launch-skip 2 --launch-count 1 \
         python -m benchmarks.run_case layers adaln
 
-Nothing is timed or checked here; ``benchmarks.run`` does that. ``--set TABLE.field=value``
+The case is one of benchmarks.run's, or for decode any of their form (benchmarks.decode.case_named:
+"decode Sk=4k paged 16 in order"). Nothing is timed or checked here; ``benchmarks.run`` does that. ``--set TABLE.field=value``
 (repeatable) first replaces a field of this GPU's row of a tuning table, to profile a candidate:
 ``--set ROTARY.quant_block_rows=16``.
 """
@@ -44,9 +45,15 @@ def main(argv=None) -> int:
         table[arch] = replaced if isinstance(row, dict) else replaced[None]
     module = FAMILIES[args.family]
     cases = {module.name(c): c for c in module.cases(False)}
-    if args.case not in cases:
+    if args.case in cases:
+        case = cases[args.case]
+    elif hasattr(module, "case_named"):  # a case of the bench's form, e.g. "decode Sk=4k paged 16 in order"
+        try:
+            case = module.case_named(args.case)
+        except ValueError as exc:
+            p.error(str(exc))
+    else:
         p.error(f"case: expected one of {sorted(cases)}, got {args.case!r}")
-    case = cases[args.case]
     inputs = module.make_inputs(case)
     fn = module.runners(case, *inputs)["lanekit"]
     for _ in range(args.repeat):
