@@ -6,7 +6,7 @@ Runs a case of benchmarks.layers or benchmarks.decode through its real launcher 
 the benchmark's shapes, with sm90's tuning rows; every kernel launch is caught before it runs,
 compiled by Triton for sm90 with the specialization the launch would get on the GPU (dtypes, ints
 equal to 1, strides of 1, 16-byte alignment), and disassembled with the cuobjdump Triton bundles.
-Prints, per launch: the grid, the tile (block sizes, warps, stages), registers per thread, the
+Prints, per launch: the grid, the tile (block sizes, warps, stages), registers per thread, shared memory, the
 static SASS instruction count and those on the path real inputs take, for the fused layers that
 count per element each thread handles (they are straight-line per program, so it is the issued
 instructions per element), and the instructions that cost the most issue slots on Hopper (fp64
@@ -251,7 +251,7 @@ def report(case: dict, dump: str | None = None, family=bench, splits: int | None
         hot_ops = [op for addr, op in _addressed(sass) if addr not in cold]
         hot = len(hot_ops)
         weighted = sum(_weight(op) for op in hot_ops)
-        rows.append(dict(kernel=name, grid=grid, regs=regs, instructions=len(ops), hot=hot,
+        rows.append(dict(kernel=name, grid=grid, regs=regs, shared=kernel.metadata.shared, instructions=len(ops), hot=hot,
                          per_element=len(ops) / per, hot_per_element=hot / per,
                          weighted_per_element=weighted / per,
                          watched=dict(sorted(counts.items())), loop=_largest_loop(sass),
@@ -288,7 +288,7 @@ def main(argv=None):
                 counts += (f" ({r['per_element']:.1f} and {r['hot_per_element']:.1f} per element; "
                            f"{r['weighted_per_element']:.1f} fp32-add issue slots)")
             print(f"{family.name(case)}: {r['kernel']} grid {r['grid']}  {r['tile']}  {r['regs']} regs  "
-                  f"{counts}  {r['watched']}")
+                  f"{r['shared'] // 1024} KiB shared  {counts}  {r['watched']}")
             if r["loop"]:
                 print(f"    largest loop: {r['loop']['instructions']} instructions an iteration  {r['loop']['ops']}")
             for file, line, ops in r["lines"]:
