@@ -31,8 +31,7 @@ def _one(family: str, case: str) -> str:
     from benchmarks import run
 
     module = run.FAMILIES[family]
-    cases = {module.name(c): c for c in module.cases(False)}
-    c = cases[case]
+    c = run.case_named(module, case)
     inputs = module.make_inputs(c)
     error = module.check(c, *inputs)
     figure = run.measure(module, c, module.runners(c, *inputs)["lanekit"])
@@ -45,7 +44,7 @@ def _one(family: str, case: str) -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.ab", description=__doc__.split("\n\n")[0])
     p.add_argument("family", help="a benchmarks.run family (layers, decode, prefill, attention, ...)")
-    p.add_argument("case", help="the case's name as benchmarks.run prints it")
+    p.add_argument("case", help="the case's name as benchmarks.run prints it (decode: or another of its form)")
     p.add_argument("trees", nargs="*", metavar="NAME=SRC", help="source trees holding lanekit/")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--one", action="store_true", help=argparse.SUPPRESS)   # a child: time here
@@ -57,9 +56,10 @@ def main(argv=None) -> int:
 
     if args.family not in run.FAMILIES:
         p.error(f"family: expected one of {sorted(run.FAMILIES)}, got {args.family!r}")
-    names = [run.FAMILIES[args.family].name(c) for c in run.FAMILIES[args.family].cases(False)]
-    if args.case not in names:
-        p.error(f"case: expected one of {names}, got {args.case!r}")
+    try:
+        run.case_named(run.FAMILIES[args.family], args.case)
+    except ValueError as exc:
+        p.error(str(exc))
     trees = []
     for spec in args.trees:
         name, sep, src = spec.partition("=")

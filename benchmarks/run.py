@@ -59,6 +59,17 @@ def bench_graph(fn) -> float:
     return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median")
 
 
+def case_named(module, name: str) -> dict:
+    """The case of family ``module`` that benchmarks.run prints as ``name``, or for a family with a
+    case_named of its own (decode) any case of that form. Raises ValueError naming the expected."""
+    cases = {module.name(c): c for c in module.cases(False)}
+    if name in cases:
+        return cases[name]
+    if hasattr(module, "case_named"):
+        return module.case_named(name)
+    raise ValueError(f"case: expected one of {sorted(cases)}, got {name!r}")
+
+
 def is_memory_bound(module) -> bool:
     """GB/s for memory-bound families (bytes_moved), TFLOP/s for compute-bound ones (flops)."""
     return getattr(module, "UNIT", "TFLOP/s") == "GB/s"

@@ -4,9 +4,9 @@
         python -m benchmarks.run_case layers adaln
 
 The case is one of benchmarks.run's, or for decode any of their form (benchmarks.decode.case_named:
-"decode Sk=4k paged 16 in order"). Nothing is timed or checked here; ``benchmarks.run`` does that. ``--set TABLE.field=value``
-(repeatable) first replaces a field of this GPU's row of a tuning table, to profile a candidate:
-``--set ROTARY.quant_block_rows=16``.
+"decode Sk=4k paged 16 in order"). Nothing is timed or checked here; ``benchmarks.run`` does that.
+``--set TABLE.field=value`` (repeatable) first replaces a field of this GPU's row of a tuning table,
+to profile a candidate: ``--set ROTARY.quant_block_rows=16``.
 """
 
 from __future__ import annotations
@@ -16,14 +16,14 @@ import dataclasses
 
 import torch
 
-from benchmarks.run import FAMILIES
+from benchmarks.run import FAMILIES, case_named
 from lanekit.runtime import tuning
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.run_case")
     p.add_argument("family", choices=sorted(FAMILIES))
-    p.add_argument("case", help="the case's name as benchmarks.run prints it")
+    p.add_argument("case", help="the case's name as benchmarks.run prints it (decode: or another of its form)")
     p.add_argument("--repeat", type=int, default=4)
     p.add_argument("--set", action="append", default=[], metavar="TABLE.field=value")
     args = p.parse_args(argv)
@@ -44,16 +44,10 @@ def main(argv=None) -> int:
         replaced = {k: dataclasses.replace(r, **{field: int(value)}) for k, r in rows.items()}
         table[arch] = replaced if isinstance(row, dict) else replaced[None]
     module = FAMILIES[args.family]
-    cases = {module.name(c): c for c in module.cases(False)}
-    if args.case in cases:
-        case = cases[args.case]
-    elif hasattr(module, "case_named"):  # a case of the bench's form, e.g. "decode Sk=4k paged 16 in order"
-        try:
-            case = module.case_named(args.case)
-        except ValueError as exc:
-            p.error(str(exc))
-    else:
-        p.error(f"case: expected one of {sorted(cases)}, got {args.case!r}")
+    try:
+        case = case_named(module, args.case)
+    except ValueError as exc:
+        p.error(str(exc))
     inputs = module.make_inputs(case)
     fn = module.runners(case, *inputs)["lanekit"]
     for _ in range(args.repeat):
