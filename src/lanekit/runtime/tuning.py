@@ -182,10 +182,20 @@ FLASH_ATTN_KVCACHE["gfx1151"] = FLASH_ATTN_KVCACHE["gfx1201"]
 # `benchmarks.ab` against the code before (a lookup per key, the 32-key row in 2 splits), two
 # rounds: pages of 16 at 32k 4560 / 4561 GB/s against 4439 / 4431; at 4k (the short row both
 # times) 4303 / 4321 against 4302 / 4313; the contiguous cache at 32k 4610 / 4610 against 4611 / 4608.
-# Not done: the sm90 SASS of pages of 16 at 4k shows Triton's pipeliner issuing each block's
-# table loads in the same iteration as the K and V copies that use them (an LDG, then its value
-# used 8 instructions later), so a warp waits a load's latency every block, although the source
-# loads the pages a block ahead; the contiguous cache has no such wait.
+# The sm90 SASS of pages of 16 at 4k shows Triton's pipeliner issuing each block's table loads in
+# the same iteration as the K and V copies that use them (an LDG, then its value used 8
+# instructions later), so a warp waits a load's latency every block, although the source loads
+# the pages a block ahead; the contiguous cache has no such wait. Tried on 2026-12-03 (throwaway
+# code, `benchmarks.sass` and `benchmarks.ab`), neither kept:
+# - pages carried two blocks ahead (two loop-carried values): the pipeliner then gave up on the
+#   loop (no cp.async; K and V through registers into shared memory).
+# - the lookup in the block's own step, as on AMD, with 5 stages: the pipeliner then streams the
+#   table through shared memory two blocks ahead of K and V, which get two buffers as at 3 stages
+#   with the lookahead (70 KiB, 109 registers against 152). Against the lookahead's 64 / 4 / 3,
+#   two rounds: pages of 16 at 4k 4264 / 4252 GB/s against 4245 / 4242, at 32k 4420 / 4418
+#   against 4462 / 4466; pages of 1 at 4k 4122 / 4099 against 4074 / 4074; pages of 4 at 32k
+#   4372 / 4371 against 4348 / 4350. 64 / 4 / 7 and 32-key tiles (5 or 7 stages) were slower.
+#   A loss on the bench's pages of 16 at 32k for gains under 1% on smaller pages.
 FLASH_ATTN_KVCACHE_PER_KEY_PAGES: dict[str, dict[int, TileConfig]] = {
     "sm90": {128: TileConfig(64, 64, 4, 3)},
 }
