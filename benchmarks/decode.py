@@ -2,12 +2,14 @@
 
 B=32 sequences, one query each, 32 query heads and 8 KV heads of 128, bf16, Sk 4k and 32k cached
 tokens; the cache contiguous (B, S, Hkv, D) or paged with pages of 16 and 256 tokens, handed out in
-a shuffled order. The unit is GB/s of K and V read (the traffic decode cannot avoid), comparable
-with the device-to-device copy bandwidth the runner measures in the same run. SDPA reads the
-contiguous cache (it has no paged form) through (B, Hkv, S, D) views with ``enable_gqa``. Every
-call is timed replaying a CUDA graph (as serving engines run decode); lanekit is told the longest
-sequence (max_seqlen_k, as an engine capturing a graph per length bucket would), and its split count
-is the one its heuristic picks for that length.
+a shuffled order, and pages of 16 also in order (a sequence's pages adjacent, as a fresh pool hands
+them out: laid out as the contiguous cache, but read through the table), which tells what the
+kernel's page walk costs apart from where the pages lie. The unit is GB/s of K and V read (the
+traffic decode cannot avoid), comparable with the device-to-device copy bandwidth the runner
+measures in the same run. SDPA reads the contiguous cache (it has no paged form) through (B, Hkv,
+S, D) views with ``enable_gqa``. Every call is timed replaying a CUDA graph (as serving engines run
+decode); lanekit is told the longest sequence (max_seqlen_k, as an engine capturing a graph per
+length bucket would), and its split count is the one its heuristic picks for that length.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ BF16 = torch.bfloat16
 
 def cases(quick: bool = False):
     for sk in ((4096,) if quick else (4096, 32768)):
-        for layout in ("contiguous", "paged 16", "paged 256"):
+        for layout in ("contiguous", "paged 16", "paged 16 in order", "paged 256"):
             yield dict(sk=sk, layout=layout)
 
 

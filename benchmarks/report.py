@@ -41,12 +41,14 @@ NOTES = {
     ),
     "decode": (
         "Decode over a KV cache, bf16: B=32 sequences of one query, 32 query and 8 KV heads of 128, 4k "
-        "and 32k cached tokens, the cache contiguous or paged (pages of 16 and 256, shuffled). GB/s of K "
-        "and V read. Peers: SDPA's flash and cuDNN backends on the contiguous cache (`enable_gqa`). "
+        "and 32k cached tokens, the cache contiguous or paged (pages of 16 and 256 shuffled over the pool; "
+        "pages of 16 also in order, laid out as the contiguous cache but read through the table). GB/s "
+        "of K and V read. Peers: SDPA's flash and cuDNN backends on the contiguous cache (`enable_gqa`). "
         "Every call replayed from a CUDA graph. Bar (issue 4): at least 85% of copy at 32k and at least "
         "the fastest SDPA backend (cuDNN, which reads at about 4.5 TB/s, above the copy figure: a copy "
-        "writes as much as it reads). Every layout passes the copy bar at 32k; contiguous caches meet "
-        "cuDNN at 4k and 32k, paged ones do not everywhere: pages of 16 lowest (the table's ratios)."
+        "writes as much as it reads). Every layout passes the copy bar at 32k; contiguous caches and "
+        "pages in order meet cuDNN at 4k and 32k; shuffled pages do not everywhere (pages of 16 least, "
+        "the table's ratios): what they lose is where the pages lie, not the page walk (the record's note)."
     ),
     "prefill": (
         "Prefill of a packed batch (`flash_attn_varlen_func`) beside `flash_attn_func` on the same tokens "
