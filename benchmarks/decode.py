@@ -41,14 +41,37 @@ def name(c) -> str:
     return f"decode Sk={c['sk'] // 1024}k {c['layout']}"
 
 
+PLACEMENTS = r"(?: in order| round robin| shuffled in \d+ MiB)?"
+
+
 def case_named(text: str) -> dict:
     """The case a name stands for, the bench's own or another of their form: "decode Sk=32k paged 4",
-    and "... paged 16 in order" for pages handed out in order instead of shuffled (what the
-    pages' placement costs). Raises ValueError for any other text."""
-    m = re.fullmatch(r"decode Sk=(\d+)k (contiguous|paged \d+(?: in order)?)", text)
+    and pages placed otherwise than shuffled over the pool (what the placement costs, see
+    _placement): "... paged 16 in order", "... round robin", "... shuffled in 2 MiB". Raises
+    ValueError for any other text."""
+    m = re.fullmatch(rf"decode Sk=(\d+)k (contiguous|paged \d+{PLACEMENTS})", text)
     if m is None:
-        raise ValueError(f"case: expected 'decode Sk=<N>k contiguous|paged <P>[ in order]', got {text!r}")
+        raise ValueError("case: expected 'decode Sk=<N>k contiguous|paged <P>[ in order| round robin| "
+                         f"shuffled in <M> MiB]', got {text!r}")
     return dict(sk=int(m.group(1)) * 1024, layout=m.group(2))
+
+
+def _placement(layout: str, pages: int, page: int, g, device) -> torch.Tensor:
+    """The pool page of each (sequence, page), in that order: shuffled over the pool (the bench's
+    paged cases); "in order" (a sequence's pages adjacent, as a fresh pool hands out whole
+    prompts); "round robin" (page p of sequence b at p * B + b, as a pool handing out its lowest
+    free page does while the sequences grow in lockstep); "shuffled in <M> MiB" (shuffled within
+    aligned runs of M MiB of K, the runs in order: how far a sequence's pages spread)."""
+    n = B * pages
+    if layout.endswith("in order"):
+        return torch.arange(n, device=device)
+    if layout.endswith("round robin"):
+        return torch.arange(n, device=device).reshape(pages, B).t().reshape(-1)
+    spread = re.search(r"shuffled in (\d+) MiB$", layout)
+    if spread:
+        run = max(int(spread.group(1)) * 2**20 // (page * HKV * D * 2), 1)
+        return torch.cat([s + torch.randperm(min(run, n - s), generator=g, device=device) for s in range(0, n, run)])
+    return torch.randperm(n, generator=g, device=device)
 
 
 def bytes_moved(c) -> float:
@@ -68,10 +91,7 @@ def make_inputs(c, device="cuda"):
     else:
         page = int(c["layout"].split()[1])
         pages = sk // page
-        if c["layout"].endswith("in order"):
-            order = torch.arange(B * pages, device=device)
-        else:
-            order = torch.randperm(B * pages, generator=g, device=device)
+        order = _placement(c["layout"], pages, page, g, device)
         table = order.reshape(B, pages).to(torch.int32)
         kc = torch.empty(B * pages, page, HKV, D, device=device, dtype=BF16)
         vc = torch.empty_like(kc)
