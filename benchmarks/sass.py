@@ -6,21 +6,21 @@ Runs a case of benchmarks.layers or benchmarks.decode through its real launcher 
 the benchmark's shapes, with sm90's tuning rows; every kernel launch is caught before it runs,
 compiled by Triton for sm90 with the specialization the launch would get on the GPU (dtypes, ints
 equal to 1, strides of 1, 16-byte alignment), and disassembled with the cuobjdump Triton bundles.
-Prints, per launch: the grid, the tile (block sizes, warps, stages), registers per thread, shared memory, the
-static SASS instruction count and those on the path real inputs take, for the fused layers that
-count per element each thread handles (they are straight-line per program, so it is the issued
-instructions per element), and the instructions that cost the most issue slots on Hopper (fp64
-and conversions; cvt runs 16 per clock per SM against 128 fp32 operations). A kernel with a loop
-(the decode kernel's walk over key blocks) also gets its largest loop's body, as compiled: the
-instructions of one pass (of an unrolled loop, several source iterations; of nested loops, the
-inner body once) and the opcodes that say what it spends them on (barriers, asynchronous copies,
-shared-memory traffic, matrix products, per-key masks and addresses). Nothing is timed: this is
-the CPU's view of a kernel. The decode cases allocate their caches on the CPU (about 1 GB at 4k
-keys, 8 GB at 32k). Their split count is the heuristic's for the CPU (1), where the H200 may pick
-more (pages of 16: 3); one split is a kernel of its own (an int argument of 1 is specialized,
-and it writes the output directly), so --splits N compiles the launches of N splits instead.
---lines N adds, per launch, the N source lines with the most instructions on the path taken (from
-the line table Triton compiles in, read by the bundled nvdisasm), each with its leading opcodes.
+Prints, per launch: the grid, the tile (block sizes, warps, stages), registers per thread, shared
+memory, the static SASS instruction count and those on the path real inputs take, for the fused
+layers that count per element each thread handles (they are straight-line per program, so it is the
+issued instructions per element), and the instructions that cost the most issue slots on Hopper
+(fp64 and conversions; cvt runs 16 per clock per SM against 128 fp32 operations). A kernel with a
+loop (the decode kernel's walk over key blocks) also gets its largest loop's body, as compiled: the
+instructions of one pass (of an unrolled loop, several source iterations; of nested loops, the inner
+body once) and the opcodes that say what it spends them on (barriers, asynchronous copies,
+shared-memory traffic, matrix products, per-key masks and addresses). Nothing is timed: this is the
+CPU's view of a kernel. The decode cases allocate their caches on the CPU (about 1 GB at 4k keys, 8
+GB at 32k). Their split count is the heuristic's for the CPU (1), where the H200 may pick more; one
+split is a kernel of its own (an int argument of 1 is specialized, and it writes the output
+directly), so --splits N compiles the launches of N splits instead. --lines N adds, per launch, the
+N source lines with the most instructions on the path taken (from the line table Triton compiles in,
+read by the bundled nvdisasm), each with its leading opcodes.
 """
 
 from __future__ import annotations
@@ -251,8 +251,8 @@ def report(case: dict, dump: str | None = None, family=bench, splits: int | None
         hot_ops = [op for addr, op in _addressed(sass) if addr not in cold]
         hot = len(hot_ops)
         weighted = sum(_weight(op) for op in hot_ops)
-        rows.append(dict(kernel=name, grid=grid, regs=regs, shared=kernel.metadata.shared, instructions=len(ops), hot=hot,
-                         per_element=len(ops) / per, hot_per_element=hot / per,
+        rows.append(dict(kernel=name, grid=grid, regs=regs, shared=kernel.metadata.shared,
+                         instructions=len(ops), hot=hot, per_element=len(ops) / per, hot_per_element=hot / per,
                          weighted_per_element=weighted / per,
                          watched=dict(sorted(counts.items())), loop=_largest_loop(sass),
                          lines=_by_line(kernel, cold)[:lines] if lines else [],

@@ -196,6 +196,11 @@ FLASH_ATTN_KVCACHE["gfx1151"] = FLASH_ATTN_KVCACHE["gfx1201"]
 #   against 4462 / 4466; pages of 1 at 4k 4122 / 4099 against 4074 / 4074; pages of 4 at 32k
 #   4372 / 4371 against 4348 / 4350. 64 / 4 / 7 and 32-key tiles (5 or 7 stages) were slower.
 #   A loss on the bench's pages of 16 at 32k for gains under 1% on smaller pages.
+# Nor does that wait cost what is left of the gap to cuDNN: in Nsight Compute (one launch, 4k
+# keys, `NCU_CASES=decode:decode~Sk=4k~paged~16~in~order:_flash_attn_kvcache_kernel bash
+# scripts/gpu.sh ncu`) pages of 16 handed out in order take 126.5 us, the contiguous cache 126.9,
+# the bench's pages shuffled over the pool 130.1. The rest is where the pages lie (the decode
+# record's note in docs/performance.md).
 FLASH_ATTN_KVCACHE_PER_KEY_PAGES: dict[str, dict[int, TileConfig]] = {
     "sm90": {128: TileConfig(64, 64, 4, 3)},
 }
