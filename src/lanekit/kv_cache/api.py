@@ -353,7 +353,10 @@ class PagedKVCache:
     ``v_cache`` (num_blocks, page_size, Hkv, D), and for a codes cache ``k_scale`` and ``v_scale``
     (num_blocks, page_size, Hkv) fp32. Sequences, by any hashable id, own pages taken from the pool
     as they grow (:meth:`append`) and give them back when they shrink or end (:meth:`trim`,
-    :meth:`free`). The pool hands out its lowest-numbered free page first. The bookkeeping is host
+    :meth:`free`). The pool hands out its lowest-numbered free page first, which keeps the pages in
+    use close together: decode reads pages spread over a whole large pool a little slower than
+    pages near each other (on an H200, pages of 16 shuffled over 4 GiB about 1.5% slower than in
+    order or handed out round robin; docs/performance.md, the decode note). The bookkeeping is host
     Python; writes and reads are the Triton kernels of :func:`reshape_and_cache` and
     :func:`gather_cache`.
 
