@@ -41,15 +41,12 @@ def name(c) -> str:
     return f"decode Sk={c['sk'] // 1024}k {c['layout']}"
 
 
-PLACEMENTS = r"(?: in order| round robin| shuffled in \d+ MiB)?"
-
-
 def case_named(text: str) -> dict:
     """The case a name stands for, the bench's own or another of their form: "decode Sk=32k paged 4",
     and pages placed otherwise than shuffled over the pool (what the placement costs, see
     _placement): "... paged 16 in order", "... round robin", "... shuffled in 2 MiB". Raises
     ValueError for any other text."""
-    m = re.fullmatch(rf"decode Sk=(\d+)k (contiguous|paged \d+{PLACEMENTS})", text)
+    m = re.fullmatch(r"decode Sk=(\d+)k (contiguous|paged \d+(?: in order| round robin| shuffled in \d+ MiB)?)", text)
     if m is None:
         raise ValueError("case: expected 'decode Sk=<N>k contiguous|paged <P>[ in order| round robin| "
                          f"shuffled in <M> MiB]', got {text!r}")

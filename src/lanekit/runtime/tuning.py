@@ -158,7 +158,8 @@ FLASH_ATTN_KVCACHE["gfx1151"] = FLASH_ATTN_KVCACHE["gfx1201"]
 #
 # Rows for 16-bit caches of more than KVCACHE_SHORT_KEYS keys whose pages do not hold whole key
 # blocks of the long row (page_size not a multiple of its block_n, or left padding): a page lookup
-# per key, unless the page size is a multiple of this row's block_n. sm90: in that run, pages of 16
+# per key, per page where pages of a power of two divide this row's block_n (kvcache_block_pages),
+# per block where the page size is a multiple of it. sm90, 2026-12-02: in that run, pages of 16
 # at 32k keys read 3970 GB/s with the long row (128 keys), 4379 with 32 keys, 2 warps, 4 stages in 2
 # splits, 4315 with 64, 4, 3 in 3 splits, 4310 with 16, 2, 4 (whole-page blocks) in 3; the old
 # per-key row (16 keys, 2 warps, 8 stages, before the lookahead) 4163 in the bench. Short caches of
@@ -171,7 +172,7 @@ FLASH_ATTN_KVCACHE["gfx1151"] = FLASH_ATTN_KVCACHE["gfx1201"]
 # 2% of the gap to the contiguous cache is where the pages lie, not how the kernel walks them.
 #
 # 2026-12-03: now that the kernel loads one table entry per page where a key block holds whole
-# pages (kvcache_block_pages: 654 -> 383 instructions per 32-key block for pages of 16), the 64-key row leads
+# pages (kvcache_block_pages, which gives its instruction counts), the 64-key row leads
 # instead (`benchmarks.tune_decode`, 64/4/3, 64/4/4, 32/2/4, 32/4/4, 128/8/3 in 1 to 3 splits, on
 # two H200s): pages of 16 at 32k keys 4448 GB/s unsplit against 4369 for the 32-key row in 2
 # splits (cuDNN 4478 on the contiguous cache); on the first H200 4549 against 4476 (cuDNN 4603).
