@@ -7,9 +7,11 @@ them out: laid out as the contiguous cache, but read through the table), which t
 kernel's page walk costs apart from where the pages lie. The unit is GB/s of K and V read (the
 traffic decode cannot avoid), comparable with the device-to-device copy bandwidth the runner
 measures in the same run. SDPA reads the contiguous cache (it has no paged form) through (B, Hkv,
-S, D) views with ``enable_gqa``. Every call is timed replaying a CUDA graph (as serving engines run
-decode); lanekit is told the longest sequence (max_seqlen_k, as an engine capturing a graph per
-length bucket would), and its split count is the one its heuristic picks for that length.
+S, D) views with ``enable_gqa``. Beside them is a bound rather than a peer, "read-only": a kernel
+that reads the same K and V where they lie and does no attention (_read_only). Every call is timed
+replaying a CUDA graph (as serving engines run decode); lanekit is told the longest sequence
+(max_seqlen_k, as an engine capturing a graph per length bucket would), and its split count is the
+one its heuristic picks for that length.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ import re
 
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import lanekit
@@ -124,6 +128,55 @@ def check(c, q, k, v, kc, vc, seqlens, table, num_splits=None, oracle=None) -> s
     return None if result.ok else result.detail
 
 
+@triton.jit
+def _read_kv_kernel(K, V, BT, Out, stride_kp, stride_kn, stride_kh, stride_btb, Sk,
+                    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr):
+    """Out[b, h] = the sum of K + V over the Sk keys of sequence b (pool pages BT[b], PAGE keys a
+    page) at KV head h: every byte decode reads, in decode's order (a program per (KV head,
+    sequence), BLOCK_N keys a step), and no attention."""
+    h = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    c = tl.arange(0, BLOCK_N)
+    d = tl.arange(0, D)
+    row = BT + b * stride_btb
+    acc = tl.zeros([BLOCK_N, D], tl.float32)
+    for start in range(0, Sk, BLOCK_N):
+        if PAGE < BLOCK_N:  # a block of whole pages: a table entry a page
+            NP: tl.constexpr = BLOCK_N // PAGE
+            pages = tl.load(row + start // PAGE + tl.arange(0, NP)).to(tl.int64)
+            page = tl.reshape(tl.broadcast_to(pages[:, None], (NP, PAGE)), (BLOCK_N,))
+            slot = c % PAGE
+        else:  # a block within one page
+            page = tl.load(row + start // PAGE).to(tl.int64)
+            slot = start % PAGE + c
+        off = (page * stride_kp + slot * stride_kn + h * stride_kh)[:, None] + d[None, :]
+        acc += tl.load(K + off).to(tl.float32) + tl.load(V + off).to(tl.float32)
+    tl.store(Out + (b * tl.num_programs(0) + h) * D + d, tl.sum(acc, 0))
+
+
+def _read_only(c, kc, vc, table):
+    """A kernel that reads the K and V decode reads, where they lie and in decode's order, and does
+    nothing else: what reading this cache costs without attention, about the most a decode kernel
+    can reach on it. 64 keys, 4 warps, 3 stages, the fastest read-only tile tried on the H200 (64/4/4
+    alike, 128/8/3 1-2% slower); the bench's lengths are multiples of 64 and its pages powers of
+    two. Its sums are checked against torch's on the first call."""
+    if table is None:  # the contiguous cache: a page of Sk keys a sequence
+        table = torch.arange(B, dtype=torch.int32, device=kc.device)[:, None]
+    out = torch.empty(B, HKV, D, device=kc.device, dtype=torch.float32)
+    checked = []
+
+    def run():
+        _read_kv_kernel[(HKV, B)](kc, vc, table, out, kc.stride(0), kc.stride(1), kc.stride(2), table.stride(0),
+                                  c["sk"], PAGE=kc.shape[1], BLOCK_N=64, D=D, num_warps=4, num_stages=3)
+        if not checked:
+            keys = lambda t: t[table.long()].reshape(B, -1, HKV, D)[:, :c["sk"]].sum(1, dtype=torch.float32)
+            torch.testing.assert_close(out, keys(kc) + keys(vc), rtol=1e-5, atol=0.05)
+            checked.append(True)
+        return out
+
+    return run
+
+
 def runners(c, q, k, v, kc, vc, seqlens, table, num_splits=None):
     qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
 
@@ -137,4 +190,5 @@ def runners(c, q, k, v, kc, vc, seqlens, table, num_splits=None):
         "lanekit": _lanekit(c, q, kc, vc, seqlens, table, num_splits),
         "sdpa-flash": sdpa(SDPBackend.FLASH_ATTENTION),
         "sdpa-cudnn": sdpa(SDPBackend.CUDNN_ATTENTION),
+        "read-only": _read_only(c, kc, vc, table),
     }

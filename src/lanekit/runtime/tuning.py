@@ -201,7 +201,13 @@ FLASH_ATTN_KVCACHE["gfx1151"] = FLASH_ATTN_KVCACHE["gfx1201"]
 # keys, `NCU_CASES=decode:decode~Sk=4k~paged~16~in~order:_flash_attn_kvcache_kernel bash
 # scripts/gpu.sh ncu`) pages of 16 handed out in order take 126.5 us, the contiguous cache 126.9,
 # the bench's pages shuffled over the pool 130.1. The rest is where the pages lie (the decode
-# record's note in docs/performance.md).
+# record's note in docs/performance.md). Later that day, in throwaway kernels on the bench's shapes
+# (two H200 runs), nothing brought shuffled pages closer to pages in order: a program reading 2, 4
+# or 8 KV heads of each page (fewer address translations a byte; shuffled / in order 0.98-0.99 at
+# every count, as at 1), PTX prefetches of the pages 2 to 16 blocks ahead (a line a page: 2-4%
+# slower; every line of the head's slice: 12-40% slower), and a kernel that only reads the pages
+# (the decode bench's `read-only`) loses as much to the shuffle (4k: 4330 GB/s against 4411 in
+# order).
 FLASH_ATTN_KVCACHE_PER_KEY_PAGES: dict[str, dict[int, TileConfig]] = {
     "sm90": {128: TileConfig(64, 64, 4, 3)},
 }
