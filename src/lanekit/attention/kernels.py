@@ -1289,10 +1289,10 @@ def flash_attn_kvcache(
     block_d, block_dv = _block(D), _block(Dv)
     fp32, bucket = q.dtype == torch.float32, max(block_d, block_dv)
 
-    cfg, pages = tuning.kvcache_tile(q.device, bucket, fp32=fp32, page_size=page_size,
-                                     one_page=block_table is None or block_table.shape[1] == 1,
-                                     leftpad=leftpad is not None, max_keys=max_seqlen_k,
-                                     interpreted=triton_interpreted())
+    cfg, layout = tuning.kvcache_tile(q.device, bucket, fp32=fp32, page_size=page_size,
+                                      one_page=block_table is None or block_table.shape[1] == 1,
+                                      leftpad=leftpad is not None, max_keys=max_seqlen_k,
+                                      interpreted=triton_interpreted())
     # Rows are (query, head) pairs: decode (Sq * group <= 16) takes the smallest tile tl.dot allows.
     block_m = tuning.kvcache_block_m(cfg, Sq * group)
     m_blocks = triton.cdiv(Sq * group, block_m)
@@ -1325,11 +1325,9 @@ def flash_attn_kvcache(
             BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, BLOCK_DV=block_dv,
             HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0, HAS_SOFTCAP=softcap > 0,
             HAS_ALIBI=alibi_slopes is not None, HAS_LEFTPAD=leftpad is not None, QUANTIZED=quantized,
-            INPUT_PRECISION="ieee" if q.dtype == torch.float32 else None, PAGES=pages,
-            EVEN_D=(D == block_d and Dv == block_dv), POW2_PAGE=pages == 2 and page_size & (page_size - 1) == 0,
-            HAS_TABLE=block_table is not None,
-            PAGES_AHEAD=pages == 2 and tuning.kvcache_pages_ahead(q.device),
-            PAGE=tuning.kvcache_block_pages(pages, page_size, cfg.block_n, leftpad is not None), **cfg.options(),
+            INPUT_PRECISION="ieee" if q.dtype == torch.float32 else None, EVEN_D=(D == block_d and Dv == block_dv),
+            HAS_TABLE=block_table is not None, PAGES=layout.pages, POW2_PAGE=layout.pow2_page, PAGE=layout.page,
+            PAGES_AHEAD=layout.pages_ahead, **cfg.options(),
         )
         if num_splits > 1:
             _merge_splits_kernel[(Sq, Hq, B)](

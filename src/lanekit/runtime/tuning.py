@@ -444,26 +444,40 @@ def kvcache_pages_ahead(device: torch.device) -> bool:
     return not arch_id(device).startswith("gfx")
 
 
+@dataclass(frozen=True)
+class KVCacheLayout:
+    """How the decode kernel walks a cache's pages: its constexprs PAGES, POW2_PAGE, PAGE and
+    PAGES_AHEAD."""
+    pages: int          # 0 one page per sequence (a contiguous cache), 1 pages holding whole key
+                        # blocks (no left padding): a lookup per block, 2 a lookup per key
+    pow2_page: bool     # layout 2 with pages of a power of two: shifts, not divisions
+    page: int           # layout 2 with blocks of whole pages: their size, a lookup per page (else 0)
+    pages_ahead: bool   # layout 2: each block's pages loaded a step ahead (kvcache_pages_ahead)
+
+
 def kvcache_tile(device: torch.device, bucket: int, *, fp32: bool, page_size: int, one_page: bool,
-                 leftpad: bool, max_keys: int | None = None, interpreted: bool = False) -> tuple[TileConfig, int]:
+                 leftpad: bool, max_keys: int | None = None,
+                 interpreted: bool = False) -> tuple[TileConfig, KVCacheLayout]:
     """(tile, page layout) of the decode kernel for a cache of pages of ``page_size`` tokens
     (``one_page``: a block table one page wide, as a contiguous cache is passed) whose sequences
-    hold at most ``max_keys`` keys (None: unknown). The layout is the kernel's PAGES: 0 one page
-    per sequence, 1 pages holding whole key blocks (no left padding), 2 a page lookup per key,
-    which may take a row of its own (kvcache_config). ``interpreted``: the Triton interpreter's tile."""
-    def layout(block_n):
+    hold at most ``max_keys`` keys (None: unknown), with or without left padding. A lookup per key
+    may take a row of its own (kvcache_config). ``interpreted``: the Triton interpreter's tile."""
+    def pages_of(block_n):
         if one_page:
             return 0
         return 1 if page_size % block_n == 0 and not leftpad else 2
 
     if interpreted:
-        return INTERPRETER, layout(INTERPRETER.block_n)
-    cfg = kvcache_config(device, bucket, fp32=fp32, max_keys=max_keys)
-    pages = layout(cfg.block_n)
-    if pages == 2:
-        cfg = kvcache_config(device, bucket, fp32=fp32, per_key_pages=True, max_keys=max_keys)
-        pages = layout(cfg.block_n)
-    return cfg, pages
+        cfg = INTERPRETER
+    else:
+        cfg = kvcache_config(device, bucket, fp32=fp32, max_keys=max_keys)
+        if pages_of(cfg.block_n) == 2:
+            cfg = kvcache_config(device, bucket, fp32=fp32, per_key_pages=True, max_keys=max_keys)
+    pages = pages_of(cfg.block_n)
+    per_key = pages == 2
+    return cfg, KVCacheLayout(pages=pages, pow2_page=per_key and page_size & (page_size - 1) == 0,
+                              page=kvcache_block_pages(pages, page_size, cfg.block_n, leftpad),
+                              pages_ahead=per_key and kvcache_pages_ahead(device))
 
 
 def kvcache_block_pages(pages: int, page_size: int, block_n: int, leftpad: bool) -> int:
