@@ -39,7 +39,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, compile as triton_compile, make_backend
 from triton.runtime import jit as triton_jit
 
-from benchmarks import decode
+from benchmarks import decode, run
 from benchmarks import layers as bench
 from lanekit.runtime import tuning
 
@@ -267,21 +267,28 @@ def report(case: dict, dump: str | None = None, family=bench, splits: int | None
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("cases", nargs="*", help="benchmarks.layers or benchmarks.decode case names (default: the "
-                                            "q-and-k ones and adaln)")
+    p.add_argument("cases", nargs="*", help="benchmarks.layers or benchmarks.decode case names, or for decode "
+                                            "another of their form (default: the q-and-k ones and adaln)")
     p.add_argument("--dump", help="write each launch's SASS into this folder")
     p.add_argument("--splits", type=int, help="decode cases: this split count (default: the CPU's heuristic, 1)")
     p.add_argument("--lines", type=int, default=0, metavar="N",
                    help="the N source lines with the most instructions on the path taken, per launch")
     args = p.parse_args(argv)
     wanted = args.cases or ["rms_norm_rope q,k", "qk_norm_rope_quant e4m3", "adaln"]
-    known = [(family, case) for family in (bench, decode) for case in family.cases()]
-    unknown = set(wanted) - {family.name(case) for family, case in known}
+    chosen, unknown = [], []
+    for name in wanted:   # a bench case's name, or for decode another of its form (run.case_named)
+        for family in (bench, decode):
+            try:
+                chosen.append((family, run.case_named(family, name)))
+                break
+            except ValueError:
+                pass
+        else:
+            unknown.append(name)
     if unknown:
-        p.error(f"unknown case(s) {sorted(unknown)}: expected names of benchmarks.layers or benchmarks.decode")
-    for family, case in known:
-        if family.name(case) not in wanted:
-            continue
+        p.error(f"unknown case(s) {sorted(unknown)}: expected names of benchmarks.layers or benchmarks.decode "
+                "(or of the decode cases' form, e.g. 'decode Sk=32k paged 4')")
+    for family, case in chosen:
         for r in report(case, args.dump, family, args.splits, args.lines):
             counts = f"{r['instructions']} SASS, {r['hot']} on the path taken"
             if not math.isnan(r["per_element"]):   # kernels with a model of the elements a thread holds

@@ -184,34 +184,30 @@ def test_sm90_decode_tile_follows_the_layout_and_the_longest_sequence():
     cpu = torch.device("cpu")
 
     def tile(page_size, one_page, max_keys, fp32=False, leftpad=False):
-        """(tile, PAGES) on sm90, and the whole layout."""
         with tuning.compiling_for("sm90"):
-            cfg, layout = tuning.kvcache_tile(cpu, 128, fp32=fp32, page_size=page_size, one_page=one_page,
-                                              leftpad=leftpad, max_keys=max_keys)
-        return (cfg, layout.pages), layout
+            return tuning.kvcache_tile(cpu, 128, fp32=fp32, page_size=page_size, one_page=one_page,
+                                       leftpad=leftpad, max_keys=max_keys)
 
     short, long_ = tuning.KVCACHE_SHORT_KEYS, tuning.KVCACHE_SHORT_KEYS + 1
     short_row, long_row = tuning.FLASH_ATTN_KVCACHE_SHORT["sm90"][128], tuning.FLASH_ATTN_KVCACHE["sm90"][128]
     per_key_row = tuning.FLASH_ATTN_KVCACHE_PER_KEY_PAGES["sm90"][128]
-    assert tile(32768, True, short)[0] == (short_row, 0)
-    assert tile(32768, True, long_)[0] == tile(32768, True, None)[0] == (long_row, 0)
-    assert tile(256, False, short)[0] == (short_row, 1)
-    assert tile(256, False, long_)[0] == tile(256, False, None)[0] == (long_row, 1)
-    assert tile(16, False, short)[0] == (short_row, 2)          # a lookup per key, 16 % 64 != 0
-    assert tile(16, False, long_)[0] == (per_key_row, 1 if 16 % per_key_row.block_n == 0 else 2)
-    assert tile(256, False, short, fp32=True)[0][0] == tuning.FLASH_ATTN_KVCACHE["generic"][128]
-    # the rest of the layout matters with a lookup per key only
-    for layout in (tile(32768, True, short)[1], tile(256, False, long_)[1]):
-        assert (layout.pow2_page, layout.page, layout.pages_ahead) == (False, 0, False)
+    Layout = tuning.KVCacheLayout   # (pages, pow2_page, page, pages_ahead)
+    one_page, whole_pages = Layout(0, False, 0, False), Layout(1, False, 0, False)
     # pages of 16 fill the short and the per-key rows' blocks whole: a table load per page, loaded
-    # a block ahead on NVIDIA; left padding shifts the keys off the page starts
+    # a block ahead on NVIDIA
+    pages_of_16 = Layout(2, True, 16, True)
+    assert tile(32768, True, short) == (short_row, one_page)
+    assert tile(32768, True, long_) == tile(32768, True, None) == (long_row, one_page)
+    assert tile(256, False, short) == (short_row, whole_pages)
+    assert tile(256, False, long_) == tile(256, False, None) == (long_row, whole_pages)
+    assert tile(16, False, short) == (short_row, pages_of_16)          # 16 % 64 != 0: layout 2
+    assert tile(16, False, long_) == (per_key_row, whole_pages if 16 % per_key_row.block_n == 0 else pages_of_16)
+    assert tile(256, False, short, fp32=True)[0] == tuning.FLASH_ATTN_KVCACHE["generic"][128]
+    # left padding shifts the keys off the page starts: a lookup per key; so do pages of 12, by
+    # division (not a power of two)
     for max_keys in (short, long_):
-        (_, pages), layout = tile(16, False, max_keys)
-        per_key = pages == 2
-        assert (layout.pow2_page, layout.page, layout.pages_ahead) == (per_key, 16 * per_key, per_key)
-        (_, pages), layout = tile(16, False, max_keys, leftpad=True)
-        assert (pages, layout.pow2_page, layout.page) == (2, True, 0)
-    assert tile(12, False, short)[1].pow2_page is False
+        assert tile(16, False, max_keys, leftpad=True)[1] == Layout(2, True, 0, True)
+    assert tile(12, False, short)[1] == Layout(2, False, 0, True)
     assert tuning.kvcache_block_pages(2, 12, 64, leftpad=False) == 0       # not a power of two
     assert tuning.kvcache_block_pages(2, 128, 64, leftpad=False) == 0      # larger than the block
 
