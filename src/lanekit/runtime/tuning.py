@@ -208,6 +208,20 @@ FLASH_ATTN_KVCACHE["gfx1151"] = FLASH_ATTN_KVCACHE["gfx1201"]
 # slower; every line of the head's slice: 12-40% slower), and a kernel that only reads the pages
 # (the decode bench's `read-only`) loses as much to the shuffle (4k: 4330 GB/s against 4411 in
 # order).
+# Nor did TMA (2026-12-03, throwaway code, one H200, 4k keys unless said): host tensor descriptors
+# over the cache as (pages * page_size, Hkv * D), a [16, 128] box a page. Read alone, the copies
+# were not pipelined (a wait after each, 1500 GB/s) unless they fed a tl.dot; so fed, the best
+# (32 keys a step, 2 warps, 6 stages) read 4530 GB/s in order and 4403 shuffled, against 4500 and
+# 4415 for the read-only kernel above: TMA loses more to the shuffle (2.8% against 1.9%). A
+# decode kernel on them (16 or 32 keys a step, 1, 2 or 4 warps, 4 to 8 stages) did best with 32
+# keys and 1 warp: 4417 in order and 4279 shuffled, against lanekit's 4370 and 4324 and cuDNN's
+# 4434 on the contiguous cache; at 32k 4577 and 4426 against 4629 and 4556. With 2 or 4 warps it
+# read under 3300. The same 1-warp tiles in this kernel (`benchmarks.tune_decode --tiles=32/1/4,
+# 32/1/6,16/1/6,16/1/8,64/2/3,32/2/6 --splits=1,2`, the three 4k paged-16 and contiguous cases)
+# read at most 4235; 64/4/3 led every case (shuffled 4317, in order 4389, contiguous 4414; cuDNN
+# 4407 to 4442). Beside the TMA decode kernel the read-only kernel read the shuffled pages at 4437
+# GB/s, cuDNN the contiguous cache at 4434: on that H200 merely reading pages of 16 shuffled over
+# the pool ties cuDNN.
 FLASH_ATTN_KVCACHE_PER_KEY_PAGES: dict[str, dict[int, TileConfig]] = {
     "sm90": {128: TileConfig(64, 64, 4, 3)},
 }
