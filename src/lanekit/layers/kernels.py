@@ -604,7 +604,10 @@ def _power_of_two(k):
 
 @triton.jit
 def _reciprocal_power(p):
-    """1 / p for a power of two p = 2^k, k in [-126, 126] (exponent field k + 127 -> 127 - k)."""
+    """1 / p for a power of two p = 2^k, k in [-126, 126] (exponent field k + 127 -> 127 - k).
+    (Its two callers could take _power_of_two(-k) instead, k being at hand: tried on 2026-12-03,
+    the same tests passed natively, but the fast path read 0.3% slower on the H200, `benchmarks.ab`
+    qk_norm_rope_quant e4m3 3467-3471 GB/s against 3478-3479, sm90 registers moving by 2; kept.)"""
     return ((254 << 23) - p.to(tl.int32, bitcast=True)).to(tl.float32, bitcast=True)
 
 
