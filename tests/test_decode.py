@@ -385,11 +385,20 @@ def test_append_writes_the_rotated_keys_and_values_in_place(device, lane):
     assert (kc[0, 4:] == 0).all() and (kc[1, :10] == 0).all()   # nothing else written
 
 
-@pytest.mark.parametrize("case", [
-    "cache_seqlens past capacity", "leftpad past seqlens", "page out of range", "table too short",
-    "repeated batch_idx with append", "rotary too short", "num_splits too big", "k without v",
-    "codes without scales", "int64 seqlens", "v_cache is k_cache with append", "expanded cache with append",
-])
+# each case and the argument its error names
+BAD_KVCACHE = {
+    "cache_seqlens past capacity": "cache_seqlens", "leftpad past seqlens": "cache_leftpad",
+    "page out of range": "block_table", "table too short": "block_table",
+    "repeated batch_idx with append": "cache_batch_idx", "rotary too short": "rotary_cos",
+    "num_splits too big": "num_splits", "num_splits a float": "num_splits", "k without v": "k, v",
+    "codes without scales": "k_cache_scale", "int64 seqlens": "cache_seqlens",
+    "cache_seqlens a float": "cache_seqlens", "no cache_seqlens with append": "cache_seqlens",
+    "v_cache is k_cache with append": "v_cache", "one tensor for both scales with append": "v_cache_scale",
+    "expanded cache with append": "k_cache", "two sequences append into one page": "block_table",
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_KVCACHE))
 def test_kvcache_bad_input_raises_and_writes_nothing(device, case):
     g = gen(5)
     q = randn(2, 1, 4, 32, dtype=torch.float16, device=device, generator=g)
@@ -413,6 +422,18 @@ def test_kvcache_bad_input_raises_and_writes_nothing(device, case):
         kw["rotary_cos"] = kw["rotary_sin"] = torch.ones(4, 8, device=device)
     elif case == "num_splits too big":
         kw["num_splits"] = 129
+    elif case == "num_splits a float":
+        kw["num_splits"] = 2.0
+    elif case == "cache_seqlens a float":
+        kw["cache_seqlens"] = 3.0
+    elif case == "no cache_seqlens with append":   # FlashAttention's rule: where would k, v go?
+        del kw["cache_seqlens"]
+    elif case == "one tensor for both scales with append":   # the v scales would land on the k scales
+        kc, vc = kc.to(torch.int8), vc.to(torch.int8)
+        kw["k_cache_scale"] = kw["v_cache_scale"] = torch.ones(2, 16, 2, device=device)
+    elif case == "two sequences append into one page":       # both new tokens at slot 3 of page 0
+        kw["block_table"] = torch.tensor([[0], [0]], dtype=torch.int32, device=device)
+        kw["cache_seqlens"] = torch.tensor([3, 3], dtype=torch.int32, device=device)
     elif case == "k without v":
         kw["v"] = None
     elif case == "codes without scales":
@@ -423,11 +444,11 @@ def test_kvcache_bad_input_raises_and_writes_nothing(device, case):
         vc = kc
     elif case == "expanded cache with append":       # one row of memory behind every sequence
         kc = kc[:1].expand(2, 16, 2, 32)
-    before = (kc.clone(), vc.clone())
-    with pytest.raises((ValueError, TypeError)) as info:
+    before = [t.clone() for t in (kc, vc, kw.get("k_cache_scale"), kw.get("v_cache_scale")) if t is not None]
+    with pytest.raises((ValueError, TypeError), match=rf"^{BAD_KVCACHE[case]}: .*expected"):
         lanekit.flash_attn_with_kvcache(q, kc, vc, **kw)
-    assert ":" in str(info.value) and "expected" in str(info.value)
-    assert torch.equal(kc, before[0]) and torch.equal(vc, before[1])
+    after = [t for t in (kc, vc, kw.get("k_cache_scale"), kw.get("v_cache_scale")) if t is not None]
+    assert all(torch.equal(a, b) for a, b in zip(after, before))
 
 
 def test_strided_index_tensors_are_read_as_their_values(device):
@@ -484,7 +505,8 @@ def test_reference_lane_takes_an_empty_batch_and_float64(device):
 
 
 @pytest.mark.parametrize("case", ["cu_seqlens not ending at total", "decreasing", "longer than max_seqlen",
-                                  "int64 cu_seqlens", "batch mismatch", "block_table too short"])
+                                  "int64 cu_seqlens", "batch mismatch", "block_table too short",
+                                  "max_seqlen_q a float"])
 def test_varlen_bad_input_raises_a_clear_error(device, case):
     q, k, v, cq, ck = varlen_inputs(device, [2, 3], [4, 4], Hq=2, Hkv=2, D=16)
     args = [q, k, v, cq, ck, 3, 4]
@@ -503,6 +525,8 @@ def test_varlen_bad_input_raises_a_clear_error(device, case):
         args[1] = k.reshape(4, 2, 2, 16)
         args[2] = v.reshape(4, 2, 2, 16)
         kw["block_table"] = torch.tensor([[0], [1]], dtype=torch.int32, device=device)
-    with pytest.raises((ValueError, TypeError)) as info:
+    elif case == "max_seqlen_q a float":
+        args[5] = 3.0
+    with pytest.raises(TypeError if case == "max_seqlen_q a float" else (ValueError, TypeError)) as info:
         lanekit.flash_attn_varlen_func(*args, **kw)
     assert "expected" in str(info.value)

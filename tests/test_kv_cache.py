@@ -5,6 +5,8 @@ bad input, and (GPU) more than 2^31 elements."""
 
 import math
 
+import numpy as np
+
 import pytest
 import torch
 
@@ -385,6 +387,30 @@ def test_bad_writes_name_the_argument_and_modify_nothing(device, change, quantiz
         assert torch.equal(args[k], v), k
 
 
+@pytest.mark.parametrize("case, arg", [
+    ("v_cache is k_cache", "v_cache"), ("one tensor for both scales", "v_cache_scale"),
+    ("an expanded cache", "k_cache"), ("key inside k_cache", "k_cache"),
+])
+def test_writes_into_memory_written_twice_or_read_are_refused_and_modify_nothing(device, case, arg):
+    # each would write an element twice (the values over the keys, or the v scales over the k
+    # scales), or overwrite the key being read
+    args = _write_args(device, torch.int8 if "scales" in case else None)
+    if case == "v_cache is k_cache":
+        args["v_cache"] = args["k_cache"]
+    elif case == "one tensor for both scales":
+        args["v_cache_scale"] = args["k_cache_scale"]
+    elif case == "an expanded cache":
+        args["k_cache"] = args["k_cache"][:1].expand(4, 3, 2, 16)
+    else:
+        args["key"] = args["k_cache"].view(12, 2, 16)[7:]
+    before = {k: v.clone() for k, v in args.items()}
+    for lane in LANES:
+        with pytest.raises(ValueError, match=rf"^{arg}: expected"):
+            KV.reshape_and_cache(**args, lane=lane)
+        for k, v in before.items():
+            assert torch.equal(args[k], v), k
+
+
 def _gather_args(device):
     k_cache = torch.zeros(4, 3, 2, 16, dtype=torch.bfloat16, device=device)
     return dict(k_cache=k_cache, v_cache=k_cache.clone(),
@@ -448,6 +474,17 @@ def test_bad_standalone_calls_name_the_argument(device, call, arg, error):
         call(x)
 
 
+def test_a_sequence_id_may_be_any_hashable_value_and_numpy_or_tensor_ints_count_as_ints(device):
+    cache = KV.PagedKVCache(8, 2, 1, 16, device=device)
+    assert cache.append(("req", 2), 3).tolist() == [0, 1, 2]        # a tuple is one id
+    assert cache.sequences == [("req", 2)] and cache.seq_len(("req", 2)) == 3
+    assert cache.append([("req", 2), "x"], [np.int64(1), 2]).tolist() == [3, 4, 5]   # a list holds several
+    assert cache.append(np.int64(7), 1).tolist() == [6]
+    assert cache.append(torch.tensor([7]), [1]).tolist() == [7]     # the same sequence 7
+    assert cache.sequences == [("req", 2), "x", 7] and cache.seq_len(7) == 2
+    assert cache.cache_seqlens(torch.tensor(7)).tolist() == [2] and cache.cache_seqlens(range(0)).tolist() == []
+
+
 def test_bad_paged_kv_cache_calls_name_the_argument_and_change_nothing(device):
     with pytest.raises(ValueError, match="^page_size: "):
         KV.PagedKVCache(4, 0, 2, 16, device=device)
@@ -461,6 +498,10 @@ def test_bad_paged_kv_cache_calls_name_the_argument_and_change_nothing(device):
         cache.append([1, 1], [1, 1])
     with pytest.raises(TypeError, match="^num_tokens: "):
         cache.append(1, 2.0)
+    with pytest.raises(TypeError, match="^seq_ids: "):
+        cache.append([[1]], [2])
+    with pytest.raises(ValueError, match="^lane: "):
+        KV.PagedKVCache(4, 2, 2, 16, device=device, lane="bogus")
     with pytest.raises(ValueError, match="^n: "):
         cache.trim(0, 4)
     with pytest.raises(ValueError, match="^seq_id: "):

@@ -10,18 +10,13 @@ from lanekit.attention import op as _lanes
 from lanekit.kv_cache.api import _CODE_DTYPES, _caches as _kv_caches
 from lanekit.runtime import tuning
 from lanekit.runtime.lanes import select_lane, triton_interpreted
-from lanekit.runtime.validate import check_writable
+from lanekit.runtime.validate import check_apart, check_writable, is_int, is_real
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
 
 
 _FP32_MAX = 3.4028234663852886e38
-
-
-def _is_real(x) -> bool:
-    """An int or float, and not a bool (True would silently mean 1.0)."""
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
 def _check_tensor(name: str, t, ndim: int | tuple[int, ...], dtypes=None):
@@ -67,13 +62,13 @@ def _check_kv_like_q(q: torch.Tensor, *named) -> None:
 def _options(D: int, Sq: int, Sk: int, dropout_p, softmax_scale, softcap, causal, window_size):
     """Check the scalar options of the attention functions; returns (softmax_scale, left, right)
     with the default scale filled in and the causal mask folded into the window."""
-    if not (_is_real(dropout_p) and 0.0 <= dropout_p < 1.0):
+    if not (is_real(dropout_p) and 0.0 <= dropout_p < 1.0):
         raise ValueError(f"dropout_p: expected a float in [0, 1), got {dropout_p!r}")
     if softmax_scale is None:
         softmax_scale = D ** -0.5
-    elif not (_is_real(softmax_scale) and math.isfinite(softmax_scale) and abs(softmax_scale) < _FP32_MAX):
+    elif not (is_real(softmax_scale) and math.isfinite(softmax_scale) and abs(softmax_scale) < _FP32_MAX):
         raise ValueError(f"softmax_scale: expected a finite float (fp32 range) or None, got {softmax_scale!r}")
-    if not (_is_real(softcap) and softcap >= 0 and math.isfinite(softcap)):
+    if not (is_real(softcap) and softcap >= 0 and math.isfinite(softcap)):
         raise ValueError(f"softcap: expected a finite float >= 0, got {softcap!r}")
     if not isinstance(causal, bool):
         raise TypeError(f"causal: expected a bool, got {type(causal).__name__}")
@@ -349,9 +344,11 @@ def _cu_seqlens_values(name: str, vals: list[int], total: int, max_seqlen: int) 
 
 
 def _nonneg_int(name: str, value) -> int:
-    if not (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
+    if not is_int(value):
+        raise TypeError(f"{name}: expected an int >= 0, got {type(value).__name__}")
+    if value < 0:
         raise ValueError(f"{name}: expected an int >= 0, got {value!r}")
-    return value
+    return int(value)
 
 
 def flash_attn_varlen_func(
@@ -597,7 +594,8 @@ def flash_attn_with_kvcache(
             ``rotary_interleaved`` (GPT-J's (2i, 2i + 1), the default as in FlashAttention) or
             NeoX's (i, i + rotary_dim / 2).
         cache_seqlens: (B,) int32, or an int for every sequence: tokens already cached (the end
-            position, leftpad included). Default: S_cache (a full contiguous cache).
+            position, leftpad included). Required with new k, v or a block_table (as in
+            FlashAttention); else the default is S_cache (a full contiguous cache).
         cache_batch_idx: (B,) int32: the cache row of sequence b (contiguous caches only);
             distinct rows when k, v are appended. Default b.
         cache_leftpad: (B,) int32: the position where sequence b's keys start (left padding).
@@ -622,15 +620,19 @@ def flash_attn_with_kvcache(
     Returns:
         out (B, Sq, Hq, Dv) in q's dtype; with ``return_softmax_lse``, ``(out, softmax_lse)``,
         softmax_lse (B, Hq, Sq) fp32 natural log, -inf for a row that sees no key. The same for
-        every num_splits up to rounding.
+        every num_splits up to rounding. Forward only, as FlashAttention's: the output carries no
+        autograd graph (train through :func:`flash_attn_func` or :func:`flash_attn_varlen_func`).
 
     Raises:
-        TypeError: a non-tensor, an unsupported dtype, index tensors not int32.
+        TypeError: a non-tensor, an unsupported dtype, index tensors not int32, a num_splits
+            or cache_seqlens of another type.
         ValueError: wrong shapes; cache_seqlens, cache_leftpad or a new token past the cache's
-            capacity (S_cache, or max_pages * page_size) or negative; leftpad past cache_seqlens;
-            a page that does not exist; repeated cache_batch_idx rows with an append; with an
-            append, a cache (or scale) whose elements share memory (an expanded view) or that
-            overlaps q, k or v, and v_cache the same elements as k_cache; rotary
+            capacity (S_cache, or max_pages * page_size) or negative; cache_seqlens None with
+            k, v; leftpad past cache_seqlens; a page that does not exist; repeated
+            cache_batch_idx rows with an append; with an append, two new tokens for one paged
+            slot, a cache (or scale) whose elements share memory (an expanded view) or that
+            overlaps q, k or v, and two of the written tensors (caches, scales) starting at
+            the same element (one tensor passed for both); rotary
             positions past S_ro; scales missing or superfluous; num_splits outside 0..128;
             max_seqlen_k below a sequence's key count (outside a capture) or negative; and
             the errors of :func:`flash_attn_func`. Index values are read back to check them (one
@@ -670,9 +672,8 @@ def flash_attn_with_kvcache(
                         ("v_cache_scale", v_cache_scale)):
             if t is not None:
                 check_writable(name, t, q, k, v)
-        if k_cache.numel() and (k_cache.data_ptr(), k_cache.stride()) == (v_cache.data_ptr(), v_cache.stride()):
-            raise ValueError("v_cache: expected memory of its own (the new values would overwrite the new "
-                             "keys), got the same elements as k_cache")
+        check_apart(("k_cache", k_cache), ("v_cache", v_cache), ("k_cache_scale", k_cache_scale),
+                    ("v_cache_scale", v_cache_scale))
     if paged:
         _check_tensor("block_table", block_table, 2, (torch.int32,))
         if block_table.shape[0] != B or block_table.device != q.device:
@@ -682,23 +683,29 @@ def flash_attn_with_kvcache(
             raise ValueError("cache_batch_idx: expected None with a block_table (the table names "
                              "each sequence's pages), got a tensor")
         capacity = block_table.shape[1] * S_cache
+        of_table = f", block_table's {block_table.shape[1]} pages of {S_cache}"
     else:
-        capacity = S_cache
+        capacity, of_table = S_cache, ""
         if cache_batch_idx is not None:
             _index_vector("cache_batch_idx", cache_batch_idx, B, q.device)
         elif n_rows != B:
             raise ValueError(f"k_cache: expected {B} rows (q's batch) without cache_batch_idx, got {n_rows}")
     if cache_seqlens is None:
-        if paged:
-            raise ValueError("cache_seqlens: expected a (B,) int32 tensor or an int with a block_table, got None")
-        cache_seqlens = S_cache - S_new
-    if isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
+        if paged or S_new:
+            raise ValueError("cache_seqlens: expected a (B,) int32 tensor or an int "
+                             f"{'with a block_table' if paged else 'with new k, v (where they go)'}, got None")
+        cache_seqlens = S_cache
+    if is_int(cache_seqlens):
+        cache_seqlens = int(cache_seqlens)
         if not 0 <= cache_seqlens <= capacity - S_new:
-            raise ValueError(f"cache_seqlens: expected 0..{capacity - S_new} (capacity {capacity} less "
+            raise ValueError(f"cache_seqlens: expected 0..{capacity - S_new} (capacity {capacity}{of_table} less "
                              f"{S_new} new tokens), got {cache_seqlens}")
         cache_seqlens = torch.full((B,), cache_seqlens, dtype=torch.int32, device=q.device)
-    else:
+    elif isinstance(cache_seqlens, torch.Tensor):
         _index_vector("cache_seqlens", cache_seqlens, B, q.device)
+    else:
+        raise TypeError(f"cache_seqlens: expected a (B,) int32 tensor, an int or None, got "
+                        f"{type(cache_seqlens).__name__}")
     if cache_leftpad is not None:
         _index_vector("cache_leftpad", cache_leftpad, B, q.device)
     rotary_dim = 0
@@ -715,8 +722,12 @@ def flash_attn_with_kvcache(
             raise ValueError(f"rotary_cos: expected rotary_dim = 2 * shape[1] in 2..{D} (the head dim), got {rotary_dim}")
     if not isinstance(rotary_interleaved, bool):
         raise TypeError(f"rotary_interleaved: expected a bool, got {type(rotary_interleaved).__name__}")
-    if not (isinstance(num_splits, int) and not isinstance(num_splits, bool) and 0 <= num_splits <= MAX_SPLITS):
+    if not is_int(num_splits):
+        raise TypeError(f"num_splits: expected an int in 0..{MAX_SPLITS} (0: a heuristic), got "
+                        f"{type(num_splits).__name__}")
+    if not 0 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits: expected an int in 0..{MAX_SPLITS} (0: a heuristic), got {num_splits!r}")
+    num_splits = int(num_splits)
     softmax_scale, left, right = _options(D, Sq, capacity, 0.0, softmax_scale, softcap, causal, window_size)
     alibi_slopes = _alibi(alibi_slopes, B, Hq, q.device)
 
@@ -762,7 +773,8 @@ def _check_cache_values(cache_seqlens, cache_leftpad, cache_batch_idx, block_tab
     sequence's key count after the append (the used length)."""
     seqlens = cache_seqlens.cpu().to(torch.int64)
     ends = seqlens + S_new
-    if seqlens.numel() and (int(seqlens.min()) < 0 or int(ends.max()) > capacity):
+    # (a paged cache's capacity is its table's width: _check_pages names block_table)
+    if seqlens.numel() and (int(seqlens.min()) < 0 or (block_table is None and int(ends.max()) > capacity)):
         raise ValueError(f"cache_seqlens: expected 0 <= cache_seqlens and cache_seqlens + {S_new} new "
                          f"tokens <= the capacity {capacity}, got {seqlens.tolist()[:16]}")
     starts = torch.zeros_like(seqlens)
@@ -780,6 +792,13 @@ def _check_cache_values(cache_seqlens, cache_leftpad, cache_batch_idx, block_tab
                              f"sequences would write one row), got {rows.tolist()[:16]}")
     if block_table is not None:
         _check_pages(block_table, ends.to(block_table.device), n_rows, page_size)
+        if S_new and seqlens.numel():
+            pos = seqlens[:, None] + torch.arange(S_new)                     # (B, S_new) written
+            slots = block_table.cpu().to(torch.int64).gather(1, pos // page_size) * page_size + pos % page_size
+            if slots.unique().numel() != slots.numel():
+                raise ValueError("block_table: expected every appended token its own slot (two would race "
+                                 "for one), got pages that the new tokens of two sequences (or of one, a "
+                                 "page listed twice) share")
     if S_ro is not None:
         top = int((seqlens + max(S_new, Sq if bounded else 1)).max()) if seqlens.numel() else 0
         if top > S_ro:

@@ -21,11 +21,12 @@ from __future__ import annotations
 import heapq
 from collections.abc import Hashable, Iterable
 
+import numpy as np
 import torch
 
 from lanekit.kv_cache import op as _lanes
 from lanekit.runtime.lanes import select_lane
-from lanekit.runtime.validate import shape as _shape, tensor as _tensor
+from lanekit.runtime.validate import check_apart, check_writable, is_int, shape as _shape, tensor as _tensor
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _CODE_DTYPES = (torch.int8, torch.float8_e4m3fn)
@@ -34,9 +35,9 @@ _INT_INDEX = (torch.int32, torch.int64)
 
 
 def _int(name: str, value, low: int = 0) -> int:
-    if not (isinstance(value, int) and not isinstance(value, bool) and value >= low):
+    if not (is_int(value) and value >= low):
         raise ValueError(f"{name}: expected an int >= {low}, got {value!r}")
-    return value
+    return int(value)
 
 
 def _caches(k_cache, v_cache, k_cache_scale, v_cache_scale, float64: bool = False) -> bool:
@@ -113,7 +114,9 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Ten
         TypeError: a non-tensor; an unsupported dtype; key of another dtype than a values cache.
         ValueError: shapes that do not match, a slot out of range or repeated, scales missing
             for codes or given for values, a scale <= 0 or not finite, tensors on different
-            devices. Nothing is written then.
+            devices; a cache or cache scale whose elements share memory (an expanded view), that
+            overlaps an input, or that starts where another of them does (one tensor passed for
+            both). Nothing is written then.
 
     Source: vLLM's ``reshape_and_cache_flash`` (slot_mapping, padding slots) into FlashAttention's
     paged layout; per-(token, head) scales and the rounding are lanekit's (docs/semantics.md).
@@ -128,6 +131,12 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Ten
     _shape("value", value, (N, H, Dv), "(N, Hkv, Dv), N as key's, Hkv and Dv as v_cache's")
     _tensor("slot_mapping", slot_mapping, dtypes=_INT_INDEX, ndim=1, like=k_cache)
     _shape("slot_mapping", slot_mapping, (N,), "(N,), one slot per token of key")
+    written = (("k_cache", k_cache), ("v_cache", v_cache), ("k_cache_scale", k_cache_scale),
+               ("v_cache_scale", v_cache_scale))
+    for name, t in written:  # each element once, into no input
+        if t is not None:
+            check_writable(name, t, key, value, slot_mapping, k_scale, v_scale)
+    check_apart(*written)
     used = slot_mapping[slot_mapping >= 0]
     if used.numel():
         top = int(used.max())
@@ -351,8 +360,9 @@ class PagedKVCache:
 
     The tensors are FlashAttention's paged layout (see this module's docstring): ``k_cache`` and
     ``v_cache`` (num_blocks, page_size, Hkv, D), and for a codes cache ``k_scale`` and ``v_scale``
-    (num_blocks, page_size, Hkv) fp32. Sequences, by any hashable id, own pages taken from the pool
-    as they grow (:meth:`append`) and give them back when they shrink or end (:meth:`trim`,
+    (num_blocks, page_size, Hkv) fp32. Sequences, by any hashable id (an int, a str, a tuple such
+    as (request, beam); methods taking ``seq_ids`` take one id or a list of them), own pages taken
+    from the pool as they grow (:meth:`append`) and give them back when they shrink or end (:meth:`trim`,
     :meth:`free`). The pool hands out its lowest-numbered free page first, which keeps the pages in
     use close together: decode reads pages spread over a whole large pool a little slower than
     pages near each other (on an H200, pages of 16 shuffled over 4 GiB about 1.5% slower than in
@@ -366,8 +376,13 @@ class PagedKVCache:
                              dtype=torch.bfloat16, device="cuda")
         slots = cache.append([0, 1], [37, 5])       # prefill two sequences: 42 slots
         cache.write(k_new, v_new, slots)            # k_new, v_new: (42, 8, 128)
-        table, lens = cache.block_table([0, 1]), cache.cache_seqlens([0, 1])
         k, v = cache.gather([0, 1])                 # (2, 37, 8, 128) each, zero-padded
+        # a decode step: the lengths before it, room for the new token, then the kernel writes it
+        lens = cache.cache_seqlens([0, 1])
+        cache.append([0, 1], [1, 1])
+        out = lanekit.flash_attn_with_kvcache(q, cache.k_cache, cache.v_cache, k1, v1,
+                                              cache_seqlens=lens, block_table=cache.block_table([0, 1]),
+                                              k_cache_scale=cache.k_scale, v_cache_scale=cache.v_scale)
         cache.trim(0, 7); cache.free(1)
     """
 
@@ -386,7 +401,7 @@ class PagedKVCache:
             lane: passed to every operation (None: by device).
 
         Raises:
-            ValueError: a size < 1. TypeError: an unsupported dtype or kv_dtype.
+            ValueError: a size < 1, an unknown lane. TypeError: an unsupported dtype or kv_dtype.
         """
         for name, v in (("num_blocks", num_blocks), ("page_size", page_size),
                         ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
@@ -395,6 +410,7 @@ class PagedKVCache:
             raise TypeError(f"dtype: expected one of {[str(d) for d in _DTYPES]}, got {dtype!r}")
         if kv_dtype is not None and kv_dtype not in _CODE_DTYPES:
             raise TypeError(f"kv_dtype: expected None, torch.int8 or torch.float8_e4m3fn, got {kv_dtype!r}")
+        select_lane(torch.device(device), lane)  # an unknown lane fails here, not at the first write
         self.page_size, self.dtype, self.kv_dtype, self.lane = page_size, dtype, kv_dtype, lane
         shape = (num_blocks, page_size, num_kv_heads, head_dim)
         self.k_cache = torch.zeros(shape, dtype=kv_dtype or dtype, device=device)
@@ -444,8 +460,24 @@ class PagedKVCache:
         return seq_id
 
     def _ids(self, seq_ids, *, known: bool) -> list:
-        """A list of distinct ids from one id (an int or a str) or an iterable of ids."""
-        ids = [seq_ids] if isinstance(seq_ids, (int, str)) else list(seq_ids)
+        """A list of distinct ids: several from a list, range, set, 1-D tensor or array (anything
+        iterable and not hashable); else ``seq_ids`` is one id, any hashable value, a tuple such
+        as (request, beam) included. NumPy and tensor integers stand for the ints they equal."""
+        if isinstance(seq_ids, (torch.Tensor, np.ndarray)):
+            ids = seq_ids.tolist()
+            ids = ids if isinstance(ids, list) else [ids]
+        elif isinstance(seq_ids, range) or not isinstance(seq_ids, Hashable):
+            try:
+                ids = list(seq_ids)
+            except TypeError:
+                raise TypeError(f"seq_ids: expected an id (a hashable value) or a list of ids, got "
+                                f"{type(seq_ids).__name__}") from None
+        else:
+            ids = [seq_ids]
+        ids = [int(s) if isinstance(s, np.integer) else s for s in ids]
+        for s in ids:
+            if not isinstance(s, Hashable):
+                raise TypeError(f"seq_ids: expected hashable ids, got a {type(s).__name__}")
         if len(set(ids)) != len(ids):
             raise ValueError(f"seq_ids: expected distinct ids, got {ids}")
         if known:
@@ -466,7 +498,7 @@ class PagedKVCache:
                 changed then. ValueError: ids repeated, counts negative or of another length.
         """
         ids = self._ids(seq_ids, known=False)
-        if isinstance(num_tokens, int):
+        if is_int(num_tokens):
             counts = [num_tokens]
         else:
             try:
@@ -476,8 +508,7 @@ class PagedKVCache:
                                 f"{type(num_tokens).__name__}") from None
         if len(counts) != len(ids):
             raise ValueError(f"num_tokens: expected one count per id ({len(ids)}), got {len(counts)}")
-        for n in counts:
-            _int("num_tokens", n, 0)
+        counts = [_int("num_tokens", n, 0) for n in counts]
         ps = self.page_size
         need = [-(-(self._lengths.get(s, 0) + n) // ps) - len(self._pages.get(s, ()))
                 for s, n in zip(ids, counts)]

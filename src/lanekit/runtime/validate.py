@@ -44,6 +44,21 @@ def check_writable(name: str, out: torch.Tensor, *inputs: torch.Tensor | None):
                              f"input), got a view that partly overlaps one of them")
 
 
+def check_apart(*named: tuple[str, torch.Tensor | None]) -> None:
+    """The tensors one call writes, as (name, tensor) pairs (None: not written), start at distinct
+    elements: one tensor passed for two outputs (or views of it that start together) would have
+    one element written twice. Outputs interleaved in one buffer, such as the k and v halves of a
+    (..., 2, Hkv, D) cache, start apart and pass."""
+    first = {}
+    for name, t in named:
+        if t is None or t.numel() == 0:
+            continue
+        if t.data_ptr() in first:
+            raise ValueError(f"{name}: expected memory of its own (both are written), got the memory "
+                             f"of {first[t.data_ptr()]}")
+        first[t.data_ptr()] = name
+
+
 def tensor(name: str, t, *, dtypes=None, ndim=None, like: torch.Tensor | None = None):
     """Check that t is a tensor of an accepted dtype and rank, on ``like``'s device."""
     if not isinstance(t, torch.Tensor):
