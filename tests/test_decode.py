@@ -395,6 +395,7 @@ BAD_KVCACHE = {
     "cache_seqlens a float": "cache_seqlens", "no cache_seqlens with append": "cache_seqlens",
     "v_cache is k_cache with append": "v_cache", "one tensor for both scales with append": "v_cache_scale",
     "expanded cache with append": "k_cache", "two sequences append into one page": "block_table",
+    "an append over another sequence's cached token": "block_table",
 }
 
 
@@ -434,6 +435,9 @@ def test_kvcache_bad_input_raises_and_writes_nothing(device, case):
     elif case == "two sequences append into one page":       # both new tokens at slot 3 of page 0
         kw["block_table"] = torch.tensor([[0], [0]], dtype=torch.int32, device=device)
         kw["cache_seqlens"] = torch.tensor([3, 3], dtype=torch.int32, device=device)
+    elif case == "an append over another sequence's cached token":   # slot 3 of page 0 holds sequence 1's token 3
+        kw["block_table"] = torch.tensor([[0], [0]], dtype=torch.int32, device=device)
+        kw["cache_seqlens"] = torch.tensor([3, 5], dtype=torch.int32, device=device)
     elif case == "k without v":
         kw["v"] = None
     elif case == "codes without scales":
@@ -449,6 +453,30 @@ def test_kvcache_bad_input_raises_and_writes_nothing(device, case):
         lanekit.flash_attn_with_kvcache(q, kc, vc, **kw)
     after = [t for t in (kc, vc, kw.get("k_cache_scale"), kw.get("v_cache_scale")) if t is not None]
     assert all(torch.equal(a, b) for a, b in zip(after, before))
+
+
+@pytest.mark.parametrize("lane", LANES)
+def test_sequences_sharing_full_prefix_pages_append_into_their_own(device, lane):
+    # pages 0 and 1 hold a 32-token prefix both sequences read; each appends into a page of its own
+    # (one at its start, one partway), which the checks against racing writes must let through
+    g = gen(8)
+    q = randn(2, 1, 4, 32, dtype=torch.float16, device=device, generator=g)
+    kc = randn(5, 16, 2, 32, dtype=torch.float16, device=device, generator=g)
+    vc = randn(5, 16, 2, 32, dtype=torch.float16, device=device, generator=g)
+    k = randn(2, 1, 2, 32, dtype=torch.float16, device=device, generator=g)
+    v = randn(2, 1, 2, 32, dtype=torch.float16, device=device, generator=g)
+    table = torch.tensor([[0, 1, 2], [0, 1, 4]], dtype=torch.int32, device=device)
+    seqlens = torch.tensor([32, 37], dtype=torch.int32, device=device)
+    want_k, want_v = kc.clone(), vc.clone()
+    want_k[2, 0], want_v[2, 0], want_k[4, 5], want_v[4, 5] = k[0, 0], v[0, 0], k[1, 0], v[1, 0]
+    want = [ref.flash_attn(upcast(q[b:b + 1]), upcast(ref.paged_to_dense(want_k, table[b].cpu(), n)[None]),
+                           upcast(ref.paged_to_dense(want_v, table[b].cpu(), n)[None]), softmax_scale=32 ** -0.5)[0]
+            for b, n in enumerate((33, 38))]
+    with poisoned_outputs():
+        out = lanekit.flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=seqlens, block_table=table, lane=lane)
+    assert torch.equal(kc, want_k) and torch.equal(vc, want_v)
+    for b in range(2):
+        assert_close(out[b:b + 1], want[b], "attention_fwd")
 
 
 def test_strided_index_tensors_are_read_as_their_values(device):

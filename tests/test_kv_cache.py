@@ -476,13 +476,14 @@ def test_bad_standalone_calls_name_the_argument(device, call, arg, error):
 
 def test_a_sequence_id_may_be_any_hashable_value_and_numpy_or_tensor_ints_count_as_ints(device):
     cache = KV.PagedKVCache(8, 2, 1, 16, device=device)
-    assert cache.append(("req", 2), 3).tolist() == [0, 1, 2]        # a tuple is one id
+    assert cache.append(("req", 2), 3).tolist() == [0, 1, 2]        # a tuple is one id: a list holds several
     assert cache.sequences == [("req", 2)] and cache.seq_len(("req", 2)) == 3
     assert cache.append([("req", 2), "x"], [np.int64(1), 2]).tolist() == [3, 4, 5]   # a list holds several
     assert cache.append(np.int64(7), 1).tolist() == [6]
     assert cache.append(torch.tensor([7]), [1]).tolist() == [7]     # the same sequence 7
     assert cache.sequences == [("req", 2), "x", 7] and cache.seq_len(7) == 2
     assert cache.cache_seqlens(torch.tensor(7)).tolist() == [2] and cache.cache_seqlens(range(0)).tolist() == []
+    assert cache.cache_seqlens(s for s in ("x", 7)).tolist() == [2, 2]   # any other iterable holds several
 
 
 def test_bad_paged_kv_cache_calls_name_the_argument_and_change_nothing(device):

@@ -10,7 +10,7 @@ from lanekit.attention import op as _lanes
 from lanekit.kv_cache.api import _CODE_DTYPES, _caches as _kv_caches
 from lanekit.runtime import tuning
 from lanekit.runtime.lanes import select_lane, triton_interpreted
-from lanekit.runtime.validate import check_apart, check_writable, is_int, is_real
+from lanekit.runtime.validate import check_outputs, is_int, is_real
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
@@ -480,6 +480,32 @@ def _check_pages(block_table: torch.Tensor, seqlens: torch.Tensor, num_blocks: i
                          f"where a sequence has tokens, got {int(pages.min())}..{int(pages.max())}")
 
 
+def _check_appended_slots(block_table: torch.Tensor, seqlens: torch.Tensor, S_new: int, page_size: int) -> None:
+    """The S_new tokens appended to each sequence (at seqlens[b] + t, pages checked to exist) land
+    in slots no other appended token takes and where no sequence holds a cached token (its
+    positions below seqlens): pages shared by prefix (full pages, read only) pass. Computed on the
+    table's device; one value read back."""
+    pos = seqlens[:, None] + torch.arange(S_new, device=seqlens.device)              # (B, S_new)
+    page = block_table.gather(1, pos // page_size).to(torch.int64).flatten()
+    offset = (pos % page_size).flatten()
+    slots, counts = (page * page_size + offset).unique(return_counts=True)
+    if bool((counts > 1).any()):
+        twice = int(slots[counts > 1][0])
+        raise ValueError(f"block_table: expected every appended token its own slot (two would race for "
+                         f"one), got slot {twice} (page {twice // page_size}, offset {twice % page_size}) twice")
+    # cached tokens in each listed page; a page written at an offset below that many is overwritten
+    held = (seqlens[:, None] - page_size * torch.arange(block_table.shape[1], device=seqlens.device)).clamp(0, page_size)
+    pages, inverse = page.unique(return_inverse=True)
+    lowest = torch.full_like(pages, page_size).scatter_reduce(0, inverse, offset, "amin")  # per written page
+    at = torch.searchsorted(pages, block_table.to(torch.int64)).clamp(max=pages.numel() - 1)
+    clash = (pages[at] == block_table) & (lowest[at] < held)
+    if bool(clash.any()):
+        b, i = (int(x) for x in clash.nonzero()[0])
+        raise ValueError(f"block_table: expected appended tokens in slots no sequence holds a cached "
+                         f"token in, got page {int(block_table[b, i])} (sequence {b}'s page {i}, "
+                         f"{int(held[b, i])} cached tokens) written at offset {int(lowest[at[b, i]])}")
+
+
 MAX_SPLITS = 128
 
 
@@ -627,12 +653,13 @@ def flash_attn_with_kvcache(
         TypeError: a non-tensor, an unsupported dtype, index tensors not int32, a num_splits
             or cache_seqlens of another type.
         ValueError: wrong shapes; cache_seqlens, cache_leftpad or a new token past the cache's
-            capacity (S_cache, or max_pages * page_size) or negative; cache_seqlens None with
-            k, v; leftpad past cache_seqlens; a page that does not exist; repeated
-            cache_batch_idx rows with an append; with an append, two new tokens for one paged
-            slot, a cache (or scale) whose elements share memory (an expanded view) or that
-            overlaps q, k or v, and two of the written tensors (caches, scales) starting at
-            the same element (one tensor passed for both); rotary
+            capacity (S_cache; for a paged cache, block_table's pages: named block_table) or
+            negative; cache_seqlens None with k, v; leftpad past cache_seqlens; a page that does
+            not exist; repeated cache_batch_idx rows with an append; with an append, a paged
+            slot written twice or where a sequence's cached token lies (a page shared beyond
+            its cached tokens), a cache (or scale) whose elements share memory (an expanded
+            view) or that overlaps q, k or v, and two of the written tensors (caches, scales)
+            starting at the same element (one tensor passed for both); rotary
             positions past S_ro; scales missing or superfluous; num_splits outside 0..128;
             max_seqlen_k below a sequence's key count (outside a capture) or negative; and
             the errors of :func:`flash_attn_func`. Index values are read back to check them (one
@@ -667,13 +694,9 @@ def flash_attn_with_kvcache(
             if tuple(t.shape) != (B, S_new, Hkv, d) or t.device != q.device:
                 raise ValueError(f"{name}: expected shape ({B}, S_new, {Hkv}, {d}) on {q.device} (q's batch, "
                                  f"the cache's heads and head dim), got {tuple(t.shape)} on {t.device}")
-        # the append writes the caches (and their scales) in place: each element once, into no input
-        for name, t in (("k_cache", k_cache), ("v_cache", v_cache), ("k_cache_scale", k_cache_scale),
-                        ("v_cache_scale", v_cache_scale)):
-            if t is not None:
-                check_writable(name, t, q, k, v)
-        check_apart(("k_cache", k_cache), ("v_cache", v_cache), ("k_cache_scale", k_cache_scale),
-                    ("v_cache_scale", v_cache_scale))
+        if S_new:  # the append writes the caches (and their scales) in place: each element once, into no input
+            check_outputs((("k_cache", k_cache), ("v_cache", v_cache), ("k_cache_scale", k_cache_scale),
+                           ("v_cache_scale", v_cache_scale)), q, k, v)
     if paged:
         _check_tensor("block_table", block_table, 2, (torch.int32,))
         if block_table.shape[0] != B or block_table.device != q.device:
@@ -683,9 +706,8 @@ def flash_attn_with_kvcache(
             raise ValueError("cache_batch_idx: expected None with a block_table (the table names "
                              "each sequence's pages), got a tensor")
         capacity = block_table.shape[1] * S_cache
-        of_table = f", block_table's {block_table.shape[1]} pages of {S_cache}"
     else:
-        capacity, of_table = S_cache, ""
+        capacity = S_cache
         if cache_batch_idx is not None:
             _index_vector("cache_batch_idx", cache_batch_idx, B, q.device)
         elif n_rows != B:
@@ -697,8 +719,12 @@ def flash_attn_with_kvcache(
         cache_seqlens = S_cache
     if is_int(cache_seqlens):
         cache_seqlens = int(cache_seqlens)
+        if paged and cache_seqlens + S_new > capacity:  # as _check_pages words it
+            raise ValueError(f"block_table: expected at least {-(-(cache_seqlens + S_new) // S_cache)} pages "
+                             f"per row for {cache_seqlens + S_new} tokens of page_size {S_cache}, got "
+                             f"{block_table.shape[1]}")
         if not 0 <= cache_seqlens <= capacity - S_new:
-            raise ValueError(f"cache_seqlens: expected 0..{capacity - S_new} (capacity {capacity}{of_table} less "
+            raise ValueError(f"cache_seqlens: expected 0..{capacity - S_new} (capacity {capacity} less "
                              f"{S_new} new tokens), got {cache_seqlens}")
         cache_seqlens = torch.full((B,), cache_seqlens, dtype=torch.int32, device=q.device)
     elif isinstance(cache_seqlens, torch.Tensor):
@@ -737,8 +763,9 @@ def flash_attn_with_kvcache(
             cache_seqlens, cache_leftpad, cache_batch_idx, block_table, S_new, capacity, n_rows, S_cache,
             Sq, rotary_cos.shape[0] if rotary_cos is not None else None, left >= 0 or right >= 0)
     if max_seqlen_k is not None:
-        if not isinstance(max_seqlen_k, int) or isinstance(max_seqlen_k, bool):
+        if not is_int(max_seqlen_k):
             raise TypeError(f"max_seqlen_k: expected an int or None, got {type(max_seqlen_k).__name__}")
+        max_seqlen_k = int(max_seqlen_k)
         if max_seqlen_k < 0 or (max_used is not None and max_seqlen_k < max_used):
             raise ValueError(f"max_seqlen_k: expected at least every sequence's key count after the append "
                              f"({max_used if max_used is not None else 0}), got {max_seqlen_k}")
@@ -793,12 +820,7 @@ def _check_cache_values(cache_seqlens, cache_leftpad, cache_batch_idx, block_tab
     if block_table is not None:
         _check_pages(block_table, ends.to(block_table.device), n_rows, page_size)
         if S_new and seqlens.numel():
-            pos = seqlens[:, None] + torch.arange(S_new)                     # (B, S_new) written
-            slots = block_table.cpu().to(torch.int64).gather(1, pos // page_size) * page_size + pos % page_size
-            if slots.unique().numel() != slots.numel():
-                raise ValueError("block_table: expected every appended token its own slot (two would race "
-                                 "for one), got pages that the new tokens of two sequences (or of one, a "
-                                 "page listed twice) share")
+            _check_appended_slots(block_table, seqlens.to(block_table.device), S_new, page_size)
     if S_ro is not None:
         top = int((seqlens + max(S_new, Sq if bounded else 1)).max()) if seqlens.numel() else 0
         if top > S_ro:

@@ -26,7 +26,7 @@ import torch
 
 from lanekit.kv_cache import op as _lanes
 from lanekit.runtime.lanes import select_lane
-from lanekit.runtime.validate import check_apart, check_writable, is_int, shape as _shape, tensor as _tensor
+from lanekit.runtime.validate import check_outputs, is_int, shape as _shape, tensor as _tensor
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _CODE_DTYPES = (torch.int8, torch.float8_e4m3fn)
@@ -35,7 +35,9 @@ _INT_INDEX = (torch.int32, torch.int64)
 
 
 def _int(name: str, value, low: int = 0) -> int:
-    if not (is_int(value) and value >= low):
+    if not is_int(value):
+        raise TypeError(f"{name}: expected an int >= {low}, got {type(value).__name__}")
+    if value < low:
         raise ValueError(f"{name}: expected an int >= {low}, got {value!r}")
     return int(value)
 
@@ -131,14 +133,10 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Ten
     _shape("value", value, (N, H, Dv), "(N, Hkv, Dv), N as key's, Hkv and Dv as v_cache's")
     _tensor("slot_mapping", slot_mapping, dtypes=_INT_INDEX, ndim=1, like=k_cache)
     _shape("slot_mapping", slot_mapping, (N,), "(N,), one slot per token of key")
-    written = (("k_cache", k_cache), ("v_cache", v_cache), ("k_cache_scale", k_cache_scale),
-               ("v_cache_scale", v_cache_scale))
-    for name, t in written:  # each element once, into no input
-        if t is not None:
-            check_writable(name, t, key, value, slot_mapping, k_scale, v_scale)
-    check_apart(*written)
     used = slot_mapping[slot_mapping >= 0]
     if used.numel():
+        check_outputs((("k_cache", k_cache), ("v_cache", v_cache), ("k_cache_scale", k_cache_scale),
+                       ("v_cache_scale", v_cache_scale)), key, value, slot_mapping, k_scale, v_scale)
         top = int(used.max())
         if top >= blocks * page_size:
             raise ValueError(f"slot_mapping: expected slots below num_blocks * page_size = "
@@ -460,21 +458,16 @@ class PagedKVCache:
         return seq_id
 
     def _ids(self, seq_ids, *, known: bool) -> list:
-        """A list of distinct ids: several from a list, range, set, 1-D tensor or array (anything
-        iterable and not hashable); else ``seq_ids`` is one id, any hashable value, a tuple such
-        as (request, beam) included. NumPy and tensor integers stand for the ints they equal."""
-        if isinstance(seq_ids, (torch.Tensor, np.ndarray)):
-            ids = seq_ids.tolist()
-            ids = ids if isinstance(ids, list) else [ids]
-        elif isinstance(seq_ids, range) or not isinstance(seq_ids, Hashable):
-            try:
-                ids = list(seq_ids)
-            except TypeError:
-                raise TypeError(f"seq_ids: expected an id (a hashable value) or a list of ids, got "
-                                f"{type(seq_ids).__name__}") from None
-        else:
+        """A list of distinct ids: one id is a str, bytes, a tuple (such as (request, beam)) or any
+        hashable value that is not iterable; anything else iterable (a list, range, generator,
+        tensor or array) holds several. NumPy and 0-d tensor integers stand for the ints they equal."""
+        if (isinstance(seq_ids, (str, bytes, tuple)) or not isinstance(seq_ids, Iterable)
+                or (isinstance(seq_ids, (torch.Tensor, np.ndarray)) and seq_ids.ndim == 0)):
             ids = [seq_ids]
-        ids = [int(s) if isinstance(s, np.integer) else s for s in ids]
+        else:
+            ids = list(seq_ids)
+        ids = [int(s) if isinstance(s, np.integer) or (isinstance(s, torch.Tensor) and s.dim() == 0
+                                                       and not s.is_floating_point()) else s for s in ids]
         for s in ids:
             if not isinstance(s, Hashable):
                 raise TypeError(f"seq_ids: expected hashable ids, got a {type(s).__name__}")
@@ -541,10 +534,10 @@ class PagedKVCache:
         ids = self._ids(seq_ids, known=True)
         widest = max((len(self._pages[s]) for s in ids), default=0)
         width = widest if max_pages is None else max_pages
-        if not (isinstance(width, int) and width >= widest):
+        if not (is_int(width) and width >= widest):
             raise ValueError(f"max_pages: expected an int >= {widest} (the most pages a sequence holds), "
                              f"got {max_pages!r}")
-        table = torch.zeros(len(ids), width, dtype=torch.int32)
+        table = torch.zeros(len(ids), int(width), dtype=torch.int32)
         for b, s in enumerate(ids):
             table[b, : len(self._pages[s])] = torch.tensor(self._pages[s], dtype=torch.int32)
         return table.to(self.device)
@@ -574,9 +567,9 @@ class PagedKVCache:
         """Drop the last ``n`` tokens of ``seq_id`` (0 <= n <= its length); pages left empty go
         back to the pool. The sequence stays, possibly empty."""
         length = self._lengths[self._known(seq_id)]
-        if not (isinstance(n, int) and not isinstance(n, bool) and 0 <= n <= length):
+        if not (is_int(n) and 0 <= n <= length):
             raise ValueError(f"n: expected an int in [0, {length}] (the length of sequence {seq_id!r}), got {n!r}")
-        keep = length - n
+        keep = length - int(n)
         pages = self._pages[seq_id]
         kept = -(-keep // self.page_size)
         for page in pages[kept:]:

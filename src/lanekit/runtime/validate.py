@@ -44,15 +44,17 @@ def check_writable(name: str, out: torch.Tensor, *inputs: torch.Tensor | None):
                              f"input), got a view that partly overlaps one of them")
 
 
-def check_apart(*named: tuple[str, torch.Tensor | None]) -> None:
-    """The tensors one call writes, as (name, tensor) pairs (None: not written), start at distinct
-    elements: one tensor passed for two outputs (or views of it that start together) would have
-    one element written twice. Outputs interleaved in one buffer, such as the k and v halves of a
-    (..., 2, Hkv, D) cache, start apart and pass."""
+def check_outputs(outputs: tuple[tuple[str, torch.Tensor | None], ...], *inputs: torch.Tensor | None) -> None:
+    """The tensors one call writes, as (name, tensor) pairs (None: not written): each passes
+    check_writable against the inputs, and no two start at the same element (one tensor passed
+    for two outputs, or views of it that start together, would have elements written twice).
+    Outputs that start apart are not compared further: the k and v halves of one (..., 2, Hkv, D)
+    or (2, num_blocks, ...) buffer pass, and so would views made to overlap partway."""
     first = {}
-    for name, t in named:
+    for name, t in outputs:
         if t is None or t.numel() == 0:
             continue
+        check_writable(name, t, *inputs)
         if t.data_ptr() in first:
             raise ValueError(f"{name}: expected memory of its own (both are written), got the memory "
                              f"of {first[t.data_ptr()]}")
