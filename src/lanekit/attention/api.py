@@ -10,7 +10,7 @@ from lanekit.attention import op as _lanes
 from lanekit.kv_cache.api import _CODE_DTYPES, _caches as _kv_caches
 from lanekit.runtime import tuning
 from lanekit.runtime.lanes import select_lane, triton_interpreted
-from lanekit.runtime.validate import check_outputs, is_int, is_real
+from lanekit.runtime.validate import check_outputs, int_at_least, is_int, is_real
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
@@ -343,14 +343,6 @@ def _cu_seqlens_values(name: str, vals: list[int], total: int, max_seqlen: int) 
                          f"got one of {max(lengths)}")
 
 
-def _nonneg_int(name: str, value) -> int:
-    if not is_int(value):
-        raise TypeError(f"{name}: expected an int >= 0, got {type(value).__name__}")
-    if value < 0:
-        raise ValueError(f"{name}: expected an int >= 0, got {value!r}")
-    return int(value)
-
-
 def flash_attn_varlen_func(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -427,8 +419,8 @@ def flash_attn_varlen_func(
     if tuple(v.shape[:-1]) != tuple(k.shape[:-1]):
         raise ValueError(f"v: expected {tuple(k.shape[:-1]) + ('Dv',)} (k's leading dimensions), got {tuple(v.shape)}")
     _check_heads(q.shape, D, Dv, Hq, Hkv)
-    max_seqlen_q = _nonneg_int("max_seqlen_q", max_seqlen_q)
-    max_seqlen_k = _nonneg_int("max_seqlen_k", max_seqlen_k)
+    max_seqlen_q = int_at_least("max_seqlen_q", max_seqlen_q)
+    max_seqlen_k = int_at_least("max_seqlen_k", max_seqlen_k)
     B = _cu_seqlens("cu_seqlens_q", cu_seqlens_q, None, q.device)
     _cu_seqlens("cu_seqlens_k", cu_seqlens_k, B, q.device)
     if not _capturing():  # both read back in one transfer: one device sync

@@ -26,20 +26,12 @@ import torch
 
 from lanekit.kv_cache import op as _lanes
 from lanekit.runtime.lanes import select_lane
-from lanekit.runtime.validate import check_outputs, is_int, shape as _shape, tensor as _tensor
+from lanekit.runtime.validate import check_outputs, int_at_least, is_int, shape as _shape, tensor as _tensor
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _CODE_DTYPES = (torch.int8, torch.float8_e4m3fn)
 _CACHE_DTYPES = _DTYPES + _CODE_DTYPES
 _INT_INDEX = (torch.int32, torch.int64)
-
-
-def _int(name: str, value, low: int = 0) -> int:
-    if not is_int(value):
-        raise TypeError(f"{name}: expected an int >= {low}, got {type(value).__name__}")
-    if value < low:
-        raise ValueError(f"{name}: expected an int >= {low}, got {value!r}")
-    return int(value)
 
 
 def _caches(k_cache, v_cache, k_cache_scale, v_cache_scale, float64: bool = False) -> bool:
@@ -403,7 +395,7 @@ class PagedKVCache:
         """
         for name, v in (("num_blocks", num_blocks), ("page_size", page_size),
                         ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
-            _int(name, v, 1)
+            int_at_least(name, v, 1)
         if dtype not in _DTYPES:
             raise TypeError(f"dtype: expected one of {[str(d) for d in _DTYPES]}, got {dtype!r}")
         if kv_dtype is not None and kv_dtype not in _CODE_DTYPES:
@@ -501,7 +493,7 @@ class PagedKVCache:
                                 f"{type(num_tokens).__name__}") from None
         if len(counts) != len(ids):
             raise ValueError(f"num_tokens: expected one count per id ({len(ids)}), got {len(counts)}")
-        counts = [_int("num_tokens", n, 0) for n in counts]
+        counts = [int_at_least("num_tokens", n) for n in counts]
         ps = self.page_size
         need = [-(-(self._lengths.get(s, 0) + n) // ps) - len(self._pages.get(s, ()))
                 for s, n in zip(ids, counts)]

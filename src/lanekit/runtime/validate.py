@@ -18,6 +18,16 @@ def is_int(x) -> bool:
     return isinstance(x, numbers.Integral) and not isinstance(x, (bool, np.bool_))
 
 
+def int_at_least(name: str, value, low: int = 0) -> int:
+    """``value`` as a Python int: a TypeError unless an int (Python's or NumPy's, not a bool), a
+    ValueError if below ``low``."""
+    if not is_int(value):
+        raise TypeError(f"{name}: expected an int >= {low}, got {type(value).__name__}")
+    if value < low:
+        raise ValueError(f"{name}: expected an int >= {low}, got {value!r}")
+    return int(value)
+
+
 def _span(t: torch.Tensor) -> tuple[int, int]:
     """[first, last] byte of t's elements in memory."""
     last = sum((n - 1) * st for n, st in zip(t.shape, t.stride()) if n > 0)
