@@ -458,13 +458,19 @@ def flash_attn_varlen_func(
     return out
 
 
+def _check_table_width(tokens: int, page_size: int, max_pages: int) -> None:
+    """A block_table row of ``max_pages`` pages holds the longest sequence's ``tokens``."""
+    if -(-tokens // page_size) > max_pages:
+        raise ValueError(f"block_table: expected at least {-(-tokens // page_size)} pages per row for "
+                         f"{tokens} tokens of page_size {page_size}, got {max_pages}")
+
+
 def _check_pages(block_table: torch.Tensor, seqlens: torch.Tensor, num_blocks: int, page_size: int) -> None:
     """Every page that sequence b's first seqlens[b] tokens use is listed and exists (a device sync)."""
     max_pages = block_table.shape[1]
+    if seqlens.numel():
+        _check_table_width(int(seqlens.max()), page_size, max_pages)
     needed = (seqlens.to(torch.int64) + page_size - 1) // page_size
-    if needed.numel() and int(needed.max()) > max_pages:
-        raise ValueError(f"block_table: expected at least {int(needed.max())} pages per row for "
-                         f"{int(seqlens.max())} tokens of page_size {page_size}, got {max_pages}")
     used = torch.arange(max_pages, device=block_table.device)[None, :] < needed[:, None]
     pages = block_table[used]
     if pages.numel() and (int(pages.min()) < 0 or int(pages.max()) >= num_blocks):
@@ -711,10 +717,8 @@ def flash_attn_with_kvcache(
         cache_seqlens = S_cache
     if is_int(cache_seqlens):
         cache_seqlens = int(cache_seqlens)
-        if paged and cache_seqlens + S_new > capacity:  # as _check_pages words it
-            raise ValueError(f"block_table: expected at least {-(-(cache_seqlens + S_new) // S_cache)} pages "
-                             f"per row for {cache_seqlens + S_new} tokens of page_size {S_cache}, got "
-                             f"{block_table.shape[1]}")
+        if paged:
+            _check_table_width(cache_seqlens + S_new, S_cache, block_table.shape[1])
         if not 0 <= cache_seqlens <= capacity - S_new:
             raise ValueError(f"cache_seqlens: expected 0..{capacity - S_new} (capacity {capacity} less "
                              f"{S_new} new tokens), got {cache_seqlens}")
