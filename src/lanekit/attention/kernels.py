@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from lanekit.common.numerics import tanh as _tanh
+
 from lanekit.runtime import alloc, tuning
 from lanekit.runtime.lanes import triton_interpreted
 
@@ -174,17 +176,6 @@ def _paged_rows(bt_row, offs_n, n_in, page_size, stride_kpage, stride_kn, stride
     page = _page_ids(bt_row, offs_n, n_in, page_size)
     return (_page_offsets(page, offs_n, page_size, stride_kpage, stride_kn),
             _page_offsets(page, offs_n, page_size, stride_vpage, stride_vn))
-
-
-@triton.jit
-def _tanh(x):
-    # No libdevice call, so the same on every target and in the interpreter. Below |x| = 1/8 an
-    # odd Taylor polynomial (truncation < 2e-10); above, 1 - 2 / (exp(2x) + 1), exact at +-inf,
-    # whose absolute error (~1e-7) would swamp tanh(x) ~ x for small x.
-    x2 = x * x
-    small = x * (1.0 + x2 * (-0.3333333333333333 + x2 * (0.13333333333333333 + x2 * -0.05396825396825397)))
-    big = 1.0 - 2.0 / (tl.math.exp2(x * 2.8853900817779268) + 1.0)
-    return tl.where(tl.abs(x) < 0.125, small, big)
 
 
 # Lengths, window sizes and the RNG state change from call to call: not specializing them keeps one

@@ -23,6 +23,9 @@ import torch
 import triton
 import triton.language as tl
 
+from lanekit.common.numerics import (max_nan as _max_nan, power_of_two as _power_of_two, quantize as _quantize,
+                                     reciprocal_power as _reciprocal_power, unit_exponent as _unit_exponent)
+
 from lanekit.runtime import tuning
 from lanekit.runtime.alloc import empty
 from lanekit.runtime.lanes import triton_interpreted
@@ -487,22 +490,6 @@ def _rotary_kernel(
         tl.store(o_rows + offs_d[None, :] * stride_od, rest.to(OUT.dtype.element_ty), mask=rest_mask)
 
 
-@triton.jit
-def _quantize(x, qmax, QUANT: tl.constexpr, CLAMP: tl.constexpr = True):
-    """x / scale to the code format: int8 rounds to nearest even and clamps to [-128, 127]; fp8
-    clamps to +-qmax, and the cast rounds to nearest even. CLAMP=False: x known in range."""
-    if QUANT == 1:
-        # round to nearest even: adding and subtracting 1.5 * 2^23 leaves an fp32 |x| < 2^22
-        # rounded to an integer by the hardware's own rounding (the launcher forbids contraction)
-        r = (x + 12582912.0) - 12582912.0
-        if CLAMP:
-            r = tl.minimum(tl.maximum(r, -128.0), 127.0)
-        return r
-    if CLAMP:
-        x = tl.minimum(tl.maximum(x, -qmax), qmax)
-    return x
-
-
 # --------------------------------------------------------------------------------------------
 # QK-norm: RMSNorm per head, RoPE, and optionally per-(token, head) quantization, of q and k in
 # one launch
@@ -573,11 +560,6 @@ def _mean(ss, D, BLOCK_D: tl.constexpr, POW2_D: tl.constexpr):
 
 
 @triton.jit
-def _max_nan(x, y):
-    return tl.maximum(x, y, propagate_nan=tl.PropagateNan.ALL)
-
-
-@triton.jit
 def _abs_max(a, bb, rest, HAS_REST: tl.constexpr):
     """max |x| over the features (axis 1) of a, bb [and rest], per row; NaN where one is NaN (as
     torch.amax: the hardware's max would drop it)."""
@@ -585,30 +567,6 @@ def _abs_max(a, bb, rest, HAS_REST: tl.constexpr):
     if HAS_REST:
         m = _max_nan(m, tl.reduce(tl.abs(rest), 1, _max_nan))
     return m
-
-
-@triton.jit
-def _unit_exponent(m):
-    """The k in [-126, 126] for which fp32 m >= 0 times 2^k lies in [1, 2) (k = 126 for 0 and
-    subnormal m, -126 for m >= 2^126 and NaN), from m's exponent bits; as
-    reference.layers.unit_exponent."""
-    e = (m.to(tl.int32, bitcast=True) >> 23) & 0xFF
-    return tl.where(e == 0, 126, tl.minimum(tl.maximum(127 - e, -126), 126))
-
-
-@triton.jit
-def _power_of_two(k):
-    """2^k in fp32 for int32 k in [-126, 127], from its exponent bits."""
-    return ((k + 127) << 23).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _reciprocal_power(p):
-    """1 / p for a power of two p = 2^k, k in [-126, 126] (exponent field k + 127 -> 127 - k).
-    (Its two callers could take _power_of_two(-k) instead, k being at hand: tried on 2026-12-03,
-    the same tests passed natively, but the fast path read 0.3% slower on the H200, `benchmarks.ab`
-    qk_norm_rope_quant e4m3 3467-3471 GB/s against 3478-3479, sm90 registers moving by 2; kept.)"""
-    return ((254 << 23) - p.to(tl.int32, bitcast=True)).to(tl.float32, bitcast=True)
 
 
 @triton.jit

@@ -7,7 +7,7 @@ New tokens are written at slots (vLLM's ``slot_mapping``): slot = page * page_si
 negative slot is padding, skipped. A quantized cache holds int8 or fp8 e4m3 codes and one fp32 scale
 per (slot, head), (num_blocks, page_size, Hkv): the value is codes * scale.
 
-Quantization is specified bit for bit (as ``lanekit.reference.layers.quantize_per_head``): the
+Quantization is specified bit for bit (as ``lanekit.reference.numerics.quantize_per_head``): the
 input is taken in fp32 (exact for fp16, bf16 and fp32 inputs), scale = amax / qmax per (token, head)
 (qmax 127 for int8, 448 for e4m3; 1 for an all-zero row) unless scales are given, and codes = x /
 scale correctly rounded, then rounded half to even and clamped ([-128, 127] for int8, +-448 for e4m3,
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from lanekit.reference.layers import quantize_per_head, to_codes
+from lanekit.reference.numerics import quantize_per_head, to_codes
 
 F32 = torch.float32
 
@@ -30,7 +30,7 @@ F32 = torch.float32
 def quantize_kv(x: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | None = None):
     """Per-row symmetric quantization of x (..., D) to ``dtype`` (int8 or float8_e4m3fn).
 
-    Without ``scale``: :func:`lanekit.reference.layers.quantize_per_head` of x in fp32. With
+    Without ``scale``: :func:`lanekit.reference.numerics.quantize_per_head` of x in fp32. With
     ``scale`` (broadcastable to x.shape[:-1], > 0): codes = round-half-even(x / scale) clamped,
     and that scale returned (expanded to x.shape[:-1], fp32). Returns (codes, scale)."""
     v = x.to(F32)

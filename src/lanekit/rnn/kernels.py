@@ -23,6 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
+from lanekit.common.numerics import sigmoid as _sigmoid, tanh as _tanh
+
 from lanekit.runtime import alloc, tuning
 from lanekit.runtime.lanes import triton_interpreted
 from lanekit.runtime.tuning import TileConfig
@@ -33,23 +35,6 @@ if triton_interpreted():
     fix_interpreter()  # also: interpreted bf16 outputs round as on the GPU (one step holds)
 
 MAX_GRID_Y = 65535  # CUDA's limit on grid dimension 1 (blocks of hidden units)
-
-
-@triton.jit
-def _sigmoid(x):
-    # 1 / (1 + e^-x) with exp2; e^-x overflows to +inf for x < -88, giving exactly 0
-    return 1.0 / (1.0 + tl.math.exp2(x * -1.4426950408889634))
-
-
-@triton.jit
-def _tanh(x):
-    # No libdevice call, so the same on every target and in the interpreter. 1 - 2 / (e^2x + 1) is
-    # exact at +-inf but its absolute error (~1e-7) swamps tanh(x) ~ x near 0: below |x| = 1/8 the
-    # odd Taylor series to x^7 is used (truncation error < 2e-10).
-    x2 = x * x
-    small = x * (1.0 + x2 * (-0.3333333333333333 + x2 * (0.13333333333333333 + x2 * -0.05396825396825397)))
-    big = 1.0 - 2.0 / (tl.math.exp2(x * 2.8853900817779268) + 1.0)
-    return tl.where(tl.abs(x) < 0.125, small, big)
 
 
 @triton.jit

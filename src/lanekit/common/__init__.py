@@ -1,0 +1,1 @@
+"""Numerics several families share: ``numerics`` (Triton); the oracles' side is ``lanekit.reference.numerics``."""
