@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 import lanekit.layers as L
 from lanekit.reference import layers as ref
-from lanekit.runtime.lanes import get_op
+from lanekit.families import get_op
 from lanekit.testing import compare, upcast
 
 UNIT = "GB/s"

@@ -12,9 +12,9 @@ from hypothesis import strategies as st
 
 import lanekit
 from lanekit import check
-from lanekit.ops import attention_case
+from lanekit.attention.registry import attention_case
 from lanekit.reference import attention as ref
-from lanekit.runtime.lanes import get_op
+from lanekit.families import get_op
 from lanekit.testing import assert_close, poisoned_outputs, randn, upcast
 
 OP = get_op("flash_attn_func")

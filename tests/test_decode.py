@@ -251,9 +251,9 @@ def test_power_of_two_pages_with_left_padding_match_the_oracle(device, quant, ah
     # ahead (NVIDIA) or in the block's own step (AMD: tuning.kvcache_pages_ahead); each split
     # walks several blocks, so the pages carried into the next step are used
     from lanekit import check
-    from lanekit.ops import kvcache_case
+    from lanekit.attention.registry import kvcache_case
     from lanekit.runtime import tuning
-    from lanekit.runtime.lanes import get_op
+    from lanekit.families import get_op
 
     monkeypatch.setattr(tuning, "kvcache_pages_ahead", lambda device: ahead)
 
@@ -267,8 +267,8 @@ def test_whole_block_pages_with_a_window_and_splits_match_the_oracle(device):
     # pages of 64 hold whole key blocks (one lookup a block, loaded a step ahead); the window
     # starts mid-block, so the first block of a split is rounded down to its block start
     from lanekit import check
-    from lanekit.ops import kvcache_case
-    from lanekit.runtime.lanes import get_op
+    from lanekit.attention.registry import kvcache_case
+    from lanekit.families import get_op
 
     sample = kvcache_case("page 64 window splits 2", device, page_size=64, window_size=(45, 0),
                           seqlens=(150, 100), capacity=192, num_splits=2)

@@ -8,7 +8,7 @@ import pytest
 from lanekit import matrix
 from lanekit.check import CheckRun, LaneResult, OutputResult, SampleResult
 from lanekit.cli import main
-from lanekit.runtime.lanes import registry
+from lanekit.families import registry
 from lanekit.runtime.targets import TARGETS
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"

@@ -13,10 +13,10 @@ import torch
 import lanekit
 import lanekit.kv_cache as KV
 from lanekit import check
-from lanekit.ops import E4M3_TIES, INT8_TIES
+from lanekit.kv_cache.registry import E4M3_TIES, INT8_TIES
 from lanekit.reference import attention as ref_attn
 from lanekit.reference import kv_cache as ref
-from lanekit.runtime.lanes import registry
+from lanekit.families import registry
 from lanekit.testing import assert_close, poisoned_outputs, randn
 
 LANES = ["triton", "reference"]

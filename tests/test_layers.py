@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 
 import lanekit.layers as L
 from lanekit.reference import layers as ref
-from lanekit.testing import TOLERANCES, assert_close, poisoned_outputs, randn
+from lanekit.layers.registry import NORM
+from lanekit.testing import assert_close, poisoned_outputs, randn
 
 LANES = ["triton", "reference"]
 
@@ -244,7 +245,7 @@ def _assert_quant_matches(got, expected):
             tiny = torch.finfo(torch.float32).tiny
             unit = torch.exp2(torch.floor(torch.log2(e.abs().clamp_min(tiny)))) * 2.0 ** -23
             steps = ((o - e).abs() / unit).max().item() if e.numel() else 0.0
-            allowed = TOLERANCES["norm"].steps_for(torch.float32)
+            allowed = NORM.steps_for(torch.float32)
             assert steps <= allowed, f"{name}: {steps:.2f} steps off (allowed {allowed})"
 
 

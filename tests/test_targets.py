@@ -17,7 +17,7 @@ import triton
 
 from lanekit import export, matrix
 from lanekit.cli import main
-from lanekit.runtime.lanes import get_op
+from lanekit.families import get_op
 from lanekit.runtime.targets import GPU_TARGETS, TARGETS, Report, judge
 
 REPO = Path(__file__).resolve().parents[1]
@@ -192,8 +192,10 @@ def test_committed_record_holds_every_launch_the_registered_samples_make_on_ever
     or a changed launcher make it stale); CI's `lanekit targets --check` compiles them all again."""
     out = _compiled_python("""
         import json
+        from lanekit.families import registry
         from lanekit.runtime.targets import TARGETS, capture
-        print(json.dumps(sorted([s.target, s.key, s.samples] for t in TARGETS for s in capture(t))))
+        ops = list(registry().values())
+        print(json.dumps(sorted([s.target, s.key, s.samples] for t in TARGETS for s in capture(t, ops))))
     """, tmp_path)
     captured = json.loads(out.splitlines()[-1])
     recorded = sorted([s["target"], s["key"], s["samples"]] for s in

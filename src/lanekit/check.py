@@ -26,9 +26,11 @@ from typing import Callable, Iterable
 
 import torch
 
-from lanekit.runtime.lanes import LANES, Op, Sample, registry, triton_interpreted
+from lanekit.families import registry
+from lanekit.runtime.lanes import LANES, triton_interpreted
+from lanekit.runtime.registry import Op, Sample
 from lanekit.runtime.tuning import arch_id
-from lanekit.testing import TOLERANCES, compare, poisoned_outputs, upcast
+from lanekit.testing import compare, poisoned_outputs, upcast
 
 RECORD_VERSION = 1
 
@@ -206,7 +208,7 @@ def check_sample(op: Op, lane: str, sample: Sample) -> SampleResult:
             c = compare(o, r, tolerance)
             outputs.append(OutputResult(name, c.steps, c.allowed_steps, c.ok, c.detail))
         except Exception as e:  # noqa: BLE001 (e.g. an integer output where floats were expected)
-            outputs.append(OutputResult(name, math.nan, TOLERANCES[tolerance].ulps, False,
+            outputs.append(OutputResult(name, math.nan, tolerance.ulps, False,
                                         f"{type(e).__name__}: {e}"))
     error = f"modified its input {', '.join(modified)}" if modified else ""
     ok = not modified and all(o.ok for o in outputs)

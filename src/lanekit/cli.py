@@ -217,7 +217,7 @@ def _in_compiled_process(args, argv) -> int:
     runs in a child process without it. Bad op names are reported here first."""
     import subprocess
 
-    from lanekit.runtime.lanes import get_op
+    from lanekit.families import get_op
 
     try:
         for name in getattr(args, "op", None) or ():
@@ -242,7 +242,7 @@ def _export(args) -> int:
     from pathlib import Path
 
     from lanekit import export
-    from lanekit.runtime.lanes import get_op
+    from lanekit.families import get_op
 
     try:
         for name in args.op or ():

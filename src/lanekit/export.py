@@ -1,8 +1,9 @@
 """Ahead-of-time export for GPU targets, and the compile record behind docs/targets.md.
 
 ``lanekit export --target T --out DIR`` compiles every canonical specialization of every kernel
-(``lanekit.runtime.targets.capture``) for T, with no GPU, and writes per kernel its binaries
-(``<key>.cubin`` or ``<key>.hsaco``) and a manifest ``<kernel>.json``. ``lanekit targets`` does
+(``lanekit.runtime.targets.capture``, handed every op of ``lanekit.families``) for T, with no
+GPU, and writes per kernel its binaries (``<key>.cubin`` or ``<key>.hsaco``) and a manifest
+``<kernel>.json``. ``lanekit targets`` does
 the same for every target without writing binaries, and records the compiler's report in
 docs/targets.json, from which docs/targets.md is rendered; ``lanekit targets --check`` (run by CI)
 compiles again and fails when a kernel no longer compiles, or when anything in the report moved.
@@ -23,8 +24,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Callable, Iterable
 
-from lanekit.runtime.targets import (GPU_TARGETS, MATRIX_ALLOWANCES, SPILL_ALLOWANCES, SPILL_BUDGET, TARGETS,
-                                     UNSUPPORTED, Report, Specialization)
+from lanekit import families
+from lanekit.runtime.targets import GPU_TARGETS, SPILL_BUDGET, TARGETS, UNSUPPORTED, Report, Specialization
 
 RECORD_VERSION = 1
 RECORD_FILE = "targets.json"
@@ -47,12 +48,15 @@ def compile_all(targets: Iterable[str], ops: Iterable[str] | None = None, *, job
                 binaries: bool = False, progress: Callable[[int, int], None] | None = None,
                 keep: Callable[[Specialization], bool] | None = None):
     """Capture and compile for each target: a list of (Specialization, Report, binary or None).
-    ``keep``: compile only the specializations it accepts."""
+    ``ops``: op names (default: every registered op). ``keep``: compile only the specializations
+    it accepts."""
     from lanekit.runtime.targets import capture
 
     global _SPECS
-    ops = list(ops) if ops is not None else None
-    specs = [spec for target in targets for spec in capture(target, ops) if keep is None or keep(spec)]
+    chosen = [families.get_op(name) for name in ops] if ops is not None else list(families.registry().values())
+    allowances = families.allowances()
+    specs = [spec for target in targets for spec in capture(target, chosen, allowances)
+             if keep is None or keep(spec)]
     _SPECS = specs
     results: list = [None] * len(specs)
     jobs = max(1, jobs or os.cpu_count() or 1)
@@ -156,7 +160,7 @@ def render(data: dict) -> str:
         "",
         f"Every kernel compiled ahead of time for each GPU target, on a machine with no GPU, by Triton "
         f"{data['triton']}: the canonical specializations are the launches that the registered samples "
-        "of every op make (`lanekit.runtime.targets.capture`), configured with that target's tuning rows. "
+        "of every op make (`lanekit.runtime.targets.capture`, handed every op of `lanekit.families`), configured with that target's tuning rows. "
         f"Generated from `docs/{RECORD_FILE}`; to refresh both, {REGENERATE}. "
         "`tests/test_targets.py` fails when either is out of date, and CI (`lanekit targets --check`) "
         "compiles everything again and fails when a kernel stops compiling or its report moves. "
@@ -181,6 +185,7 @@ def render(data: dict) -> str:
                 cells.append(f"compiled ({len(group) - len(lacking)})"
                              + (f", unsupported ({len(lacking)})" if lacking else ""))
         lines.append(_row(cells))
+    allowed = families.allowances()
     lines += [
         "",
         "compiled (n): its n specializations compiled, and each passed the checks below. "
@@ -193,11 +198,11 @@ def render(data: dict) -> str:
         "`v_wmma` on gfx1151 and gfx1201, wave32, in the AMDGCN); its shared memory (LDS) fits the "
         "target (" + ", ".join(f"{t.name} {_kib(t.max_shared)}" for t in GPU_TARGETS.values()) + "); "
         f"it spills no more than {SPILL_BUDGET} bytes per thread to scratch"
-        + ("" if not SPILL_ALLOWANCES else ", except: " + "; ".join(
-            f"`{k}` on {' and '.join(ts)}: {b} bytes ({why})" for (k, b, why), ts in _grouped(SPILL_ALLOWANCES)))
+        + ("" if not allowed.spills else ", except: " + "; ".join(
+            f"`{k}` on {' and '.join(ts)}: {b} bytes ({why})" for (k, b, why), ts in _grouped(allowed.spills)))
         + ". An fp32 `tl.dot` is not held to the matrix check (RDNA has no fp32 WMMA; fp32 is chosen "
         "for accuracy). Other matrix instructions accepted: " + "; ".join(
-            f"{', '.join(f'`{k}`' for k in ks)} on {t}: {why}" for (t, why), ks in _by_reason(MATRIX_ALLOWANCES))
+            f"{', '.join(f'`{k}`' for k in ks)} on {t}: {why}" for (t, why), ks in _by_reason(allowed.matrix))
         + ".",
     ]
     for target in TARGETS:

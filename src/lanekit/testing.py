@@ -4,13 +4,16 @@ The rule (DESIGN.md): the oracle runs in float64 on the same low-precision input
 when its largest error is within ``ulps`` steps of the output format at the output's magnitude, one
 step being the spacing of the output dtype at max |ref| (near 1.0: 0.00098 for fp16, 0.0078 for
 bf16; it doubles when the value doubles). NaN never passes; neither does a NaN or inf where the
-oracle has a finite value. Ops whose math cannot meet one step say why in :data:`TOLERANCES`.
+oracle has a finite value. An op whose math cannot meet one step says why in a tolerance of its
+own, beside its samples (``<family>/registry.py``); the shared ones are here.
 """
 
 from __future__ import annotations
 
 import math
+import zlib
 from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 
@@ -20,12 +23,13 @@ from lanekit.runtime.alloc import poisoned_outputs  # noqa: F401
 
 @dataclass(frozen=True)
 class Tolerance:
-    """Allowed error of one output, in steps of its format at max |ref|.
+    """Allowed error of one output, in steps of its format at max |ref|, under a readable ``name``.
 
     ``fp32_ulps`` replaces ``ulps`` when the output is fp32, whose step (2^-23 relative) is below
     the rounding of any reduction longer than a few terms.
     """
 
+    name: str
     ulps: float = 1.0
     fp32_ulps: float | None = None
     reason: str = "one step of the output format (the project's rule)"
@@ -37,114 +41,50 @@ class Tolerance:
         return self.ulps
 
 
-# Every exception to the one-step rule, with its reason, in one place.
-TOLERANCES: dict[str, Tolerance] = {
-    "exact": Tolerance(1.0),
-    "attention_fwd": Tolerance(
-        ulps=3.0,
-        fp32_ulps=64.0,
-        reason=(
-            "the probabilities P are rounded to the input format before the P.V product, as "
-            "FlashAttention does to run it on the tensor cores. That adds up to u_in * max|v| "
-            "(u_in: the input format's unit roundoff) on top of the final rounding: with "
-            "max|v| about 3 * max|out|, as for random inputs, one to two more steps; measured "
-            "up to 2.2 steps in bf16 (with an additive bias, whose largest probability is then "
-            "not exactly 1) and 1.4 without. fp32: the online softmax and the length-Sk sums "
-            "round at 2^-24 per term; 64 steps (2^-17 relative to max|out|) holds for Sk up to 64k."
-        ),
+# The tolerances several families' outputs share. An op whose math cannot meet one step has its own,
+# with the reason, beside its samples in <family>/registry.py (ATTENTION_FWD, NORM, RNN_BWD, ...).
+EXACT = Tolerance("exact", 1.0)
+
+ELTWISE = Tolerance(
+    name="eltwise",
+    ulps=1.0,
+    fp32_ulps=4.0,
+    reason=(
+        "an elementwise formula (RoPE, SwiGLU/GeGLU and their gradients) computed in fp32: "
+        "16-bit outputs are rounded once, within one step; fp32 outputs carry the rounding of "
+        "each of the formula's few fp32 operations: measured up to 2.1 steps on GLU gradients "
+        "with saturated gates (gate ~ N(0, 16)), where PyTorch in fp32 errs by 5.6 (SwiGLU) "
+        "and 9.5 (GeGLU tanh); four steps"
     ),
-    "attention_bwd": Tolerance(
-        ulps=6.0,
-        fp32_ulps=64.0,
-        reason=(
-            "dQ sums Sk products and dK, dV sum Sq of them (times the query heads sharing a KV "
-            "head), each with rounded factors: P and dS are rounded to the input format before "
-            "their products, as in FlashAttention, and Delta = rowsum(dO * O) uses the rounded "
-            "output. FlashAttention's rule for gradients is three times the error of the same "
-            "computation done by PyTorch in the same precision; on the registered samples that "
-            "PyTorch computation errs by up to 3.0 steps (fp16/bf16) and 7 steps (fp32), and "
-            "lanekit by up to 1.9 and 12.6. Six steps is twice PyTorch's worst; fp32 as the forward. "
-            "A fixed number of steps holds for these short rows only: over thousands of keys every "
-            "16-bit computation errs more (lanekit 6.4 steps on dQ at 4096 keys), so long rows are "
-            "held to the three-times-PyTorch rule itself (tests/test_attention_backward.py and "
-            "every benchmark case)."
-        ),
-    ),
-    "attention_dbias": Tolerance(
-        ulps=4.0,
-        fp32_ulps=64.0,
-        reason=(
-            "dBias = P * (dP - Delta), rounded to the bias's format: the difference cancels, and "
-            "Delta comes from the rounded output. PyTorch in the same precision errs by 2.3 steps "
-            "on the bias sample, lanekit by 1.8."
-        ),
-    ),
-    "eltwise": Tolerance(
-        ulps=1.0,
-        fp32_ulps=4.0,
-        reason=(
-            "an elementwise formula (RoPE, SwiGLU/GeGLU and their gradients) computed in fp32: "
-            "16-bit outputs are rounded once, within one step; fp32 outputs carry the rounding of "
-            "each of the formula's few fp32 operations: measured up to 2.1 steps on GLU gradients "
-            "with saturated gates (gate ~ N(0, 16)), where PyTorch in fp32 errs by 5.6 (SwiGLU) "
-            "and 9.5 (GeGLU tanh); four steps"
-        ),
-    ),
-    "norm": Tolerance(
-        ulps=1.0,
-        fp32_ulps=8.0,
-        reason=(
-            "16-bit outputs are one rounding of an fp32 result: one step. fp32 outputs carry the "
-            "rounding of the mean and mean square, sums of N fp32 terms in an order that depends on "
-            "the tile: measured up to 1.2 steps, also on rows of mean 100 at N=4096 and 20000 (the "
-            "mean is kept as an unevaluated sum of two fp32, where PyTorch in fp32 errs by 14 "
-            "steps); eight steps"
-        ),
-    ),
-    "layers_bwd": Tolerance(
-        ulps=1.0,
-        fp32_ulps=16.0,
-        reason=(
-            "16-bit gradients are one rounding of an fp32 result (measured at most 0.5 steps, where "
-            "PyTorch in the same precision errs by up to 1.9). fp32 gradients of the parameters "
-            "(dweight, dscale, dgate) are sums over rows in fp32, each term rounded at 2^-24: "
-            "measured up to 2.2 steps over 17 rows (PyTorch in fp32: 1.5); sixteen steps leaves "
-            "room for thousands of rows"
-        ),
-    ),
-    "codes": Tolerance(
-        ulps=0.0,
-        codes=True,
-        reason="quantized codes (int8, fp8) are specified bit for bit: they equal the oracle's",
-    ),
-    "lse": Tolerance(
-        ulps=1.0,
-        fp32_ulps=64.0,
-        reason="the LSE is an fp32 reduction over Sk terms: same bound as the fp32 attention output",
-    ),
-    "rnn_fwd": Tolerance(
-        ulps=1.0,
-        fp32_ulps=16.0,
-        reason=(
-            "h' and c' are computed in fp32 and rounded once, so fp16/bf16 meet one step (measured "
-            "up to 0.50). fp32: the gate pre-activations are fp32 sums of In + H products, and the "
-            "exp2-based sigmoid and tanh add a few fp32 ulps; measured up to 5.7 steps (In=200, "
-            "H=150), where PyTorch's own fp32 modules err by up to 21.8 steps on the same inputs."
-        ),
-    ),
-    "rnn_bwd": Tolerance(
-        ulps=2.0,
-        fp32_ulps=16.0,
-        reason=(
-            "the gate gradients are rounded to the input format before the matmuls that give "
-            "d(input), d(h), dW_ih and dW_hh (as PyTorch's modules do in fp16/bf16), and each of "
-            "those sums B or G*H rounded products. Measured up to 1.24 steps (fp16 dW_ih of the "
-            "Elman cell; bf16 up to 1.19) over odd sizes and six seeds, where PyTorch's modules in "
-            "the same precision err by up to 1.8 steps (3.1 for dc). fp32: measured up to 7.0 "
-            "steps (dinput, In=200, H=150), PyTorch's fp32 modules up to 7.9."
-        ),
-    ),
-}
+)
+
+CODES = Tolerance(
+    name="codes",
+    ulps=0.0,
+    codes=True,
+    reason="quantized codes (int8, fp8) are specified bit for bit: they equal the oracle's",
+)
+
+LSE = Tolerance(
+    name="lse",
+    ulps=1.0,
+    fp32_ulps=64.0,
+    reason="the LSE is an fp32 reduction over Sk terms: same bound as the fp32 attention output",
+)
+
+TOLERANCES: dict[str, Tolerance] = {t.name: t for t in (EXACT, ELTWISE, CODES, LSE)}
+
+
+def tolerance_named(name: str) -> Tolerance:
+    """The tolerance called ``name``: a shared one, or one that a family's registered op uses."""
+    if name in TOLERANCES:
+        return TOLERANCES[name]
+    from lanekit.families import tolerances   # the families' registries (no Triton import)
+
+    found = tolerances()
+    if name not in found:
+        raise ValueError(f"unknown tolerance {name!r}; there are {sorted(found)}")
+    return found[name]
 
 
 def ulp(dtype: torch.dtype, magnitude: float) -> float:
@@ -170,7 +110,7 @@ def compare(out: torch.Tensor, ref: torch.Tensor, tolerance: Tolerance | str = "
     ``dtype`` is the output format whose step is the unit (default: out's dtype). Positions where
     ref is -inf or +inf must hold the same infinity; NaN anywhere in out fails.
     """
-    tol = TOLERANCES[tolerance] if isinstance(tolerance, str) else tolerance
+    tol = tolerance_named(tolerance) if isinstance(tolerance, str) else tolerance
     dtype = dtype or out.dtype
     if tol.codes:
         return _compare_codes(out, ref)
@@ -219,6 +159,32 @@ def assert_close(out: torch.Tensor, ref: torch.Tensor, tolerance: Tolerance | st
     c = compare(out, ref, tolerance, dtype)
     assert c.ok, c.detail
     return c
+
+
+def generator(name: str, salt: str = "") -> torch.Generator:
+    """A CPU generator seeded by ``salt + name`` (CRC-32): a sample named ``name`` draws the same
+    inputs in every process and on every machine."""
+    return torch.Generator().manual_seed(zlib.crc32((salt + name).encode()))
+
+
+def noncontiguous(t: torch.Tensor) -> torch.Tensor:
+    """The same values as a view with a row stride twice the width (every other row of a buffer)."""
+    buf = torch.empty(*t.shape[:-1], 2 * t.shape[-1], dtype=t.dtype, device=t.device)
+    buf[..., : t.shape[-1]] = t
+    return buf[..., : t.shape[-1]]
+
+
+def with_output_grads(samples, grads) -> Iterator:
+    """Each sample (of a forward op) with the gradients of its outputs added to its kwargs, for
+    the op's backward samples. ``grads(kwargs)`` gives, in order, each gradient's name, shape and
+    a tensor whose dtype and device it takes; they are drawn in that order from
+    ``generator(sample.name, "dout ")``."""
+    for case in samples:
+        kw = dict(case.kwargs)
+        g = generator(case.name, "dout ")
+        for name, (shape, like) in grads(kw).items():
+            kw[name] = randn(*shape, dtype=like.dtype, device=like.device, generator=g)
+        yield type(case)(case.name, kw)
 
 
 def randn(*shape, dtype, device, generator=None, scale: float = 1.0) -> torch.Tensor:

@@ -5,8 +5,9 @@ is not present, so every target can be compiled for, and its assembly inspected,
 no GPU at all; that is how the AMD targets are kept honest.
 
 What gets compiled are each kernel's *canonical specializations*: the launches that the registered
-samples of every op (``lanekit.ops``) make through the Triton lane, as the launcher configures them
-for that target (its tuning rows, ``tuning.compiling_for``). :func:`capture` runs the samples'
+samples of the ops it is handed (``lanekit.export`` hands it every op of ``lanekit.families``) make
+through the Triton lane, as the launcher configures them for that target (its tuning rows,
+``tuning.compiling_for``). :func:`capture` runs the samples'
 host code with every kernel launch intercepted: instead of launching, Triton's own binder computes
 the specialization a real launch would compile (argument types, constexprs, the divisibility of
 pointers and integers), and it is recorded. :func:`compile_spec` then compiles one specialization
@@ -32,61 +33,26 @@ from typing import Iterable
 # NVIDIA Ampere and Hopper; AMD CDNA 3 (MI300), RDNA 3.5 (Strix Halo), RDNA 4.
 TARGETS: tuple[str, ...] = ("sm80", "sm90", "gfx942", "gfx1151", "gfx1201")
 
-# Scratch (spill) bytes per thread a kernel may use on a target: 0, except for the entries below,
-# each with its reason. Keyed by (kernel, target); the value is (bytes, reason).
+# Scratch (spill) bytes per thread a kernel may use on a target, unless its family allows more
+# (each family's SPILL_ALLOWANCES in <family>/tuning.py, gathered by lanekit.families.allowances).
 SPILL_BUDGET = 0
-_RDNA_FP32_D256 = ("fp32 at D=256: the q tile and the accumulator (block_m x 256 fp32 each) beside the k "
-                   "and v operands exceed wave32's 256 VGPRs at every tile down to 16x16 "
-                   "(benchmarks.tune_targets --sweep attn_fwd_fp32); fp32 at D=128 and the 16-bit forward "
-                   "do not spill")
-_RDNA_DKDV = ("dK and dV (block_n x D fp32 each) stay in registers beside the k and v operands: above D=64, "
-              "and in fp32, that exceeds wave32's 256 VGPRs at every tile down to 16x16 "
-              "(benchmarks.tune_targets --sweep attn_bwd_dkdv); the rows take the tile that spills least")
-_RDNA_DQ_FP32 = ("fp32 at D=256: dQ and the q tile (block_m x 256 fp32 each) beside the k and v operands exceed "
-                 "wave32's 256 VGPRs at every tile down to 16x16 (benchmarks.tune_targets --sweep "
-                 "attn_bwd_dq_fp32)")
-_RDNA_KVCACHE = ("fp32 at D=128 (its one fp32 sample): every candidate tile spills on wave32, 16 keys a step with "
-                 "8 warps least (benchmarks.tune_targets --sweep attn_kvcache); the 16-bit paths do not spill")
-_NVIDIA_UNCOUNTED = ("spills that ptxas reports as STACK, which the record read as 0 until 2026-12-02 (it "
-                     "read LOCAL only): found then, not yet tuned away; ")
-_NVIDIA_OTHERS = _NVIDIA_UNCOUNTED + "the worst are a bias with a mask at D=111 and the backward at odd head dims"
-_NVIDIA_FWD = _NVIDIA_UNCOUNTED + ("the worst is a bias with a mask at D=111 (on sm80 ptxas falls to 32 registers "
-                                   "and 7 KB of stack with the 16-bit D=128 row); fp32 at D=64, 128 and 256 has "
-                                   "rows of its own since (tuning.FLASH_ATTN_FWD_FP32: 584 bytes at most, sm90's D=128 "
-                                   "row, the fastest timed)")
-SPILL_ALLOWANCES: dict[tuple[str, str], tuple[int, str]] = {
-    **{(kernel, rdna): (limit, why) for rdna in ("gfx1151", "gfx1201") for kernel, limit, why in (
-        ("_flash_attn_fwd_kernel", 796, _RDNA_FP32_D256),
-        ("_flash_attn_bwd_dkdv_kernel", 2608, _RDNA_DKDV),
-        ("_flash_attn_bwd_dq_kernel", 2556, _RDNA_DQ_FP32),
-    )},
-    ("_flash_attn_kvcache_kernel", "gfx1151"): (168, _RDNA_KVCACHE),
-    ("_flash_attn_kvcache_kernel", "gfx1201"): (36, _RDNA_KVCACHE),
-    # NVIDIA: the spills there since before the record counted them (largest per kernel; the
-    # record itself pins each specialization's figure, so any change still fails --check)
-    ("_flash_attn_fwd_kernel", "sm80"): (7336, _NVIDIA_FWD),
-    ("_flash_attn_fwd_kernel", "sm90"): (2088, _NVIDIA_FWD),
-    **{(kernel, target): (limit, _NVIDIA_OTHERS) for kernel, target, limit in (
-        ("_flash_attn_bwd_dkdv_kernel", "sm80", 976), ("_flash_attn_bwd_dkdv_kernel", "sm90", 2112),
-        ("_flash_attn_bwd_dq_kernel", "sm80", 656), ("_flash_attn_bwd_dq_kernel", "sm90", 1416),
-        ("_gru_cell_fwd_kernel", "sm80", 72), ("_gru_cell_fwd_kernel", "sm90", 280),
-        ("_lstm_cell_fwd_kernel", "sm80", 96), ("_lstm_cell_fwd_kernel", "sm90", 472),
-        ("_norm_bwd_kernel", "sm80", 112), ("_norm_bwd_kernel", "sm90", 128),
-        ("_rms_norm_rope_bwd_kernel", "sm80", 24), ("_rms_norm_rope_bwd_kernel", "sm90", 24),
-    )},
-}
 
-# Where a kernel may use another matrix instruction than the target's own: (kernel, target) ->
-# (a regular expression for it, the reason).
-_SMALL_BATCH = ("its batch tiles for B <= 32 (16 and 32 rows) are under wgmma's 64 rows per warpgroup, "
-                "so Triton uses Ampere's mma.sync there, still on the tensor cores")
-_DECODE_ROWS = ("decode and short appends (Sq x group <= 16 rows of (query, head) pairs) take a 16-row tile, "
-                "under wgmma's 64 rows per warpgroup, so Triton uses mma.sync there, still on the tensor cores")
-MATRIX_ALLOWANCES: dict[tuple[str, str], tuple[str, str]] = {
-    **{(kernel, "sm90"): (r"\bmma\.sync\.aligned\.\S+", _SMALL_BATCH)
-       for kernel in ("_lstm_cell_fwd_kernel", "_gru_cell_fwd_kernel", "_rnn_cell_fwd_kernel")},
-    ("_flash_attn_kvcache_kernel", "sm90"): (r"\bmma\.sync\.aligned\.\S+", _DECODE_ROWS),
-}
+
+@dataclass(frozen=True)
+class Allowances:
+    """Where a kernel may depart from what every target requires, each with its reason, keyed by
+    (kernel, target): ``spills`` -> (scratch bytes per thread, reason); ``matrix`` -> (a regular
+    expression for another matrix instruction than the target's own, reason)."""
+
+    spills: dict[tuple[str, str], tuple[int, str]] = field(default_factory=dict)
+    matrix: dict[tuple[str, str], tuple[str, str]] = field(default_factory=dict)
+
+    def spill_budget(self, kernel: str, target: str) -> int:
+        return self.spills.get((kernel, target), (SPILL_BUDGET, ""))[0]
+
+    def matrix_pattern(self, kernel: str, target: str) -> str:
+        return self.matrix.get((kernel, target), ("", ""))[0]
+
 
 # Data types a target does not have: a specialization that needs one is "unsupported" there, not
 # failing. target -> (text of the compiler's error, the reason).
@@ -170,6 +136,9 @@ class Specialization:
     # (signature, constexprs, attrs) keyed as Triton keys them, and Triton's compile options
     triton_args: tuple = field(default=(), repr=False, compare=False)
     compile_options: dict = field(default_factory=dict, repr=False, compare=False)
+    # what the kernel's family allows it on this target (Allowances)
+    spill_budget: int = field(default=SPILL_BUDGET, compare=False)
+    matrix_allowance: str = field(default="", compare=False)
 
     @property
     def key(self) -> str:
@@ -225,18 +194,20 @@ def _intercepted_launches(target: Target, record):
         JITFunction.run = original
 
 
-def capture(target: str, ops: Iterable[str] | None = None) -> list[Specialization]:
-    """The distinct specializations that the registered samples of ``ops`` (default: every op with
-    a Triton lane) launch when compiled for ``target``, in first-launch order."""
+def capture(target: str, ops: Iterable, allowances: Allowances | None = None) -> list[Specialization]:
+    """The distinct specializations that the registered samples of ``ops`` (``Op`` objects: those
+    with a Triton lane) launch when compiled for ``target``, in first-launch order; each carries
+    its kernel's allowances on that target."""
     from lanekit.runtime import tuning
-    from lanekit.runtime.lanes import get_op, registry, triton_interpreted
+    from lanekit.runtime.lanes import triton_interpreted
 
     if triton_interpreted():
         raise RuntimeError("capturing launches needs compiled kernels, but this process runs Triton "
                            "interpreted (TRITON_INTERPRET=1); run `lanekit export` in a process "
                            "without it")
+    allowances = allowances or Allowances()
     spec_target = get_target(target)
-    chosen = [get_op(name) for name in ops] if ops is not None else list(registry().values())
+    chosen = list(ops)
     found: dict[str, Specialization] = {}
     current = [""]
 
@@ -250,6 +221,8 @@ def capture(target: str, ops: Iterable[str] | None = None) -> list[Specializatio
             options={"num_warps": options.num_warps, "num_stages": options.num_stages,
                      **{k: kwargs[k] for k in _RECORDED_OPTIONS if k in kwargs}},
             fn=fn, triton_args=(signature, constexprs, attrs), compile_options=dict(options.__dict__),
+            spill_budget=allowances.spill_budget(fn.__name__, target),
+            matrix_allowance=allowances.matrix_pattern(fn.__name__, target),
         )
         spec = found.setdefault(spec.key, spec)
         if current[0] not in spec.samples:
@@ -274,7 +247,7 @@ class Report:
     (LDS) per program; ``scratch``: bytes of spill (local / private) memory per thread; ``dot``:
     the kernel multiplies matrices with operands of a type the target's matrix unit takes;
     ``matrix``: the distinct matrix instructions found (the target's, or those an entry of
-    MATRIX_ALLOWANCES accepts). ``problems``: why the target fails, empty when it passes.
+    its family's allowances accept). ``problems``: why the target fails, empty when it passes.
     """
 
     key: str
@@ -312,11 +285,14 @@ def compile_spec(spec: Specialization):
             return None, Report(spec.key, spec.kernel, spec.target, False, unsupported=reason)
         return None, Report(spec.key, spec.kernel, spec.target, False,
                             problems=[f"does not compile: {type(e).__name__}: {message[:300]}"])
-    return kernel, read_report(kernel, target, spec.key, spec.kernel)
+    return kernel, read_report(kernel, target, spec.key, spec.kernel, spec.matrix_allowance, spec.spill_budget)
 
 
-def read_report(kernel, target: Target, key: str, name: str) -> Report:
-    """The :class:`Report` of a CompiledKernel, its assembly read as ``target``'s."""
+def read_report(kernel, target: Target, key: str, name: str, matrix_allowance: str = "",
+                spill_budget: int = SPILL_BUDGET) -> Report:
+    """The :class:`Report` of a CompiledKernel, its assembly read as ``target``'s; the kernel may
+    also use the matrix instructions ``matrix_allowance`` matches, and spill ``spill_budget``
+    bytes per thread."""
     report = Report(key, name, target.name, True, shared=kernel.metadata.shared)
     isa = kernel.asm[target.isa]
     if "cubin" in kernel.asm:
@@ -324,25 +300,23 @@ def read_report(kernel, target: Target, key: str, name: str) -> Report:
     else:
         report.registers, report.sgprs, report.scratch = _amdgcn_resources(isa)
     report.dot = _matrix_operand(kernel.asm["ttir"])
-    patterns = [target.matrix]
-    if (name, target.name) in MATRIX_ALLOWANCES:
-        patterns.append(MATRIX_ALLOWANCES[name, target.name][0])
+    patterns = [target.matrix] + ([matrix_allowance] if matrix_allowance else [])
     report.matrix = sorted({m for p in patterns for m in re.findall(p, isa)})
-    report.problems = judge(report, target)
+    report.problems = judge(report, target, spill_budget)
     return report
 
 
-def judge(report: Report, target: Target) -> list[str]:
-    """Why ``report`` fails ``target``: missing matrix instructions, too much shared memory, spills."""
+def judge(report: Report, target: Target, spill_budget: int = SPILL_BUDGET) -> list[str]:
+    """Why ``report`` fails ``target``: missing matrix instructions, too much shared memory, spills
+    over ``spill_budget`` bytes per thread."""
     problems = []
     if report.dot and not report.matrix:
         problems.append(f"multiplies {report.dot} matrices without {target.matrix_name} instructions")
     if report.shared > target.max_shared:
         problems.append(f"needs {report.shared} bytes of shared memory, over {target.name}'s "
                         f"{target.max_shared}")
-    budget = SPILL_ALLOWANCES.get((report.kernel, target.name), (SPILL_BUDGET, ""))[0]
-    if report.scratch > budget:
-        problems.append(f"spills {report.scratch} bytes per thread to scratch (budget {budget})")
+    if report.scratch > spill_budget:
+        problems.append(f"spills {report.scratch} bytes per thread to scratch (budget {spill_budget})")
     return problems
 
 
