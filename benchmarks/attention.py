@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import lanekit
+from lanekit.attention.registry import ATTENTION_FWD
 from lanekit.reference import attention as ref
 from lanekit.testing import compare, upcast
 
@@ -50,7 +51,7 @@ def check(c, q, k, v) -> str | None:
     rows = slice(c["S"] - 128, c["S"])
     expected, _ = ref.flash_attn(upcast(q[:1, rows]), upcast(k[:1]), upcast(v[:1]),
                                  softmax_scale=c["D"] ** -0.5, window_size=(-1, 0 if c["causal"] else -1))
-    result = compare(out[:1, rows], expected, "attention_fwd")
+    result = compare(out[:1, rows], expected, ATTENTION_FWD)
     return None if result.ok else result.detail
 
 

@@ -26,6 +26,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import lanekit
 from lanekit.attention.api import kvcache_num_splits
+from lanekit.attention.registry import ATTENTION_FWD
 from lanekit.reference import attention as ref
 from lanekit.testing import compare, upcast
 
@@ -124,7 +125,7 @@ def check(c, q, k, v, kc, vc, seqlens, table, num_splits=None, oracle=None) -> s
     split count, else the heuristic's; ``oracle``: :func:`expected`'s result, when already known)."""
     out = _lanekit(c, q, kc, vc, seqlens, table, num_splits)()
     seqs, want = oracle if oracle is not None else expected(q, k, v)
-    result = compare(out[seqs], want, "attention_fwd")
+    result = compare(out[seqs], want, ATTENTION_FWD)
     return None if result.ok else result.detail
 
 

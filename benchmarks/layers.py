@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 
 import lanekit.layers as L
-from lanekit.reference import layers as ref
 from lanekit.families import get_op
+from lanekit.reference import layers as ref
 from lanekit.testing import compare, upcast
 
 UNIT = "GB/s"

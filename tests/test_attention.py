@@ -12,9 +12,9 @@ from hypothesis import strategies as st
 
 import lanekit
 from lanekit import check
-from lanekit.attention.registry import attention_case
-from lanekit.reference import attention as ref
+from lanekit.attention.registry import ATTENTION_FWD, attention_case
 from lanekit.families import get_op
+from lanekit.reference import attention as ref
 from lanekit.testing import assert_close, poisoned_outputs, randn, upcast
 
 OP = get_op("flash_attn_func")
@@ -38,7 +38,7 @@ def test_causal_sq_longer_than_sk_first_rows_are_exactly_zero(device):
     assert torch.equal(out[:, :1024], torch.zeros_like(out[:, :1024]))
     assert torch.isneginf(lse[..., :1024]).all()
     ref_out, ref_lse = ref.flash_attn(*map(upcast, (q, k, v)), softmax_scale=16 ** -0.5, window_size=(-1, 0))
-    assert_close(out, ref_out, "attention_fwd")
+    assert_close(out, ref_out, ATTENTION_FWD)
     assert_close(lse, ref_lse, "lse")
 
 
@@ -48,8 +48,8 @@ def test_huge_negative_bias_on_every_key_changes_nothing(device):
     biased = call(q, k, v, attn_bias=torch.full((70,), -1e6, device=device))
     ref_out, _ = ref.flash_attn(*map(upcast, (q, k, v)), softmax_scale=64 ** -0.5)
     assert biased.abs().amax() > 0.1  # not zeros
-    assert_close(biased, ref_out, "attention_fwd")
-    assert_close(plain, ref_out, "attention_fwd")
+    assert_close(biased, ref_out, ATTENTION_FWD)
+    assert_close(plain, ref_out, ATTENTION_FWD)
 
 
 def test_window_4_0_single_query_sees_keys_32_to_36(device):
@@ -67,7 +67,7 @@ def test_head_dim_72_writes_every_output_column(device):
     out = call(q, k, v)
     assert out.shape == (2, 33, 4, 72)
     assert not torch.isnan(out).any()
-    assert_close(out, ref.flash_attn(*map(upcast, (q, k, v)), softmax_scale=72 ** -0.5)[0], "attention_fwd")
+    assert_close(out, ref.flash_attn(*map(upcast, (q, k, v)), softmax_scale=72 ** -0.5)[0], ATTENTION_FWD)
 
 
 def test_transposed_kv_views_match_their_contiguous_copies(device):
@@ -91,7 +91,7 @@ def test_every_head_dim_from_1_to_256(dims, device):
         out = call(q, k[:, :, :1], v[:, :, :1], causal=True)
         expected, _ = ref.flash_attn(*map(upcast, (q, k[:, :, :1], v[:, :, :1])), softmax_scale=D ** -0.5,
                                      window_size=(-1, 0))
-        assert_close(out, expected, "attention_fwd")
+        assert_close(out, expected, ATTENTION_FWD)
 
 
 def test_value_head_dim_may_differ(device):
@@ -99,7 +99,7 @@ def test_value_head_dim_may_differ(device):
     out = call(q, k, v, causal=True)
     assert out.shape == (1, 24, 4, 128)
     assert_close(out, ref.flash_attn(*map(upcast, (q, k, v)), softmax_scale=192 ** -0.5,
-                                     window_size=(-1, 0))[0], "attention_fwd")
+                                     window_size=(-1, 0))[0], ATTENTION_FWD)
 
 
 def test_bias_gets_added_after_scaling(device):
@@ -108,7 +108,7 @@ def test_bias_gets_added_after_scaling(device):
     out = call(q, k, v, softmax_scale=0.3, attn_bias=bias)
     scores = (q[0, :, 0].double() @ k[0, :, 0].double().T) * 0.3 + bias.double()
     expected = torch.softmax(scores, -1) @ v[0, :, 0].double()
-    assert_close(out[0, :, 0], expected, "attention_fwd")
+    assert_close(out[0, :, 0], expected, ATTENTION_FWD)
 
 
 def test_fully_masked_rows_give_zero_and_neg_inf_lse(device):
@@ -130,7 +130,7 @@ def test_dropout_same_seed_same_mask_and_matches_oracle(device):
     assert not torch.equal(a, c)
     expected, _ = ref.flash_attn(*map(upcast, (q, k, v)), softmax_scale=32 ** -0.5, dropout_p=0.3,
                                  seed=7, offset=5)
-    assert_close(a, expected, "attention_fwd")
+    assert_close(a, expected, ATTENTION_FWD)
 
 
 def test_dropout_default_seed_follows_torch_manual_seed(device):
@@ -299,7 +299,7 @@ def test_strides_past_int32_tiles_use_int64_offsets(device):
     q, k, v = qkv(1, 16, 8, 1, 1, 16, device)
     out = call(q, k, v, attn_mask=mask)
     expected, _ = ref.flash_attn(*map(upcast, (q, k, v)), softmax_scale=0.25, attn_mask=mask.clone())
-    assert_close(out, expected, "attention_fwd")
+    assert_close(out, expected, ATTENTION_FWD)
 
 
 @pytest.mark.parametrize("softcap", [50.0, 1e3, 1e5])
@@ -307,7 +307,7 @@ def test_large_softcaps_stay_accurate_in_fp32(softcap, device):
     q, k, v = qkv(1, 17, 29, 1, 1, 32, device, dtype=torch.float32)
     out, lse, _ = call(q, k, v, softcap=softcap, return_attn_probs=True)
     expected, expected_lse = ref.flash_attn(*map(upcast, (q, k, v)), softmax_scale=32 ** -0.5, softcap=softcap)
-    assert_close(out, expected, "attention_fwd")
+    assert_close(out, expected, ATTENTION_FWD)
     assert_close(lse, expected_lse, "lse")
 
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import lanekit
+from lanekit.attention.registry import ATTENTION_BWD, ATTENTION_DBIAS
 from lanekit.reference import attention as ref
 from lanekit.testing import assert_close, compare, poisoned_outputs, randn, upcast
 
@@ -42,7 +43,7 @@ def oracle_grads(q, k, v, dout, *, softmax_scale=None, **kw):
 def assert_grads_close(ours, expected):
     for name, a, b in zip(("dq", "dk", "dv"), ours, expected):
         assert a.abs().amax() > 0, f"{name} is all zeros"
-        c = compare(a, b, "attention_bwd")
+        c = compare(a, b, ATTENTION_BWD)
         assert c.ok, f"{name}: {c.detail}"
 
 
@@ -54,7 +55,7 @@ def test_non_causal_backward_is_not_silently_causal(device):
     expected_causal = oracle_grads(q, k, v, dout, window_size=(-1, 0))
     assert_grads_close(full, expected_full)
     assert_grads_close(causal, expected_causal)
-    assert not compare(full[1], expected_causal[1], "attention_bwd").ok  # the two really differ
+    assert not compare(full[1], expected_causal[1], ATTENTION_BWD).ok  # the two really differ
 
 
 def test_causal_gqa_8_to_2_with_sq_128_sk_512(device):
@@ -72,7 +73,7 @@ def test_length_129_with_bias_and_causal_gives_finite_oracle_gradients(device):
     expected = oracle_grads(q, k, v, dout, window_size=(-1, 0), attn_bias=bias)
     assert all(torch.isfinite(g).all() for g in ours)
     assert_grads_close(ours[:3], expected[:3])
-    assert_close(ours[3], expected[3], "attention_dbias")
+    assert_close(ours[3], expected[3], ATTENTION_DBIAS)
     # above the diagonal the bias is masked: its gradient is exactly 0 there
     upper = torch.ones(129, 129, dtype=torch.bool, device=device).triu(1)
     assert (ours[3][..., upper] == 0).all()
@@ -227,7 +228,7 @@ def test_bias_gradient_is_summed_over_its_broadcast_dimensions(bias_shape, devic
     leaves = [upcast(t).requires_grad_() for t in (q, k, v, bias)]
     out, _ = ref.flash_attn(*leaves[:3], softmax_scale=32 ** -0.5, attn_bias=leaves[3])
     expected = torch.autograd.grad(out, leaves[3], upcast(dout))[0]
-    assert_close(ours, expected, "attention_dbias")
+    assert_close(ours, expected, ATTENTION_DBIAS)
 
 
 def test_dropout_backward_regenerates_the_forward_mask(device):
@@ -308,7 +309,7 @@ def test_tensors_over_2_to_the_31_elements(device):
     dq, dk, dv = grads(q, k, v, dout)
     tail = slice(Sq - 64, Sq)
     part = oracle_grads(q[:, tail], k, v, dout[:, tail])
-    assert_close(dq[:, tail], part[0], "attention_bwd")
+    assert_close(dq[:, tail], part[0], ATTENTION_BWD)
     assert torch.isfinite(dk).all() and torch.isfinite(dv).all()
 
 
@@ -330,4 +331,4 @@ def test_works_under_torch_compile_fullgraph(device):
     assert all(torch.equal(a, b) for a, b in zip(ours[:3], eager[:3]))
     expected = oracle_grads(q, k, v, dout, window_size=(-1, 0), softcap=30.0, attn_bias=bias)
     assert_grads_close(ours[:3], expected[:3])
-    assert_close(ours[3], expected[3], "attention_dbias")
+    assert_close(ours[3], expected[3], ATTENTION_DBIAS)

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import lanekit
+from lanekit.attention.registry import ATTENTION_BWD, ATTENTION_FWD
 from lanekit.reference import attention as ref
 from lanekit.testing import assert_close, poisoned_outputs, randn, ulp, upcast
 
@@ -49,7 +50,7 @@ def test_varlen_gqa_9_3_zero_length_sequences_and_fewer_tokens_than_sequences(de
                                                      return_attn_probs=True, lane=lane)
     ref_out, ref_lse = oracle_varlen(q, k, v, cq, ck, lq, lk)
     assert out.shape == (2, 9, 64) and lse.shape == (9, 2)
-    assert_close(out, ref_out, "attention_fwd")
+    assert_close(out, ref_out, ATTENTION_FWD)
     assert_close(lse, ref_lse, "lse")
     dout = randn(*out.shape, dtype=out.dtype, device=device, generator=gen(1))
     with poisoned_outputs():
@@ -59,7 +60,7 @@ def test_varlen_gqa_9_3_zero_length_sequences_and_fewer_tokens_than_sequences(de
         max_seqlen_q=1, max_seqlen_k=5, softmax_scale=64 ** -0.5, window_size=(-1, 0))
     for got, want in zip(grads, ref_grads):
         assert torch.isfinite(got).all()
-        assert_close(got, want, "attention_bwd")
+        assert_close(got, want, ATTENTION_BWD)
 
 
 def test_varlen_each_sequence_equals_flash_attn_func_on_it_alone(device):
@@ -130,7 +131,7 @@ def test_output_does_not_depend_on_num_splits_and_lse_is_the_unsplit_one(device)
     assert lse1.shape == (1, 16, 1)
     ref_out, ref_lse = ref.flash_attn(upcast(q), upcast(kc), upcast(vc), softmax_scale=128 ** -0.5)
     for splits, (out, lse) in runs.items():
-        assert_close(out, ref_out, "attention_fwd")
+        assert_close(out, ref_out, ATTENTION_FWD)
         assert_close(lse, ref_lse, "lse")
         # beyond rounding nothing changes: two bf16 steps at the output's magnitude at most
         assert (out.float() - out1.float()).abs().max() <= 2 * ulp(torch.bfloat16, out1.float().abs().max().item())
@@ -221,7 +222,7 @@ def test_max_seqlen_k_bounds_the_lengths_and_is_checked(device):
         with poisoned_outputs():
             got = lanekit.flash_attn_with_kvcache(q, kc.clone(), vc.clone(), new, new, cache_seqlens=seqlens,
                                                   max_seqlen_k=bound, lane="triton")
-        assert_close(got, want, "attention_fwd")
+        assert_close(got, want, ATTENTION_FWD)
     kc0, vc0 = kc.clone(), vc.clone()
     with pytest.raises(ValueError, match="max_seqlen_k: expected at least .*301.*got 300"):
         lanekit.flash_attn_with_kvcache(q, kc, vc, new, new, cache_seqlens=seqlens, max_seqlen_k=300)
@@ -289,7 +290,7 @@ def test_keys_outside_the_window_and_unowned_pages_are_never_read(device):
                                             window_size=(20, 0), num_splits=2, lane="triton")
     want = lanekit.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, block_table=table,
                                            window_size=(20, 0), lane="reference")   # the float64 oracle
-    assert_close(clean, want, "attention_fwd")
+    assert_close(clean, want, ATTENTION_FWD)
     # poison: pages 8, 9 (nobody's), sequence 0's tokens past 50, and keys before each window
     for cache in (k_cache, v_cache):
         cache[8:] = math.nan
@@ -338,7 +339,7 @@ def test_blocks_of_whole_pages_read_only_the_keys_they_own(device, page_size, ah
     for num_splits in (1, 3):
         with poisoned_outputs():
             got = lanekit.flash_attn_with_kvcache(q, k_cache, v_cache, num_splits=num_splits, lane="triton", **args)
-        assert_close(got, want, "attention_fwd")
+        assert_close(got, want, ATTENTION_FWD)
 
 
 def test_paged_two_sequences_four_pages_of_256_split_in_two_writes_every_row(device):
@@ -357,7 +358,7 @@ def test_paged_two_sequences_four_pages_of_256_split_in_two_writes_every_row(dev
         keys = ref.paged_to_dense(kc, table[b].cpu(), n)[None]
         vals = ref.paged_to_dense(vc, table[b].cpu(), n)[None]
         ref_out, ref_lse = ref.flash_attn(upcast(q[b:b + 1]), upcast(keys), upcast(vals), softmax_scale=0.125)
-        assert_close(out[b:b + 1], ref_out, "attention_fwd")
+        assert_close(out[b:b + 1], ref_out, ATTENTION_FWD)
         assert_close(lse[b:b + 1], ref_lse, "lse")
 
 
@@ -476,7 +477,7 @@ def test_sequences_sharing_full_prefix_pages_append_into_their_own(device, lane)
         out = lanekit.flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=seqlens, block_table=table, lane=lane)
     assert torch.equal(kc, want_k) and torch.equal(vc, want_v)
     for b in range(2):
-        assert_close(out[b:b + 1], want[b], "attention_fwd")
+        assert_close(out[b:b + 1], want[b], ATTENTION_FWD)
 
 
 def test_strided_index_tensors_are_read_as_their_values(device):
@@ -503,7 +504,7 @@ def test_strided_index_tensors_are_read_as_their_values(device):
         want = lanekit.flash_attn_with_kvcache(q, kc, vc, **plain, num_splits=2, lane="triton")
         got = lanekit.flash_attn_with_kvcache(q, kc, vc, **strided, num_splits=2, lane="triton")
     oracle = lanekit.flash_attn_with_kvcache(upcast(q), upcast(kc), upcast(vc), **plain, lane="reference")
-    assert_close(want, oracle, "attention_fwd")
+    assert_close(want, oracle, ATTENTION_FWD)
     assert torch.equal(got, want)
 
     qp = randn(10, 4, 32, dtype=torch.bfloat16, device=device, generator=g)
@@ -513,7 +514,7 @@ def test_strided_index_tensors_are_read_as_their_values(device):
         want = lanekit.flash_attn_varlen_func(qp, kp, kp, cu_q, cu_q, 7, 7, causal=True, lane="triton")
         got = lanekit.flash_attn_varlen_func(qp, kp, kp, spaced([0, 3, 10], 99), spaced([0, 3, 10], 99), 7, 7,
                                              causal=True, lane="triton")
-    assert_close(want, oracle_varlen(qp, kp, kp, cu_q, cu_q, [3, 7], [3, 7])[0], "attention_fwd")
+    assert_close(want, oracle_varlen(qp, kp, kp, cu_q, cu_q, [3, 7], [3, 7])[0], ATTENTION_FWD)
     assert torch.equal(got, want)
 
 

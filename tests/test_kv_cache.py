@@ -13,10 +13,11 @@ import torch
 import lanekit
 import lanekit.kv_cache as KV
 from lanekit import check
+from lanekit.attention.registry import ATTENTION_FWD
+from lanekit.families import registry
 from lanekit.kv_cache.registry import E4M3_TIES, INT8_TIES
 from lanekit.reference import attention as ref_attn
 from lanekit.reference import kv_cache as ref
-from lanekit.families import registry
 from lanekit.testing import assert_close, poisoned_outputs, randn
 
 LANES = ["triton", "reference"]
@@ -332,7 +333,7 @@ def test_merging_two_halves_is_attention_over_all_the_keys(device, lane, dtype, 
     out, lse = KV.merge_attn_states(out_a, lse_a, out_b, lse_b, lane=lane)
     f64 = torch.float64
     full_out, full_lse = ref_attn.flash_attn(q.to(f64), k.to(f64), v.to(f64), softmax_scale=64 ** -0.5)
-    assert_close(out, full_out, "attention_fwd")
+    assert_close(out, full_out, ATTENTION_FWD)
     assert_close(lse, full_lse, "lse")
     if split in (0, 30):   # one half empty: the other, exactly
         assert torch.equal(out, out_b if split == 0 else out_a)

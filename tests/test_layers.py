@@ -10,8 +10,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import lanekit.layers as L
+from lanekit.layers.registry import LAYERS_BWD, NORM
 from lanekit.reference import layers as ref
-from lanekit.layers.registry import NORM
 from lanekit.testing import assert_close, poisoned_outputs, randn
 
 LANES = ["triton", "reference"]
@@ -38,8 +38,8 @@ def test_rms_norm_and_layer_norm_match_pytorchs_modules(device, lane):
     with poisoned_outputs():
         ours_rms = L.rms_norm(x, rms.weight, 1e-6, lane=lane)
         ours_ln = L.layer_norm(x, ln.weight, ln.bias, 1e-5, lane=lane)
-    assert_close(ours_rms, rms(x), "norm")
-    assert_close(ours_ln, ln(x), "norm")
+    assert_close(ours_rms, rms(x), NORM)
+    assert_close(ours_ln, ln(x), NORM)
 
 
 def test_gemma_rms_norm_is_the_offset_form(device):
@@ -54,7 +54,7 @@ def test_gemma_rms_norm_is_the_offset_form(device):
         norm.weight.copy_(randn(96, dtype=torch.float32, device=device, generator=g, scale=0.1))
     with poisoned_outputs():
         ours = L.rms_norm(x, norm.weight, 1e-6, offset=1.0, lane="triton")
-    assert_close(ours, norm(x), "norm")
+    assert_close(ours, norm(x), NORM)
 
 
 @pytest.mark.parametrize("N", [16384, 65536])
@@ -67,7 +67,7 @@ def test_rms_norm_of_the_widest_rows_launches_and_matches(device, N):
     with poisoned_outputs():
         y, h = L.rms_norm(x, w, 1e-6, residual=r, lane="triton")
     y_ref, h_ref = ref.rms_norm(f64(x), f64(w), 1e-6, residual=f64(r))
-    assert_close(y, y_ref, "norm")
+    assert_close(y, y_ref, NORM)
     assert_close(h, h_ref)
 
 
@@ -83,7 +83,7 @@ def test_the_residual_sums_gradient_flows_into_x_and_residual(device):
     y_r, h_r = ref.rms_norm(ref_leaves[0], ref_leaves[2], 1e-6, residual=ref_leaves[1])
     (y_r.square().sum() + (h_r * 3).sum()).backward()
     for ours, theirs in zip(leaves, ref_leaves):
-        assert_close(ours.grad, theirs.grad, "layers_bwd")
+        assert_close(ours.grad, theirs.grad, LAYERS_BWD)
     assert torch.equal(leaves[0].grad, leaves[1].grad)
 
 
@@ -96,7 +96,7 @@ def test_adaln_per_batch_rows_broadcast_over_their_tokens(device, lane):
     for b in range(3):  # each batch entry as its own (rows, N) call with its row repeated
         rows = L.adaln(x[b], scale[b].expand(7, 160), shift[b].expand(7, 160), lane=lane)
         assert torch.equal(y[b], rows)
-    assert_close(y, ref.adaln(f64(x), f64(scale), f64(shift)), "norm")
+    assert_close(y, ref.adaln(f64(x), f64(scale), f64(shift)), NORM)
 
 
 @pytest.mark.parametrize("interleaved", [False, True], ids=["neox", "interleaved"])
@@ -579,7 +579,7 @@ def _check_q_and_k_on_a_padded_layout(device, quant, B, S, HQ, HK, seed):
     if quant is None:
         want = ref.rms_norm_rope(*(f64(t) for t in args), **kw)
         for o, e in zip(got, want, strict=True):
-            assert_close(o, e, "norm")
+            assert_close(o, e, NORM)
         return
     _assert_quant_matches(got, ref.qk_norm_rope_quant(*args, **kw, quant_dtype=quant))
 
@@ -622,7 +622,7 @@ def test_more_than_2_to_the_31_elements(device):
     w = torch.randn(N, dtype=torch.bfloat16, device=device)
     tail = slice(rows - 3, rows)
     y = L.rms_norm(x, w)
-    assert_close(y[tail], ref.rms_norm(f64(x[tail]), f64(w)), "norm")
+    assert_close(y[tail], ref.rms_norm(f64(x[tail]), f64(w)), NORM)
     del y
     out = L.swiglu(x)
     assert_close(out[tail], ref.swiglu(f64(x[tail])), "eltwise")
@@ -637,8 +637,8 @@ def test_more_than_2_to_the_31_elements(device):
     qn, kn = L.rms_norm_rope(xr, k, w[:64], w[64:128], theta.cos(), theta.sin())
     expected = ref.rms_norm_rope(f64(xr[:, -2:]), f64(k[:, -2:]), f64(w[:64]), f64(w[64:128]),
                                  f64(theta.cos()), f64(theta.sin()), seqlen_offsets=rows - 2)
-    assert_close(qn[:, -2:], expected[0], "norm")
-    assert_close(kn[:, -2:], expected[1], "norm")
+    assert_close(qn[:, -2:], expected[0], NORM)
+    assert_close(kn[:, -2:], expected[1], NORM)
     del qn, kn
     eps = float(torch.tensor(1e-6, dtype=torch.float32))
     got = L.qk_norm_rope_quant(xr, k, w[:64], w[64:128], theta.cos(), theta.sin(), eps=eps)

@@ -13,6 +13,7 @@ import torch
 
 from lanekit.reference import rnn as ref
 from lanekit.rnn import gru_cell, lstm_cell, rnn_cell
+from lanekit.rnn.registry import RNN_BWD, RNN_FWD
 from lanekit.testing import assert_close, poisoned_outputs, randn
 
 ON_GPU = torch.cuda.is_available()
@@ -89,7 +90,7 @@ def check_against_module(cell, module, module64, x, hx, seed=2):
     expected, leaves64 = float64_run(module64, x, hx)
     for o, e in zip(out, expected):
         assert o.shape == e.shape and o.dtype == x.dtype
-        assert_close(o, e, "rnn_fwd")
+        assert_close(o, e, RNN_FWD)
     g = torch.Generator().manual_seed(seed)
     douts = [randn(*o.shape, dtype=o.dtype, device=o.device, generator=g) for o in out]
     params = list(module.parameters())
@@ -101,7 +102,7 @@ def check_against_module(cell, module, module64, x, hx, seed=2):
     for name, a, b in zip(names, got, want):
         assert a.shape == b.shape, name
         try:
-            assert_close(a, b, "rnn_bwd")
+            assert_close(a, b, RNN_BWD)
         except AssertionError as e:
             raise AssertionError(f"gradient of {name}: {e}") from None
     return out, got
@@ -173,9 +174,9 @@ def test_strided_views_give_the_results_of_contiguous_copies(cell, device):
     else:
         expected = as_tuple(forward(*leaves64))
     for o, e in zip(out_s, expected):
-        assert_close(o, e, "rnn_fwd")
+        assert_close(o, e, RNN_FWD)
     for a, b in zip(got, torch.autograd.grad(expected, leaves64, [d.double() for d in douts])):
-        assert_close(a, b, "rnn_bwd")
+        assert_close(a, b, RNN_BWD)
 
 
 @pytest.mark.parametrize("cell", list(CELLS))
@@ -195,7 +196,7 @@ def test_a_loss_on_h_alone_and_stride_zero_output_gradients(cell, device):
             got = torch.autograd.grad(loss, leaves, retain_graph=True)
         want = torch.autograd.grad(loss64, [*leaves64, *module64.parameters()], retain_graph=True)
         for a, b in zip(got, want):
-            assert_close(a, b, "rnn_bwd")
+            assert_close(a, b, RNN_BWD)
 
 
 @pytest.mark.parametrize("cell", ["lstm", "gru", "rnn_tanh"])
@@ -218,9 +219,9 @@ def test_five_steps_unrolled_backpropagate_through_the_state(cell, device):
     xs64 = xs.detach().double().requires_grad_()
     h64 = unroll(module64, xs64)
     want = torch.autograd.grad(h64.square().sum(), [xs64, *module64.parameters()])
-    assert_close(h, h64, "rnn_fwd")
+    assert_close(h, h64, RNN_FWD)
     for a, b in zip(got, want):
-        assert_close(a, b, "rnn_bwd")
+        assert_close(a, b, RNN_BWD)
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered in exp2")  # sigmoid(-100) = 1 / (1 + inf) = 0
@@ -232,7 +233,7 @@ def test_lstm_gate_order_is_i_f_g_o(device):
     with poisoned_outputs():
         h_next, c_next = lstm_cell(x, (h, c), w_ih, w_hh, bias, None, lane="triton")
     assert torch.equal(c_next, c)
-    assert_close(h_next, torch.tanh(c.double()), "rnn_fwd")
+    assert_close(h_next, torch.tanh(c.double()), RNN_FWD)
 
 
 def test_gru_reset_gate_scales_the_hidden_product_after_its_bias(device):
@@ -244,7 +245,7 @@ def test_gru_reset_gate_scales_the_hidden_product_after_its_bias(device):
         module64.bias_hh[2 * H:] = 1.5
     x, h = inputs("gru", device, torch.float32, 17)
     out = ours("gru", module, x, h)[0]
-    assert_close(out, module64(x.double(), h.double()), "rnn_fwd")
+    assert_close(out, module64(x.double(), h.double()), RNN_FWD)
     gi = (x @ module.weight_ih.t() + module.bias_ih).double().chunk(3, 1)
     gh_w = (h @ module.weight_hh.t()).double().chunk(3, 1)
     b_r, b_z, b_n = module.bias_hh.double().chunk(3)
@@ -306,7 +307,7 @@ def test_cpu_tensors_default_to_the_reference_lane(monkeypatch):
     x, h = inputs("gru", "cpu", torch.float32, 3)
     out = gru_cell(x, h, *module.parameters())
     assert calls == [1]
-    assert_close(out, module.double()(x.double(), h.double()), "rnn_fwd")
+    assert_close(out, module.double()(x.double(), h.double()), RNN_FWD)
 
 
 def _bad_call(case, device):
@@ -444,7 +445,7 @@ def test_works_under_torch_compile_fullgraph(device):
     eager = torch.autograd.grad(step(xs, *params), [xs, *params])
     for a, b in zip(got, eager):
         # the kernels' outputs are the same; the bias sums and casts around them are inductor's own
-        assert_close(a, b.double(), "rnn_bwd")
+        assert_close(a, b.double(), RNN_BWD)
 
 
 @pytest.mark.skipif(not ON_GPU, reason="over 2^31 elements: GPU memory only")
@@ -489,10 +490,10 @@ def test_tensors_over_2_to_the_31_elements(cell, big, device):
     want = torch.autograd.grad(expected, [leaves[0], leaves[len(states) + 1]],
                                [torch.ones_like(e) for e in expected])
     for o, e in zip(out, expected):
-        assert_close(o[rows][:, units], e, "rnn_fwd")
+        assert_close(o[rows][:, units], e, RNN_FWD)
     if big == "input":
-        assert_close(grads[0][rows], want[0], "rnn_bwd")
+        assert_close(grads[0][rows], want[0], RNN_BWD)
         assert torch.isfinite(grads[1]).all()
     else:
-        assert_close(grads[1][gate_rows], want[1], "rnn_bwd")
+        assert_close(grads[1][gate_rows], want[1], RNN_BWD)
         assert torch.isfinite(grads[0]).all()

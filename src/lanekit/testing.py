@@ -76,15 +76,11 @@ TOLERANCES: dict[str, Tolerance] = {t.name: t for t in (EXACT, ELTWISE, CODES, L
 
 
 def tolerance_named(name: str) -> Tolerance:
-    """The tolerance called ``name``: a shared one, or one that a family's registered op uses."""
-    if name in TOLERANCES:
-        return TOLERANCES[name]
-    from lanekit.families import tolerances   # the families' registries (no Triton import)
-
-    found = tolerances()
-    if name not in found:
-        raise ValueError(f"unknown tolerance {name!r}; there are {sorted(found)}")
-    return found[name]
+    """The shared tolerance called ``name`` (a family's own is imported from its registry module:
+    ``from lanekit.attention.registry import ATTENTION_FWD``)."""
+    if name not in TOLERANCES:
+        raise ValueError(f"tolerance: expected a Tolerance or one of {sorted(TOLERANCES)}, got {name!r}")
+    return TOLERANCES[name]
 
 
 def ulp(dtype: torch.dtype, magnitude: float) -> float:

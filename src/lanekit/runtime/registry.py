@@ -15,10 +15,7 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Iterable
-
-if TYPE_CHECKING:
-    from lanekit.testing import Tolerance
+from typing import Callable, Iterable
 
 
 @dataclass(frozen=True)
@@ -47,7 +44,7 @@ class Op:
     oracle: str
     lanes: dict[str, str]
     samples: Callable[[str], Iterable[Sample]]
-    outputs: tuple[tuple[str, "Tolerance"], ...]
+    outputs: tuple[tuple[str, object], ...]    # (name, lanekit.testing.Tolerance) per output
     doc: str = ""
 
     def lane(self, name: str) -> Callable:
