@@ -5,7 +5,7 @@ device: lengths against the table, the pages a sequence uses, the slots a write 
 
 Each raises a ValueError or TypeError naming the argument, before anything is written. The
 metadata checks read no device value; the value checks say in their docstrings what they read
-back (DESIGN.md, the hot path: the callers skip them inside a CUDA graph capture).
+back (DESIGN.md's hot path: attention's callers skip them inside a CUDA graph capture).
 """
 
 from __future__ import annotations
