@@ -7,26 +7,16 @@ import math
 import torch
 
 from lanekit.attention import op as _lanes
-from lanekit.kv_cache.api import _CODE_DTYPES, _caches as _kv_caches
+from lanekit.kv_cache import checks
 from lanekit.runtime import tuning
-from lanekit.runtime.lanes import select_lane, triton_interpreted
-from lanekit.runtime.validate import check_outputs, int_at_least, is_int, is_real
+from lanekit.runtime.lanes import triton_interpreted
+from lanekit.runtime.validate import check_outputs, int_at_least, is_int, is_real, lane_for, tensor
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
 
 
 _FP32_MAX = 3.4028234663852886e38
-
-
-def _check_tensor(name: str, t, ndim: int | tuple[int, ...], dtypes=None):
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-    ndims = (ndim,) if isinstance(ndim, int) else ndim
-    if t.dim() not in ndims:
-        raise ValueError(f"{name}: expected {' or '.join(map(str, ndims))} dimensions, got shape {tuple(t.shape)}")
-    if dtypes is not None and t.dtype not in dtypes:
-        raise TypeError(f"{name}: expected dtype in {[str(d) for d in dtypes]}, got {t.dtype}")
 
 
 def _broadcast_4d(name: str, t: torch.Tensor, shape: tuple[int, int, int, int]) -> torch.Tensor:
@@ -49,14 +39,6 @@ def _check_heads(q_shape, D: int, Dv: int, Hq: int, Hkv: int, kv_name: str = "k,
         raise ValueError(f"q: expected at least one head, got shape {tuple(q_shape)}")
     if Hkv == 0 or Hq % Hkv != 0:
         raise ValueError(f"{kv_name}: expected a number of heads that divides Hq={Hq}, got Hkv={Hkv}")
-
-
-def _check_kv_like_q(q: torch.Tensor, *named) -> None:
-    for name, t in named:
-        if t.dtype != q.dtype:
-            raise TypeError(f"{name}: expected the dtype of q ({q.dtype}), got {t.dtype}")
-        if t.device != q.device:
-            raise ValueError(f"{name}: expected the device of q ({q.device}), got {t.device}")
 
 
 def _options(D: int, Sq: int, Sk: int, dropout_p, softmax_scale, softcap, causal, window_size):
@@ -89,15 +71,13 @@ def _options(D: int, Sq: int, Sk: int, dropout_p, softmax_scale, softcap, causal
     return float(softmax_scale), left, right
 
 
-def _alibi(alibi_slopes, B: int, Hq: int, device) -> torch.Tensor | None:
-    """ALiBi slopes (Hq,) or (B, Hq) fp32, checked and expanded to (B, Hq)."""
+def _alibi(alibi_slopes, B: int, Hq: int, q: torch.Tensor) -> torch.Tensor | None:
+    """ALiBi slopes (Hq,) or (B, Hq) fp32 on q's device, checked and expanded to (B, Hq)."""
     if alibi_slopes is None:
         return None
-    _check_tensor("alibi_slopes", alibi_slopes, (1, 2), (torch.float32,))
+    tensor("alibi_slopes", alibi_slopes, dtypes=(torch.float32,), ndim=(1, 2), like=q, like_name="q")
     if tuple(alibi_slopes.shape) not in ((Hq,), (B, Hq)):
         raise ValueError(f"alibi_slopes: expected shape ({Hq},) or ({B}, {Hq}), got {tuple(alibi_slopes.shape)}")
-    if alibi_slopes.device != device:
-        raise ValueError(f"alibi_slopes: expected the device of q ({device}), got {alibi_slopes.device}")
     return alibi_slopes.expand(B, Hq)
 
 
@@ -187,10 +167,9 @@ def flash_attn_func(
     Semantics: FlashAttention 2.7 (Dao et al.), incl. bottom-right aligned causal/window masks,
     ALiBi and softcap; docs/semantics.md lists where lanekit differs or goes beyond.
     """
-    _check_tensor("q", q, 4, _DTYPES + (torch.float64,))
-    _check_tensor("k", k, 4)
-    _check_tensor("v", v, 4)
-    _check_kv_like_q(q, ("k", k), ("v", v))
+    tensor("q", q, dtypes=_DTYPES + (torch.float64,), ndim=4)
+    tensor("k", k, ndim=4, like=q, like_name="q", like_dtype=True)
+    tensor("v", v, ndim=4, like=q, like_name="q", like_dtype=True)
     B, Sq, Hq, D = q.shape
     if k.shape[0] != B or v.shape[0] != B:
         raise ValueError(f"k, v: expected batch size {B} (that of q), got {k.shape[0]} and {v.shape[0]}")
@@ -203,22 +182,16 @@ def flash_attn_func(
     _check_heads(q.shape, D, Dv, Hq, Hkv)
     softmax_scale, left, right = _options(D, Sq, Sk, dropout_p, softmax_scale, softcap, causal, window_size)
     shape4 = (B, Hq, Sq, Sk)
-    alibi_slopes = _alibi(alibi_slopes, B, Hq, q.device)
+    alibi_slopes = _alibi(alibi_slopes, B, Hq, q)
     if attn_bias is not None:
-        _check_tensor("attn_bias", attn_bias, (0, 1, 2, 3, 4), _DTYPES + (torch.float64,))
-        if attn_bias.device != q.device:
-            raise ValueError(f"attn_bias: expected the device of q ({q.device}), got {attn_bias.device}")
+        tensor("attn_bias", attn_bias, dtypes=_DTYPES + (torch.float64,), ndim=(0, 1, 2, 3, 4), like=q,
+               like_name="q")
         attn_bias = _broadcast_4d("attn_bias", attn_bias, shape4)
     if attn_mask is not None:
-        _check_tensor("attn_mask", attn_mask, (0, 1, 2, 3, 4), (torch.bool,))
-        if attn_mask.device != q.device:
-            raise ValueError(f"attn_mask: expected the device of q ({q.device}), got {attn_mask.device}")
+        tensor("attn_mask", attn_mask, dtypes=(torch.bool,), ndim=(0, 1, 2, 3, 4), like=q, like_name="q")
         attn_mask = _broadcast_4d("attn_mask", attn_mask, shape4)
     dropout_seed = _dropout_seed(dropout_p, dropout_seed, dropout_offset)
-    chosen = select_lane(q.device, lane)
-    if q.dtype == torch.float64 and chosen != "reference":
-        raise TypeError(f"q: expected dtype in {[str(d) for d in _DTYPES]} on the {chosen} lane, got "
-                        "torch.float64 (float64 runs on the reference lane only: lane='reference')")
+    chosen = lane_for(q, lane, "q")
     # The lane functions the registry names (ops.py), looked up by attribute rather than through
     # the registry's importlib, which torch.compile cannot trace.
     out, lse = getattr(_lanes, f"flash_attn_{chosen}")(
@@ -262,7 +235,7 @@ def flash_attn_qkvpacked_func(
         TypeError: qkv is not a tensor, or has an unsupported dtype.
         ValueError: qkv is not 5-D with size 3 in dimension 2; and as :func:`flash_attn_func`.
     """
-    _check_tensor("qkv", qkv, 5, _DTYPES + (torch.float64,))
+    tensor("qkv", qkv, dtypes=_DTYPES + (torch.float64,), ndim=5)
     if qkv.shape[2] != 3:
         raise ValueError(f"qkv: expected shape (B, S, 3, H, D), got {tuple(qkv.shape)}")
     return flash_attn_func(
@@ -303,7 +276,7 @@ def flash_attn_kvpacked_func(
         TypeError: kv is not a tensor, or has an unsupported dtype or one other than q's.
         ValueError: kv is not 5-D with size 2 in dimension 2; and as :func:`flash_attn_func`.
     """
-    _check_tensor("kv", kv, 5, _DTYPES + (torch.float64,))
+    tensor("kv", kv, dtypes=_DTYPES + (torch.float64,), ndim=5)
     if isinstance(q, torch.Tensor) and kv.dtype != q.dtype:
         raise TypeError(f"kv: expected the dtype of q ({q.dtype}), got {kv.dtype}")
     if kv.shape[2] != 2:
@@ -320,11 +293,9 @@ def _capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
-def _cu_seqlens(name: str, cu, B: int | None, device) -> int:
-    """Check cumulative sequence lengths' type, shape and device: (B + 1,) int32. Returns B."""
-    _check_tensor(name, cu, 1, (torch.int32,))
-    if cu.device != device:
-        raise ValueError(f"{name}: expected the device of q ({device}), got {cu.device}")
+def _cu_seqlens(name: str, cu, B: int | None, q: torch.Tensor) -> int:
+    """Check cumulative sequence lengths' type, shape and device: (B + 1,) int32 on q's. Returns B."""
+    tensor(name, cu, dtypes=(torch.int32,), ndim=1, like=q, like_name="q")
     if cu.shape[0] < 1 or (B is not None and cu.shape[0] != B + 1):
         raise ValueError(f"{name}: expected shape ({'B + 1' if B is None else B + 1},) (B + 1 cumulative "
                          f"lengths), got {tuple(cu.shape)}")
@@ -408,10 +379,9 @@ def flash_attn_varlen_func(
     Semantics: FlashAttention 2.7's ``flash_attn_varlen_func`` (Dao et al.); the LSE layout
     (Hq, total_q) is its own.
     """
-    _check_tensor("q", q, 3, _DTYPES + (torch.float64,))
-    _check_tensor("k", k, 4 if block_table is not None else 3)
-    _check_tensor("v", v, k.dim())
-    _check_kv_like_q(q, ("k", k), ("v", v))
+    tensor("q", q, dtypes=_DTYPES + (torch.float64,), ndim=3)
+    tensor("k", k, ndim=4 if block_table is not None else 3, like=q, like_name="q", like_dtype=True)
+    tensor("v", v, ndim=k.dim(), like=q, like_name="q", like_dtype=True)
     total_q, Hq, D = q.shape
     Hkv, Dv = k.shape[-2], v.shape[-1]
     if k.shape[-1] != D:
@@ -421,31 +391,23 @@ def flash_attn_varlen_func(
     _check_heads(q.shape, D, Dv, Hq, Hkv)
     max_seqlen_q = int_at_least("max_seqlen_q", max_seqlen_q)
     max_seqlen_k = int_at_least("max_seqlen_k", max_seqlen_k)
-    B = _cu_seqlens("cu_seqlens_q", cu_seqlens_q, None, q.device)
-    _cu_seqlens("cu_seqlens_k", cu_seqlens_k, B, q.device)
+    B = _cu_seqlens("cu_seqlens_q", cu_seqlens_q, None, q)
+    _cu_seqlens("cu_seqlens_k", cu_seqlens_k, B, q)
     if not _capturing():  # both read back in one transfer: one device sync
         both = torch.cat((cu_seqlens_q, cu_seqlens_k)).tolist()
         _cu_seqlens_values("cu_seqlens_q", both[:B + 1], total_q, max_seqlen_q)
         _cu_seqlens_values("cu_seqlens_k", both[B + 1:], -1 if block_table is not None else k.shape[0],
                            max_seqlen_k)
     if block_table is not None:
-        _check_tensor("block_table", block_table, 2, (torch.int32,))
-        if block_table.device != q.device:
-            raise ValueError(f"block_table: expected the device of q ({q.device}), got {block_table.device}")
-        if block_table.shape[0] != B:
-            raise ValueError(f"block_table: expected {B} rows (one per sequence of cu_seqlens_q), "
-                             f"got shape {tuple(block_table.shape)}")
+        checks.table(block_table, q, "q", B, "one per sequence of cu_seqlens_q")
         if not _capturing():
-            _check_pages(block_table, cu_seqlens_k.diff(), k.shape[0], k.shape[1])
+            checks.pages(block_table, cu_seqlens_k.diff(), k.shape[0], k.shape[1])
     softmax_scale, left, right = _options(D, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
                                           softcap, causal, window_size)
-    alibi_slopes = _alibi(alibi_slopes, B, Hq, q.device)
+    alibi_slopes = _alibi(alibi_slopes, B, Hq, q)
     dropout_seed = _dropout_seed(dropout_p, dropout_seed, dropout_offset)
 
-    chosen = select_lane(q.device, lane)
-    if q.dtype == torch.float64 and chosen != "reference":
-        raise TypeError(f"q: expected dtype in {[str(d) for d in _DTYPES]} on the {chosen} lane, got "
-                        "torch.float64 (float64 runs on the reference lane only: lane='reference')")
+    chosen = lane_for(q, lane, "q")
     out, lse = getattr(_lanes, f"flash_attn_varlen_{chosen}")(
         q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q.contiguous(), cu_seqlens_k=cu_seqlens_k.contiguous(),
         max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
@@ -458,61 +420,7 @@ def flash_attn_varlen_func(
     return out
 
 
-def _check_table_width(tokens: int, page_size: int, max_pages: int) -> None:
-    """A block_table row of ``max_pages`` pages holds the longest sequence's ``tokens``."""
-    if -(-tokens // page_size) > max_pages:
-        raise ValueError(f"block_table: expected at least {-(-tokens // page_size)} pages per row for "
-                         f"{tokens} tokens of page_size {page_size}, got {max_pages}")
-
-
-def _check_pages(block_table: torch.Tensor, seqlens: torch.Tensor, num_blocks: int, page_size: int) -> None:
-    """Every page that sequence b's first seqlens[b] tokens use is listed and exists (a device sync)."""
-    max_pages = block_table.shape[1]
-    if seqlens.numel():
-        _check_table_width(int(seqlens.max()), page_size, max_pages)
-    needed = (seqlens.to(torch.int64) + page_size - 1) // page_size
-    used = torch.arange(max_pages, device=block_table.device)[None, :] < needed[:, None]
-    pages = block_table[used]
-    if pages.numel() and (int(pages.min()) < 0 or int(pages.max()) >= num_blocks):
-        raise ValueError(f"block_table: expected pages in [0, {num_blocks}) (the cache's num_blocks) "
-                         f"where a sequence has tokens, got {int(pages.min())}..{int(pages.max())}")
-
-
-def _check_appended_slots(block_table: torch.Tensor, seqlens: torch.Tensor, S_new: int, page_size: int) -> None:
-    """The S_new tokens appended to each sequence (at seqlens[b] + t, pages checked to exist) land
-    in slots no other appended token takes and where no sequence holds a cached token (its
-    positions below seqlens): pages shared by prefix (full pages, read only) pass. Computed on the
-    table's device; one value read back."""
-    pos = seqlens[:, None] + torch.arange(S_new, device=seqlens.device)              # (B, S_new)
-    page = block_table.gather(1, pos // page_size).to(torch.int64).flatten()
-    offset = (pos % page_size).flatten()
-    slots, counts = (page * page_size + offset).unique(return_counts=True)
-    if bool((counts > 1).any()):
-        twice = int(slots[counts > 1][0])
-        raise ValueError(f"block_table: expected every appended token its own slot (two would race for "
-                         f"one), got slot {twice} (page {twice // page_size}, offset {twice % page_size}) twice")
-    # cached tokens in each listed page; a page written at an offset below that many is overwritten
-    held = (seqlens[:, None] - page_size * torch.arange(block_table.shape[1], device=seqlens.device)).clamp(0, page_size)
-    pages, inverse = page.unique(return_inverse=True)
-    lowest = torch.full_like(pages, page_size).scatter_reduce(0, inverse, offset, "amin")  # per written page
-    at = torch.searchsorted(pages, block_table.to(torch.int64)).clamp(max=pages.numel() - 1)
-    clash = (pages[at] == block_table) & (lowest[at] < held)
-    if bool(clash.any()):
-        b, i = (int(x) for x in clash.nonzero()[0])
-        raise ValueError(f"block_table: expected appended tokens in slots no sequence holds a cached "
-                         f"token in, got page {int(block_table[b, i])} (sequence {b}'s page {i}, "
-                         f"{int(held[b, i])} cached tokens) written at offset {int(lowest[at[b, i]])}")
-
-
 MAX_SPLITS = 128
-
-
-def _index_vector(name: str, t, B: int, device) -> None:
-    _check_tensor(name, t, 1, (torch.int32,))
-    if t.device != device:
-        raise ValueError(f"{name}: expected the device of q ({device}), got {t.device}")
-    if t.shape[0] != B:
-        raise ValueError(f"{name}: expected shape ({B},) (one per sequence of q), got {tuple(t.shape)}")
 
 
 def num_splits_heuristic(batch_programs: int, max_seqlen_k: int | None, device: torch.device,
@@ -667,112 +575,25 @@ def flash_attn_with_kvcache(
     Semantics: FlashAttention 2.7's ``flash_attn_with_kvcache`` (Dao et al.); beyond it: any
     page_size, paged caches with num_splits and with cache_leftpad, quantized caches.
     """
-    _check_tensor("q", q, 4, _DTYPES + (torch.float64,))
-    paged = block_table is not None
-    _check_tensor("k_cache", k_cache, 4, (q.dtype,) + _CODE_DTYPES)
-    if k_cache.device != q.device:
-        raise ValueError(f"k_cache: expected the device of q ({q.device}), got {k_cache.device}")
+    S_new = _kvcache_tensors(q, k_cache, v_cache, k, v, k_cache_scale, v_cache_scale)
+    cache_seqlens, capacity = _kvcache_indices(q, k_cache, S_new, cache_seqlens, cache_batch_idx,
+                                               cache_leftpad, block_table)
+    S_ro = _kvcache_rotary(q, rotary_cos, rotary_sin, rotary_interleaved)
+    num_splits = _split_count(num_splits)
     B, Sq, Hq, D = q.shape
-    # the KV-cache ops' own checks: v_cache like k_cache, non-empty, the scales of a codes cache
-    quantized = _kv_caches(k_cache, v_cache, k_cache_scale, v_cache_scale, float64=q.dtype == torch.float64)
-    n_rows, S_cache, Hkv = k_cache.shape[:3]
-    Dv = v_cache.shape[3]
-    if k_cache.shape[3] != D:
-        raise ValueError(f"k_cache: expected head dim {D} (that of q), got {k_cache.shape[3]}")
-    _check_heads(q.shape, D, Dv, Hq, Hkv, "k_cache")
-    if (k is None) != (v is None):
-        raise ValueError(f"k, v: expected both or neither, got k={'a tensor' if k is not None else None}, "
-                         f"v={'a tensor' if v is not None else None}")
-    S_new = 0
-    if k is not None:
-        _check_tensor("k", k, 4, (q.dtype,))
-        _check_tensor("v", v, 4, (q.dtype,))
-        S_new = k.shape[1]
-        for name, t, d in (("k", k, D), ("v", v, Dv)):
-            if tuple(t.shape) != (B, S_new, Hkv, d) or t.device != q.device:
-                raise ValueError(f"{name}: expected shape ({B}, S_new, {Hkv}, {d}) on {q.device} (q's batch, "
-                                 f"the cache's heads and head dim), got {tuple(t.shape)} on {t.device}")
-        if S_new:  # the append writes the caches (and their scales) in place: each element once, into no input
-            check_outputs((("k_cache", k_cache), ("v_cache", v_cache), ("k_cache_scale", k_cache_scale),
-                           ("v_cache_scale", v_cache_scale)), q, k, v)
-    if paged:
-        _check_tensor("block_table", block_table, 2, (torch.int32,))
-        if block_table.shape[0] != B or block_table.device != q.device:
-            raise ValueError(f"block_table: expected ({B}, max_pages) on {q.device}, got "
-                             f"{tuple(block_table.shape)} on {block_table.device}")
-        if cache_batch_idx is not None:
-            raise ValueError("cache_batch_idx: expected None with a block_table (the table names "
-                             "each sequence's pages), got a tensor")
-        capacity = block_table.shape[1] * S_cache
-    else:
-        capacity = S_cache
-        if cache_batch_idx is not None:
-            _index_vector("cache_batch_idx", cache_batch_idx, B, q.device)
-        elif n_rows != B:
-            raise ValueError(f"k_cache: expected {B} rows (q's batch) without cache_batch_idx, got {n_rows}")
-    if cache_seqlens is None:
-        if paged or S_new:
-            raise ValueError("cache_seqlens: expected a (B,) int32 tensor or an int "
-                             f"{'with a block_table' if paged else 'with new k, v (where they go)'}, got None")
-        cache_seqlens = S_cache
-    if is_int(cache_seqlens):
-        cache_seqlens = int(cache_seqlens)
-        if paged:
-            _check_table_width(cache_seqlens + S_new, S_cache, block_table.shape[1])
-        if not 0 <= cache_seqlens <= capacity - S_new:
-            raise ValueError(f"cache_seqlens: expected 0..{capacity - S_new} (capacity {capacity} less "
-                             f"{S_new} new tokens), got {cache_seqlens}")
-        cache_seqlens = torch.full((B,), cache_seqlens, dtype=torch.int32, device=q.device)
-    elif isinstance(cache_seqlens, torch.Tensor):
-        _index_vector("cache_seqlens", cache_seqlens, B, q.device)
-    else:
-        raise TypeError(f"cache_seqlens: expected a (B,) int32 tensor, an int or None, got "
-                        f"{type(cache_seqlens).__name__}")
-    if cache_leftpad is not None:
-        _index_vector("cache_leftpad", cache_leftpad, B, q.device)
-    rotary_dim = 0
-    if (rotary_cos is None) != (rotary_sin is None):
-        raise ValueError("rotary_cos, rotary_sin: expected both or neither")
-    if rotary_cos is not None:
-        for name, t in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
-            _check_tensor(name, t, 2, _DTYPES + (torch.float64,))
-            if t.device != q.device or tuple(t.shape) != tuple(rotary_cos.shape):
-                raise ValueError(f"{name}: expected (S_ro, rotary_dim / 2) on {q.device} as rotary_cos, "
-                                 f"got {tuple(t.shape)} on {t.device}")
-        rotary_dim = 2 * rotary_cos.shape[1]
-        if not 0 < rotary_dim <= D:
-            raise ValueError(f"rotary_cos: expected rotary_dim = 2 * shape[1] in 2..{D} (the head dim), got {rotary_dim}")
-    if not isinstance(rotary_interleaved, bool):
-        raise TypeError(f"rotary_interleaved: expected a bool, got {type(rotary_interleaved).__name__}")
-    if not is_int(num_splits):
-        raise TypeError(f"num_splits: expected an int in 0..{MAX_SPLITS} (0: a heuristic), got "
-                        f"{type(num_splits).__name__}")
-    if not 0 <= num_splits <= MAX_SPLITS:
-        raise ValueError(f"num_splits: expected an int in 0..{MAX_SPLITS} (0: a heuristic), got {num_splits!r}")
-    num_splits = int(num_splits)
     softmax_scale, left, right = _options(D, Sq, capacity, 0.0, softmax_scale, softcap, causal, window_size)
-    alibi_slopes = _alibi(alibi_slopes, B, Hq, q.device)
+    alibi_slopes = _alibi(alibi_slopes, B, Hq, q)
 
     max_used = None
     if not _capturing():
-        max_used = _check_cache_values(
-            cache_seqlens, cache_leftpad, cache_batch_idx, block_table, S_new, capacity, n_rows, S_cache,
-            Sq, rotary_cos.shape[0] if rotary_cos is not None else None, left >= 0 or right >= 0)
-    if max_seqlen_k is not None:
-        if not is_int(max_seqlen_k):
-            raise TypeError(f"max_seqlen_k: expected an int or None, got {type(max_seqlen_k).__name__}")
-        max_seqlen_k = int(max_seqlen_k)
-        if max_seqlen_k < 0 or (max_used is not None and max_seqlen_k < max_used):
-            raise ValueError(f"max_seqlen_k: expected at least every sequence's key count after the append "
-                             f"({max_used if max_used is not None else 0}), got {max_seqlen_k}")
-    bound = max_seqlen_k if max_seqlen_k is not None else max_used
+        max_used = _check_cache_values(cache_seqlens, cache_leftpad, cache_batch_idx, block_table, S_new,
+                                       capacity, k_cache.shape[0], k_cache.shape[1], Sq, S_ro,
+                                       left >= 0 or right >= 0)
+    bound = _key_bound(max_seqlen_k, max_used)
     if num_splits == 0:
         num_splits = kvcache_num_splits(q, k_cache, v_cache, block_table, cache_leftpad, bound)
 
-    chosen = select_lane(q.device, lane)
-    if q.dtype == torch.float64 and chosen != "reference":
-        raise TypeError(f"q: expected dtype in {[str(d) for d in _DTYPES]} on the {chosen} lane, got "
-                        "torch.float64 (float64 runs on the reference lane only: lane='reference')")
+    chosen = lane_for(q, lane, "q")
     # the kernels index these as packed vectors and rows: a strided view is read as its copy
     cache_seqlens = cache_seqlens.contiguous()
     cache_leftpad = cache_leftpad.contiguous() if cache_leftpad is not None else None
@@ -789,17 +610,123 @@ def flash_attn_with_kvcache(
     return (out, lse) if return_softmax_lse else out
 
 
+# ---- flash_attn_with_kvcache's checks, in the order it runs them ----
+
+def _kvcache_tensors(q, k_cache, v_cache, k, v, k_cache_scale, v_cache_scale) -> int:
+    """q, the caches (the KV-cache ops' own checks: v_cache like k_cache, non-empty, the scales of
+    a codes cache) and the new k, v; an append writes the caches (and their scales) in place, each
+    element once, into no input. Returns S_new (0 without k, v)."""
+    tensor("q", q, dtypes=_DTYPES + (torch.float64,), ndim=4)
+    tensor("k_cache", k_cache, dtypes=(q.dtype,) + checks.CODE_DTYPES, ndim=4, like=q, like_name="q")
+    B, Sq, Hq, D = q.shape
+    checks.caches(k_cache, v_cache, k_cache_scale, v_cache_scale, float64=q.dtype == torch.float64)
+    Hkv, Dv = k_cache.shape[2], v_cache.shape[3]
+    if k_cache.shape[3] != D:
+        raise ValueError(f"k_cache: expected head dim {D} (that of q), got {k_cache.shape[3]}")
+    _check_heads(q.shape, D, Dv, Hq, Hkv, "k_cache")
+    if (k is None) != (v is None):
+        raise ValueError(f"k, v: expected both or neither, got k={'a tensor' if k is not None else None}, "
+                         f"v={'a tensor' if v is not None else None}")
+    if k is None:
+        return 0
+    tensor("k", k, dtypes=(q.dtype,), ndim=4)
+    tensor("v", v, dtypes=(q.dtype,), ndim=4)
+    S_new = k.shape[1]
+    for name, t, d in (("k", k, D), ("v", v, Dv)):
+        if tuple(t.shape) != (B, S_new, Hkv, d) or t.device != q.device:
+            raise ValueError(f"{name}: expected shape ({B}, S_new, {Hkv}, {d}) on {q.device} (q's batch, "
+                             f"the cache's heads and head dim), got {tuple(t.shape)} on {t.device}")
+    if S_new:
+        check_outputs((("k_cache", k_cache), ("v_cache", v_cache), ("k_cache_scale", k_cache_scale),
+                       ("v_cache_scale", v_cache_scale)), q, k, v)
+    return S_new
+
+
+def _kvcache_indices(q, k_cache, S_new: int, cache_seqlens, cache_batch_idx, cache_leftpad,
+                     block_table) -> tuple[torch.Tensor, int]:
+    """The index arguments' types and shapes (their values: _check_cache_values): block_table or
+    cache_batch_idx, cache_seqlens (an int is checked here and becomes a (B,) tensor), cache_leftpad.
+    Returns (cache_seqlens, capacity): the tokens a sequence can hold, S_cache or, paged, the
+    table's pages of S_cache."""
+    B = q.shape[0]
+    n_rows, S_cache = k_cache.shape[:2]
+    paged = block_table is not None
+    if paged:
+        checks.table(block_table, q, "q", B, "one per sequence of q")
+        if cache_batch_idx is not None:
+            raise ValueError("cache_batch_idx: expected None with a block_table (the table names "
+                             "each sequence's pages), got a tensor")
+        capacity = block_table.shape[1] * S_cache
+    else:
+        capacity = S_cache
+        if cache_batch_idx is not None:
+            checks.index_vector("cache_batch_idx", cache_batch_idx, B, "one per sequence of q", q, "q")
+        elif n_rows != B:
+            raise ValueError(f"k_cache: expected {B} rows (q's batch) without cache_batch_idx, got {n_rows}")
+    if cache_seqlens is None:
+        if paged or S_new:
+            raise ValueError("cache_seqlens: expected a (B,) int32 tensor or an int "
+                             f"{'with a block_table' if paged else 'with new k, v (where they go)'}, got None")
+        cache_seqlens = S_cache
+    if is_int(cache_seqlens):
+        cache_seqlens = int(cache_seqlens)
+        if paged:
+            checks.table_width(cache_seqlens + S_new, S_cache, block_table.shape[1])
+        if not 0 <= cache_seqlens <= capacity - S_new:
+            raise ValueError(f"cache_seqlens: expected 0..{capacity - S_new} (capacity {capacity} less "
+                             f"{S_new} new tokens), got {cache_seqlens}")
+        cache_seqlens = torch.full((B,), cache_seqlens, dtype=torch.int32, device=q.device)
+    elif isinstance(cache_seqlens, torch.Tensor):
+        checks.index_vector("cache_seqlens", cache_seqlens, B, "one per sequence of q", q, "q")
+    else:
+        raise TypeError(f"cache_seqlens: expected a (B,) int32 tensor, an int or None, got "
+                        f"{type(cache_seqlens).__name__}")
+    if cache_leftpad is not None:
+        checks.index_vector("cache_leftpad", cache_leftpad, B, "one per sequence of q", q, "q")
+    return cache_seqlens, capacity
+
+
+def _kvcache_rotary(q, rotary_cos, rotary_sin, rotary_interleaved) -> int | None:
+    """rotary_cos and rotary_sin: both or neither, (S_ro, rotary_dim / 2) on q's device with
+    rotary_dim in 2..D; rotary_interleaved a bool. Returns S_ro (None without rotary)."""
+    D = q.shape[3]
+    if (rotary_cos is None) != (rotary_sin is None):
+        raise ValueError("rotary_cos, rotary_sin: expected both or neither")
+    if rotary_cos is not None:
+        for name, t in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
+            tensor(name, t, dtypes=_DTYPES + (torch.float64,), ndim=2)
+            if t.device != q.device or tuple(t.shape) != tuple(rotary_cos.shape):
+                raise ValueError(f"{name}: expected (S_ro, rotary_dim / 2) on {q.device} as rotary_cos, "
+                                 f"got {tuple(t.shape)} on {t.device}")
+        rotary_dim = 2 * rotary_cos.shape[1]
+        if not 0 < rotary_dim <= D:
+            raise ValueError(f"rotary_cos: expected rotary_dim = 2 * shape[1] in 2..{D} (the head dim), got {rotary_dim}")
+    if not isinstance(rotary_interleaved, bool):
+        raise TypeError(f"rotary_interleaved: expected a bool, got {type(rotary_interleaved).__name__}")
+    return rotary_cos.shape[0] if rotary_cos is not None else None
+
+
+def _split_count(num_splits) -> int:
+    """num_splits: an int in 0..MAX_SPLITS (0: the heuristic picks)."""
+    if not is_int(num_splits):
+        raise TypeError(f"num_splits: expected an int in 0..{MAX_SPLITS} (0: a heuristic), got "
+                        f"{type(num_splits).__name__}")
+    if not 0 <= num_splits <= MAX_SPLITS:
+        raise ValueError(f"num_splits: expected an int in 0..{MAX_SPLITS} (0: a heuristic), got {num_splits!r}")
+    return int(num_splits)
+
+
 def _check_cache_values(cache_seqlens, cache_leftpad, cache_batch_idx, block_table, S_new, capacity,
                         n_rows, page_size, Sq, S_ro, bounded) -> int:
-    """The index values (read back once): lengths within the capacity, left padding within the
-    length, existing rows and pages, rotary positions within cos/sin. Returns the longest
-    sequence's key count after the append (the used length)."""
+    """The index values (cache_seqlens, cache_leftpad and cache_batch_idx read back once; the
+    table's pages and slots checked on its device): lengths within the capacity, left padding
+    within the length, existing rows and pages, appended tokens in slots of their own, rotary
+    positions within cos/sin. Returns the longest sequence's key count after the append (the used
+    length)."""
     seqlens = cache_seqlens.cpu().to(torch.int64)
     ends = seqlens + S_new
-    # (a paged cache's capacity is its table's width: _check_pages names block_table)
-    if seqlens.numel() and (int(seqlens.min()) < 0 or (block_table is None and int(ends.max()) > capacity)):
-        raise ValueError(f"cache_seqlens: expected 0 <= cache_seqlens and cache_seqlens + {S_new} new "
-                         f"tokens <= the capacity {capacity}, got {seqlens.tolist()[:16]}")
+    # (a paged cache's capacity is its table's width: checks.pages names block_table)
+    checks.lengths(seqlens, S_new, capacity if block_table is None else None)
     starts = torch.zeros_like(seqlens)
     if cache_leftpad is not None:
         starts = cache_leftpad.cpu().to(torch.int64)
@@ -814,12 +741,26 @@ def _check_cache_values(cache_seqlens, cache_leftpad, cache_batch_idx, block_tab
             raise ValueError("cache_batch_idx: expected distinct rows when k, v are appended (two "
                              f"sequences would write one row), got {rows.tolist()[:16]}")
     if block_table is not None:
-        _check_pages(block_table, ends.to(block_table.device), n_rows, page_size)
+        checks.pages(block_table, ends, n_rows, page_size)
         if S_new and seqlens.numel():
-            _check_appended_slots(block_table, seqlens.to(block_table.device), S_new, page_size)
+            checks.appended_slots(block_table, seqlens, S_new, page_size)
     if S_ro is not None:
         top = int((seqlens + max(S_new, Sq if bounded else 1)).max()) if seqlens.numel() else 0
         if top > S_ro:
             raise ValueError(f"rotary_cos: expected rows for positions up to {top - 1} (cache_seqlens plus "
                              f"the new tokens), got {S_ro} rows")
     return int((ends - starts).max()) if ends.numel() else 0
+
+
+def _key_bound(max_seqlen_k, max_used: int | None) -> int | None:
+    """max_seqlen_k checked (an int, at least the used length when it was read); returns the bound
+    that picks the decode tile and the split count: max_seqlen_k, else the used length."""
+    if max_seqlen_k is None:
+        return max_used
+    if not is_int(max_seqlen_k):
+        raise TypeError(f"max_seqlen_k: expected an int or None, got {type(max_seqlen_k).__name__}")
+    max_seqlen_k = int(max_seqlen_k)
+    if max_seqlen_k < 0 or (max_used is not None and max_seqlen_k < max_used):
+        raise ValueError(f"max_seqlen_k: expected at least every sequence's key count after the append "
+                         f"({max_used if max_used is not None else 0}), got {max_seqlen_k}")
+    return max_seqlen_k

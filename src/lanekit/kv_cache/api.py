@@ -24,55 +24,11 @@ from collections.abc import Hashable, Iterable
 import numpy as np
 import torch
 
-from lanekit.kv_cache import op as _lanes
+from lanekit.kv_cache import checks, op as _lanes
+from lanekit.kv_cache.checks import CODE_DTYPES as _CODE_DTYPES, DTYPES as _DTYPES
 from lanekit.runtime.lanes import select_lane
-from lanekit.runtime.validate import check_outputs, int_at_least, is_int, shape as _shape, tensor as _tensor
-
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-_CODE_DTYPES = (torch.int8, torch.float8_e4m3fn)
-_CACHE_DTYPES = _DTYPES + _CODE_DTYPES
-_INT_INDEX = (torch.int32, torch.int64)
-
-
-def _caches(k_cache, v_cache, k_cache_scale, v_cache_scale, float64: bool = False) -> bool:
-    """Check the caches (and a quantized cache's scales); returns whether they hold codes.
-    ``float64``: float64 caches are accepted too (the reference lane's attention takes them)."""
-    _tensor("k_cache", k_cache, dtypes=_CACHE_DTYPES + ((torch.float64,) if float64 else ()), ndim=4)
-    _tensor("v_cache", v_cache, dtypes=(k_cache.dtype,), ndim=4, like=k_cache)
-    blocks, page_size, H, D = k_cache.shape
-    if tuple(v_cache.shape[:3]) != (blocks, page_size, H):
-        raise ValueError(f"v_cache: expected (num_blocks, page_size, Hkv, Dv) = ({blocks}, {page_size}, "
-                         f"{H}, Dv) as k_cache's, got {tuple(v_cache.shape)}")
-    if blocks * page_size * H == 0 or D == 0 or v_cache.shape[3] == 0:
-        raise ValueError(f"k_cache: expected num_blocks, page_size, Hkv and D >= 1, got "
-                         f"{tuple(k_cache.shape)} (v_cache {tuple(v_cache.shape)})")
-    quantized = k_cache.dtype in _CODE_DTYPES
-    for name, scale in (("k_cache_scale", k_cache_scale), ("v_cache_scale", v_cache_scale)):
-        if quantized:
-            if scale is None:
-                raise ValueError(f"{name}: a cache of {k_cache.dtype} codes needs its scales: expected "
-                                 f"(num_blocks, page_size, Hkv) fp32, got None")
-            _tensor(name, scale, dtypes=(torch.float32,), like=k_cache)
-            _shape(name, scale, (blocks, page_size, H), "(num_blocks, page_size, Hkv), the cache's")
-        elif scale is not None:
-            raise ValueError(f"{name}: expected None for a cache of {k_cache.dtype} values (scales go "
-                             f"with int8 or float8_e4m3fn codes), got a tensor")
-    return quantized
-
-
-def _positive_scale(name: str, scale, shape: tuple, what: str, like: torch.Tensor) -> torch.Tensor:
-    """A given scale: fp32, broadcastable to ``shape``, every value > 0 and finite. Returns it
-    expanded to ``shape`` (a view)."""
-    _tensor(name, scale, dtypes=(torch.float32,), like=like)
-    try:
-        expanded = scale.expand(shape)
-    except RuntimeError:
-        raise ValueError(f"{name}: expected a shape broadcastable to {tuple(shape)} ({what}), got "
-                         f"{tuple(scale.shape)}") from None
-    if scale.numel() and not bool(((scale > 0) & torch.isfinite(scale)).all()):
-        raise ValueError(f"{name}: expected every scale > 0 and finite, got min {float(scale.min())}, "
-                         f"max {float(scale.max())}")
-    return expanded
+from lanekit.runtime.validate import (check_outputs, int_at_least, is_int, lane_for, shape as _shape,
+                                      tensor as _tensor)
 
 
 def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
@@ -115,7 +71,7 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Ten
     Source: vLLM's ``reshape_and_cache_flash`` (slot_mapping, padding slots) into FlashAttention's
     paged layout; per-(token, head) scales and the rounding are lanekit's (docs/semantics.md).
     """
-    quantized = _caches(k_cache, v_cache, k_cache_scale, v_cache_scale)
+    quantized = checks.caches(k_cache, v_cache, k_cache_scale, v_cache_scale)
     blocks, page_size, H, D = k_cache.shape
     Dv = v_cache.shape[3]
     _tensor("key", key, dtypes=_DTYPES if quantized else (k_cache.dtype,), ndim=3, like=k_cache)
@@ -123,20 +79,13 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Ten
     _shape("key", key, (N, H, D), "(N, Hkv, D), Hkv and D as k_cache's")
     _tensor("value", value, dtypes=(key.dtype,), ndim=3, like=k_cache)
     _shape("value", value, (N, H, Dv), "(N, Hkv, Dv), N as key's, Hkv and Dv as v_cache's")
-    _tensor("slot_mapping", slot_mapping, dtypes=_INT_INDEX, ndim=1, like=k_cache)
-    _shape("slot_mapping", slot_mapping, (N,), "(N,), one slot per token of key")
+    checks.index_vector("slot_mapping", slot_mapping, N, "(N,), one slot per token of key", like=k_cache,
+                        dtypes=checks.SLOT_DTYPES)
     used = slot_mapping[slot_mapping >= 0]
     if used.numel():
         check_outputs((("k_cache", k_cache), ("v_cache", v_cache), ("k_cache_scale", k_cache_scale),
                        ("v_cache_scale", v_cache_scale)), key, value, slot_mapping, k_scale, v_scale)
-        top = int(used.max())
-        if top >= blocks * page_size:
-            raise ValueError(f"slot_mapping: expected slots below num_blocks * page_size = "
-                             f"{blocks} * {page_size} = {blocks * page_size} (or negative for padding), "
-                             f"got {top}")
-        if used.unique().numel() != used.numel():
-            raise ValueError("slot_mapping: expected each non-negative slot once (two tokens would "
-                             "race for one slot), got repeated slots")
+        checks.slots("slot_mapping", used, page_size, blocks)
     scales = {}
     for name, given in (("k_scale", k_scale), ("v_scale", v_scale)):
         if given is None:
@@ -145,37 +94,12 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Ten
             raise ValueError(f"{name}: expected None for a cache of {k_cache.dtype} values (scales "
                              "quantize into int8 or float8_e4m3fn codes), got a tensor")
         else:
-            scales[name] = _positive_scale(name, given, (N, H), "(N, Hkv)", k_cache)
-    chosen = select_lane(k_cache.device, lane)
+            scales[name] = checks.scale(name, given, (N, H), "(N, Hkv)", k_cache, positive=True)
+    chosen = lane_for(k_cache, lane, "k_cache")
     getattr(_lanes, f"write_cache_{chosen}")(
         key=key, value=value, k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping,
         k_scale=scales["k_scale"], v_scale=scales["v_scale"], k_cache_scale=k_cache_scale,
         v_cache_scale=v_cache_scale)
-
-
-def _table(block_table, cache_seqlens, k_cache) -> None:
-    """Check block_table and cache_seqlens against the cache: every page a sequence uses exists."""
-    blocks, page_size = k_cache.shape[0], k_cache.shape[1]
-    _tensor("block_table", block_table, dtypes=(torch.int32,), ndim=2, like=k_cache)
-    B, max_pages = block_table.shape
-    _tensor("cache_seqlens", cache_seqlens, dtypes=(torch.int32,), ndim=1, like=k_cache)
-    _shape("cache_seqlens", cache_seqlens, (B,), "(B,), one per row of block_table")
-    if B == 0:
-        return
-    if int(cache_seqlens.min()) < 0:
-        raise ValueError(f"cache_seqlens: expected lengths >= 0, got {int(cache_seqlens.min())}")
-    pages_used = (cache_seqlens.long() + page_size - 1) // page_size
-    if int(pages_used.max()) > max_pages:
-        b = int(pages_used.argmax())
-        raise ValueError(f"cache_seqlens: sequence {b} has {int(cache_seqlens[b])} tokens, "
-                         f"{int(pages_used[b])} pages of {page_size}, beyond the {max_pages} pages a row "
-                         f"of block_table holds")
-    live = torch.arange(max_pages, device=block_table.device)[None, :] < pages_used[:, None]
-    entries = block_table[live]
-    if entries.numel() and (int(entries.min()) < 0 or int(entries.max()) >= blocks):
-        bad = entries[(entries < 0) | (entries >= blocks)][0]
-        raise ValueError(f"block_table: expected the pages of the live tokens in [0, {blocks}) "
-                         f"(num_blocks), got {int(bad)}")
 
 
 def gather_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
@@ -212,16 +136,21 @@ def gather_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torc
     Source: FlashAttention's paged-cache layout (``flash_attn_with_kvcache``'s block_table and
     cache_seqlens); vLLM's ``gather_cache`` reads the same pages (packed, with cu_seqlens).
     """
-    _caches(k_cache, v_cache, k_cache_scale, v_cache_scale)
-    _table(block_table, cache_seqlens, k_cache)
+    checks.caches(k_cache, v_cache, k_cache_scale, v_cache_scale)
+    checks.table(block_table, k_cache)
+    checks.index_vector("cache_seqlens", cache_seqlens, block_table.shape[0], "(B,), one per row of block_table",
+                        like=k_cache)
+    held = cache_seqlens.cpu()   # the lengths, read back once
+    checks.lengths(held)
+    checks.pages(block_table, held, k_cache.shape[0], k_cache.shape[1], name="cache_seqlens")
     if dtype is not None and dtype not in _DTYPES:
         raise TypeError(f"dtype: expected one of {[str(d) for d in _DTYPES]} or None, got {dtype!r}")
-    longest = int(cache_seqlens.max()) if cache_seqlens.numel() else 0
+    longest = int(held.max()) if held.numel() else 0
     if max_seqlen is None:
         max_seqlen = longest
     elif not (isinstance(max_seqlen, int) and not isinstance(max_seqlen, bool) and max_seqlen >= longest):
         raise ValueError(f"max_seqlen: expected an int >= the longest sequence ({longest}), got {max_seqlen!r}")
-    chosen = select_lane(k_cache.device, lane)
+    chosen = lane_for(k_cache, lane, "k_cache")
     return getattr(_lanes, f"gather_cache_{chosen}")(
         k_cache=k_cache, v_cache=v_cache, block_table=block_table, cache_seqlens=cache_seqlens.contiguous(),
         k_cache_scale=k_cache_scale, v_cache_scale=v_cache_scale, dtype=dtype, max_seqlen=max_seqlen)
@@ -258,8 +187,8 @@ def quantize_kv(x: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn,
     if dtype not in _CODE_DTYPES:
         raise TypeError(f"dtype: expected torch.int8 or torch.float8_e4m3fn, got {dtype!r}")
     if scale is not None:
-        _positive_scale("scale", scale, x.shape[:-1], "x.shape[:-1], one per row", x)
-    chosen = select_lane(x.device, lane)
+        checks.scale("scale", scale, x.shape[:-1], "x.shape[:-1], one per row", x, positive=True)
+    chosen = lane_for(x, lane)
     return getattr(_lanes, f"quantize_kv_{chosen}")(x=x, dtype=dtype, scale=scale)
 
 
@@ -288,15 +217,10 @@ def dequantize_kv(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype =
     _tensor("codes", codes, dtypes=_CODE_DTYPES)
     if codes.dim() == 0:
         raise ValueError("codes: expected (..., D), got a 0-d tensor")
-    _tensor("scale", scale, dtypes=(torch.float32,), like=codes)
-    try:
-        scale.expand(codes.shape[:-1])
-    except RuntimeError:
-        raise ValueError(f"scale: expected a shape broadcastable to {tuple(codes.shape[:-1])} "
-                         f"(codes.shape[:-1]), got {tuple(scale.shape)}") from None
+    checks.scale("scale", scale, codes.shape[:-1], "codes.shape[:-1]", codes, positive=False)
     if dtype not in _DTYPES:
         raise TypeError(f"dtype: expected one of {[str(d) for d in _DTYPES]}, got {dtype!r}")
-    chosen = select_lane(codes.device, lane)
+    chosen = lane_for(codes, lane, "codes")
     return getattr(_lanes, f"dequantize_kv_{chosen}")(codes=codes, scale=scale, dtype=dtype)
 
 
@@ -334,10 +258,7 @@ def merge_attn_states(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Ten
     for name, lse in (("lse_a", lse_a), ("lse_b", lse_b)):
         _tensor(name, lse, dtypes=(torch.float32,), ndim=3, like=out_a)
         _shape(name, lse, (B, H, S), "(B, H, Sq) from out_a's (B, Sq, H, D)")
-    chosen = select_lane(out_a.device, lane)
-    if out_a.dtype == torch.float64 and chosen == "triton":
-        raise TypeError(f"out_a: expected dtype in {[str(d) for d in _DTYPES]} on the triton lane, got "
-                        "torch.float64 (float64 runs on the reference lane only: lane='reference')")
+    chosen = lane_for(out_a, lane, "out_a")
     return getattr(_lanes, f"merge_attn_states_{chosen}")(out_a=out_a, lse_a=lse_a, out_b=out_b, lse_b=lse_b)
 
 

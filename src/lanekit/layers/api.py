@@ -7,21 +7,13 @@ import math
 import torch
 
 from lanekit.layers import op as _lanes
-from lanekit.runtime.lanes import select_lane
 from lanekit.runtime.validate import (check_writable as _check_writable, is_int as _is_int,
-                                      is_real as _is_real, shape as _shape, tensor as _tensor)
+                                      is_real as _is_real, lane_for as _lane, shape as _shape,
+                                      tensor as _tensor)
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _WITH_F64 = _DTYPES + (torch.float64,)   # float64 runs on the reference lane only
 _QUANT_DTYPES = (torch.int8, torch.float8_e4m3fn)
-
-
-def _lane(x: torch.Tensor, lane: str | None, name: str = "x") -> str:
-    chosen = select_lane(x.device, lane)
-    if x.dtype == torch.float64 and chosen == "triton":
-        raise TypeError(f"{name}: expected dtype in {[str(d) for d in _DTYPES]} on the triton lane, got "
-                        "torch.float64 (float64 runs on the reference lane only: lane='reference')")
-    return chosen
 
 
 def _eps(eps) -> float:
@@ -408,7 +400,7 @@ def qk_norm_rope_quant(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor 
         _DTYPES)
     eps32 = float(torch.tensor(eps, dtype=torch.float32))
     off32 = float(torch.tensor(offset, dtype=torch.float32))
-    chosen = select_lane(q.device, lane)
+    chosen = _lane(q, lane, "q")
     return getattr(_lanes, f"qk_norm_rope_quant_{chosen}")(
         q=q, k=k, q_weight=q_weight, k_weight=k_weight, cos=cos, sin=sin, eps=eps32, offset=off32,
         interleaved=bool(interleaved), rotary_dim=rotary_dim, position_ids=position_ids,

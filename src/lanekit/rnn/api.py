@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from lanekit.rnn import op as _lanes
-from lanekit.runtime.lanes import select_lane
+from lanekit.runtime.validate import lane_for, tensor
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Gates per cell, and their order along the rows of the weights (PyTorch's).
@@ -14,28 +14,15 @@ _GATES = {"lstm_cell": (4, "i, f, g, o"), "gru_cell": (3, "r, z, n"), "rnn_cell"
 _NONLINEARITIES = ("tanh", "relu")
 
 
-def _check_tensor(name: str, t, input: torch.Tensor | None = None) -> None:
-    """A tensor, and (when ``input`` is given) of input's dtype and device."""
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-    if input is not None:
-        if t.dtype != input.dtype:
-            raise TypeError(f"{name}: expected the dtype of input ({input.dtype}), got {t.dtype}")
-        if t.device != input.device:
-            raise ValueError(f"{name}: expected the device of input ({input.device}), got {t.device}")
-
-
 def _validate(cell: str, input, states: list[tuple[str, torch.Tensor]], w_ih, w_hh, b_ih, b_hh) -> int:
     """Check every argument of one cell call before anything runs; returns H."""
     G, order = _GATES[cell]
     rows = f"({G}*H, ...), the gates {order} stacked along the rows" if G > 1 else "(H, ...)"
-    _check_tensor("input", input)
+    tensor("input", input, dtypes=_DTYPES + (torch.float64,))
     if input.dim() not in (1, 2):
         raise ValueError(f"input: expected 2 dimensions (B, In), or 1 (In,) unbatched, got shape {tuple(input.shape)}")
-    if input.dtype not in _DTYPES + (torch.float64,):
-        raise TypeError(f"input: expected dtype in {[str(d) for d in _DTYPES]}, got {input.dtype}")
     for name, w in (("w_ih", w_ih), ("w_hh", w_hh)):
-        _check_tensor(name, w, input)
+        tensor(name, w, like=input, like_name="input", like_dtype=True)
         if w.dim() != 2:
             raise ValueError(f"{name}: expected 2 dimensions {rows}, got shape {tuple(w.shape)}")
     H, In = w_hh.shape[1], input.shape[-1]
@@ -46,7 +33,7 @@ def _validate(cell: str, input, states: list[tuple[str, torch.Tensor]], w_ih, w_
                          f"In={In} from input, got {tuple(w_ih.shape)}")
     for name, b in (("b_ih", b_ih), ("b_hh", b_hh)):
         if b is not None:
-            _check_tensor(name, b, input)
+            tensor(name, b, like=input, like_name="input", like_dtype=True)
             if tuple(b.shape) != (G * H,):
                 raise ValueError(f"{name}: expected shape ({G * H},) ({G}*H with H={H} from w_hh) or None, "
                                  f"got {tuple(b.shape)}")
@@ -55,7 +42,7 @@ def _validate(cell: str, input, states: list[tuple[str, torch.Tensor]], w_ih, w_
     else:
         expected, what = (H,), f"(H,) with H={H} from w_hh, as input is unbatched"
     for name, t in states:
-        _check_tensor(name, t, input)
+        tensor(name, t, like=input, like_name="input", like_dtype=True)
         if tuple(t.shape) != expected:
             raise ValueError(f"{name}: expected shape {expected}: {what}, got {tuple(t.shape)}")
     return H
@@ -63,10 +50,7 @@ def _validate(cell: str, input, states: list[tuple[str, torch.Tensor]], w_ih, w_
 
 def _run(cell: str, input: torch.Tensor, lane: str | None, **kwargs):
     """Pick the lane and call it on 2-D views (an unbatched call is a batch of one)."""
-    chosen = select_lane(input.device, lane)
-    if input.dtype == torch.float64 and chosen != "reference":
-        raise TypeError(f"input: expected dtype in {[str(d) for d in _DTYPES]} on the {chosen} lane, got "
-                        "torch.float64 (float64 runs on the reference lane only: lane='reference')")
+    chosen = lane_for(input, lane, "input")
     batched = input.dim() == 2
     if not batched:
         input = input.unsqueeze(0)

@@ -8,6 +8,11 @@ import numbers
 import numpy as np
 import torch
 
+from lanekit.runtime.lanes import select_lane
+
+# The floating dtypes the Triton lanes take; float64 runs on the reference lane only (lane_for).
+LANE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
 
 def is_real(x) -> bool:
     """A real number (Python's or NumPy's), and not a bool (True would silently mean 1.0)."""
@@ -71,18 +76,38 @@ def check_outputs(outputs: tuple[tuple[str, torch.Tensor | None], ...], *inputs:
         first[t.data_ptr()] = name
 
 
-def tensor(name: str, t, *, dtypes=None, ndim=None, like: torch.Tensor | None = None):
-    """Check that t is a tensor of an accepted dtype and rank, on ``like``'s device."""
+def tensor(name: str, t, *, dtypes=None, ndim=None, like: torch.Tensor | None = None,
+           like_name: str | None = None, like_dtype: bool = False):
+    """Check that t is a tensor (a TypeError), of an accepted dtype (a TypeError) and rank (an int
+    or a tuple of them; a ValueError), on ``like``'s device (a ValueError). ``like_name`` names
+    like in the device error ("expected the device of q"); with ``like_dtype``, t must also have
+    like's dtype (a TypeError naming like_name). Reads only metadata."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if like_dtype and t.dtype != like.dtype:
+        raise TypeError(f"{name}: expected the dtype of {like_name} ({like.dtype}), got {t.dtype}")
     if dtypes is not None and t.dtype not in dtypes:
         raise TypeError(f"{name}: expected dtype in {[str(d) for d in dtypes]}, got {t.dtype}")
-    if ndim is not None and t.dim() not in ((ndim,) if isinstance(ndim, int) else ndim):
-        raise ValueError(f"{name}: expected {ndim} dimensions, got shape {tuple(t.shape)}")
+    ndims = (ndim,) if isinstance(ndim, int) else ndim
+    if ndims is not None and t.dim() not in ndims:
+        raise ValueError(f"{name}: expected {' or '.join(map(str, ndims))} dimensions, got shape {tuple(t.shape)}")
     if like is not None and t.device != like.device:
+        if like_name is not None:
+            raise ValueError(f"{name}: expected the device of {like_name} ({like.device}), got {t.device}")
         raise ValueError(f"{name}: expected a tensor on {like.device} (the input's device), got {t.device}")
 
 
 def shape(name: str, t: torch.Tensor, expected: tuple, what: str):
     if tuple(t.shape) != tuple(expected):
         raise ValueError(f"{name}: expected shape {tuple(expected)} ({what}), got {tuple(t.shape)}")
+
+
+def lane_for(x: torch.Tensor, lane: str | None, name: str = "x") -> str:
+    """The lane that runs an op on ``x``: :func:`lanekit.runtime.lanes.select_lane` on x's device
+    (the call's ``lane``, then LANEKIT_LANE, then the device). A float64 ``x`` runs on the
+    reference lane only: elsewhere a TypeError naming ``name``."""
+    chosen = select_lane(x.device, lane)
+    if x.dtype == torch.float64 and chosen != "reference":
+        raise TypeError(f"{name}: expected dtype in {[str(d) for d in LANE_DTYPES]} on the {chosen} lane, got "
+                        "torch.float64 (float64 runs on the reference lane only: lane='reference')")
+    return chosen
