@@ -49,6 +49,158 @@ def _block_page_ids(bt_row, start, first, s_hi, lp, page_size, page_shift, POW2_
     return pages
 
 
+@triton.jit
+def _kvcache_key_range(m_block, split, Sq, Sk, GROUP, window_left, window_right, num_splits,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr,
+                       HAS_RIGHT: tl.constexpr):
+    # Keys the rows of row block m_block can see, [lo, hi), cut into num_splits runs of whole
+    # blocks; this program takes run ``split`` (possibly empty): [s_lo, s_hi), s_lo a block start.
+    # first: no row sees a key before this one (never loaded).
+    i_first = (m_block * BLOCK_M) // GROUP
+    i_last = tl.minimum((m_block * BLOCK_M + BLOCK_M - 1) // GROUP, Sq - 1)
+    lo = 0
+    hi = Sk
+    if HAS_LEFT:
+        lo = tl.maximum(i_first + (Sk - Sq) - window_left, 0)
+    if HAS_RIGHT:
+        hi = tl.minimum(tl.maximum(i_last + (Sk - Sq) + window_right + 1, 0), Sk)
+    first = lo
+    lo = lo // BLOCK_N * BLOCK_N
+    blocks = tl.cdiv(tl.maximum(hi - lo, 0), BLOCK_N)
+    per_split = tl.cdiv(blocks, num_splits)
+    s_lo = lo + split * per_split * BLOCK_N
+    s_hi = tl.minimum(s_lo + per_split * BLOCK_N, hi)
+    return first, s_lo, s_hi
+
+
+@triton.jit
+def _kvcache_bases(K, V, KScale, VScale, bt_row, b, hk, lp,
+                   stride_kp, stride_kn, stride_kh, stride_vp, stride_vn, stride_vh,
+                   stride_ksp, stride_ksn, stride_ksh, stride_vsp, stride_vsn, stride_vsh,
+                   PAGES: tl.constexpr, HAS_TABLE: tl.constexpr):
+    # KV head hk's K, V and scale pointers. A contiguous cache (PAGES 0) adds sequence b's row
+    # (its table entry, or b without a table) and its left padding; paged caches add each key's
+    # page in the loop.
+    k_base = K + hk * stride_kh
+    v_base = V + hk * stride_vh
+    ks_base = KScale + hk * stride_ksh
+    vs_base = VScale + hk * stride_vsh
+    if PAGES == 0:
+        if HAS_TABLE:
+            row = tl.load(bt_row).to(tl.int64)
+        else:
+            row = b
+        k_base += row * stride_kp + lp * stride_kn
+        v_base += row * stride_vp + lp * stride_vn
+        ks_base += row * stride_ksp + lp * stride_ksn
+        vs_base += row * stride_vsp + lp * stride_vsn
+    return k_base, v_base, ks_base, vs_base
+
+
+@triton.jit
+def _contiguous_offsets(offs_n, stride_kn, stride_vn, stride_ksn, stride_vsn):
+    # PAGES 0: keys offs_n of one page holding the whole sequence (int64: a cache may pass 2^31)
+    return (offs_n.to(tl.int64) * stride_kn, offs_n.to(tl.int64) * stride_vn,
+            offs_n.to(tl.int64) * stride_ksn, offs_n.to(tl.int64) * stride_vsn)
+
+
+@triton.jit
+def _whole_page_offsets(page, start_n, page_size, stride_kp, stride_kn, stride_vp, stride_vn,
+                        stride_ksp, stride_ksn, stride_vsp, stride_vsn, BLOCK_N: tl.constexpr):
+    # PAGES 1: the block of keys from start_n, all in page ``page`` (int64), from its row
+    # start_n % page_size on
+    in_page = (start_n % page_size + tl.arange(0, BLOCK_N)).to(tl.int64)
+    return (page * stride_kp + in_page * stride_kn, page * stride_vp + in_page * stride_vn,
+            page * stride_ksp + in_page * stride_ksn, page * stride_vsp + in_page * stride_vsn)
+
+
+@triton.jit
+def _key_page_offsets(pages, offs_n, lp, page_size, stride_kp, stride_kn, stride_vp, stride_vn,
+                      stride_ksp, stride_ksn, stride_vsp, stride_vsn,
+                      BLOCK_N: tl.constexpr, POW2_PAGE: tl.constexpr, PAGE: tl.constexpr):
+    # PAGES 2: keys offs_n (cache positions offs_n + lp) in their ``pages``
+    if PAGE:  # the block starts a page: key j of it sits at row j % PAGE, a constant
+        keys = tl.arange(0, BLOCK_N)
+        size = PAGE
+    else:
+        keys = offs_n + lp
+        size = page_size
+    k_off = _page_offsets(pages, keys, size, stride_kp, stride_kn, POW2_PAGE)
+    v_off = _page_offsets(pages, keys, size, stride_vp, stride_vn, POW2_PAGE)
+    ks_off = _page_offsets(pages, keys, size, stride_ksp, stride_ksn, POW2_PAGE)
+    vs_off = _page_offsets(pages, keys, size, stride_vsp, stride_vsn, POW2_PAGE)
+    return k_off, v_off, ks_off, vs_off
+
+
+@triton.jit
+def _kvcache_step(
+    acc, l_i, m_i, q, k_base, v_base, ks_base, vs_base, k_off, v_off, ks_off, vs_off,
+    offs_n, n_in, offs_d, offs_dv, row_in, pos, slope_log2, stride_kd, stride_vd,
+    sm_scale_log2, softcap_scale, softcap_log2, D, Dv, window_left, window_right,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    QUANTIZED: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+):
+    # One block of keys offs_n (n_in: those this split owns) at the given offsets: the rows'
+    # scores, masks and online-softmax update of (acc, l_i, m_i), as the forward's inner loop.
+    k = tl.load(k_base + k_off[None, :] + offs_d[:, None] * stride_kd,
+                mask=n_in[None, :] & (offs_d[:, None] < D), other=0.0)          # [BLOCK_D, BLOCK_N]
+    v = tl.load(v_base + v_off[:, None] + offs_dv[None, :] * stride_vd,
+                mask=n_in[:, None] & (offs_dv[None, :] < Dv), other=0.0)        # [BLOCK_N, BLOCK_DV]
+    if QUANTIZED:
+        # codes (int8 or e4m3) are exact in q's 16-bit type; each key's scale multiplies its
+        # column of scores, each value's scale its column of probabilities
+        k_scale = tl.load(ks_base + ks_off, mask=n_in, other=0.0)
+        v_scale = tl.load(vs_base + vs_off, mask=n_in, other=0.0)
+        k = k.to(q.dtype)
+        v = v.to(q.dtype)
+    qk = tl.dot(q, k, input_precision=INPUT_PRECISION)                          # [BLOCK_M, BLOCK_N]
+    if QUANTIZED:
+        qk = qk * k_scale[None, :]
+    if HAS_SOFTCAP:
+        s = softcap_log2 * _tanh(qk * softcap_scale)
+    else:
+        s = qk * sm_scale_log2
+    keep = row_in[:, None] & n_in[None, :]
+    if HAS_LEFT:
+        keep = keep & (offs_n[None, :] >= pos[:, None] - window_left)
+    if HAS_RIGHT:
+        keep = keep & (offs_n[None, :] <= pos[:, None] + window_right)
+    if HAS_ALIBI:
+        bias = -slope_log2[:, None] * tl.abs(pos[:, None] - offs_n[None, :]).to(tl.float32)
+        t = tl.where(keep, s + bias, float("-inf"))
+    else:
+        t = tl.where(keep, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(t, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    if HAS_ALIBI:
+        p = tl.math.exp2(tl.where(keep, (bias - m_safe[:, None]) + s, float("-inf")))
+    else:
+        p = tl.math.exp2(t - m_safe[:, None])
+    alpha = tl.math.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if QUANTIZED:
+        p = p * v_scale[None, :]
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION)
+    return acc, l_i, m_new
+
+
+@triton.jit
+def _kvcache_store(Out, Lse, acc, l_i, m_i, split, b, i, h, row_in, offs_dv, Dv,
+                   stride_os, stride_ob, stride_om, stride_oh, stride_od,
+                   stride_ls, stride_lb, stride_lh, stride_lm):
+    # The rows' normalized output and LSE (natural log) into split ``split``'s partials (or the
+    # output itself, unsplit); a row that saw no key gets 0 and -inf.
+    empty = l_i == 0.0
+    l_safe = tl.where(empty, 1.0, l_i)
+    out = acc / l_safe[:, None]
+    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
+    i64 = i.to(tl.int64)
+    tl.store(Out + split * stride_os + b * stride_ob + i64[:, None] * stride_om + h[:, None] * stride_oh
+             + offs_dv[None, :] * stride_od, out.to(Out.dtype.element_ty),
+             mask=row_in[:, None] & (offs_dv[None, :] < Dv))
+    tl.store(Lse + split * stride_ls + b * stride_lb + h * stride_lh + i64 * stride_lm, lse, mask=row_in)
+
+
 @triton.jit(do_not_specialize=["Sq", "GROUP", "D", "Dv", "page_size", "page_shift", "window_left", "window_right",
                                "num_splits", "stride_btb"])
 def _flash_attn_kvcache_kernel(
@@ -103,37 +255,12 @@ def _flash_attn_kvcache_kernel(
     if HAS_ALIBI:
         slope_log2 = tl.load(Alibi + b * stride_ab + h * stride_ah, mask=row_in, other=0.0) * 1.4426950408889634
 
-    # Keys these rows can see, [lo, hi), cut into num_splits runs of whole blocks; this program
-    # takes run ``split`` (possibly empty).
-    i_first = (m_block * BLOCK_M) // GROUP
-    i_last = tl.minimum((m_block * BLOCK_M + BLOCK_M - 1) // GROUP, Sq - 1)
-    lo = 0
-    hi = Sk
-    if HAS_LEFT:
-        lo = tl.maximum(i_first + (Sk - Sq) - window_left, 0)
-    if HAS_RIGHT:
-        hi = tl.minimum(tl.maximum(i_last + (Sk - Sq) + window_right + 1, 0), Sk)
-    first = lo                               # no row sees a key before this one: never loaded
-    lo = lo // BLOCK_N * BLOCK_N
-    blocks = tl.cdiv(tl.maximum(hi - lo, 0), BLOCK_N)
-    per_split = tl.cdiv(blocks, num_splits)
-    s_lo = lo + split * per_split * BLOCK_N
-    s_hi = tl.minimum(s_lo + per_split * BLOCK_N, hi)
-
+    first, s_lo, s_hi = _kvcache_key_range(m_block, split, Sq, Sk, GROUP, window_left, window_right, num_splits,
+                                           BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
     bt_row = BlockTable + b * stride_btb
-    k_base = K + hk * stride_kh
-    v_base = V + hk * stride_vh
-    ks_base = KScale + hk * stride_ksh
-    vs_base = VScale + hk * stride_vsh
-    if PAGES == 0:
-        if HAS_TABLE:
-            row = tl.load(bt_row).to(tl.int64)
-        else:
-            row = b
-        k_base += row * stride_kp + lp * stride_kn
-        v_base += row * stride_vp + lp * stride_vn
-        ks_base += row * stride_ksp + lp * stride_ksn
-        vs_base += row * stride_vsp + lp * stride_vsn
+    k_base, v_base, ks_base, vs_base = _kvcache_bases(
+        K, V, KScale, VScale, bt_row, b, hk, lp, stride_kp, stride_kn, stride_kh, stride_vp, stride_vn,
+        stride_vh, stride_ksp, stride_ksn, stride_ksh, stride_vsp, stride_vsn, stride_vsh, PAGES, HAS_TABLE)
     # Paged caches: the loop loads each next block's pages a step ahead (see PAGES == 1 below).
     if PAGES == 1:
         next_page = tl.load(bt_row + s_lo // page_size, mask=s_lo < s_hi, other=0).to(tl.int64)
@@ -147,10 +274,7 @@ def _flash_attn_kvcache_kernel(
         offs_n = start_n + tl.arange(0, BLOCK_N)                                   # [BLOCK_N]
         n_in = (offs_n >= first) & (offs_n < s_hi)
         if PAGES == 0:
-            k_off = offs_n.to(tl.int64) * stride_kn
-            v_off = offs_n.to(tl.int64) * stride_vn
-            ks_off = offs_n.to(tl.int64) * stride_ksn
-            vs_off = offs_n.to(tl.int64) * stride_vsn
+            k_off, v_off, ks_off, vs_off = _contiguous_offsets(offs_n, stride_kn, stride_vn, stride_ksn, stride_vsn)
         elif PAGES == 1:
             # This block's page was loaded a step ago (a block past the run loads nothing). Its
             # K and V addresses then wait on no load of this step, and Triton's pipeliner gives
@@ -158,11 +282,9 @@ def _flash_attn_kvcache_kernel(
             page = next_page
             next_n = start_n + BLOCK_N
             next_page = tl.load(bt_row + next_n // page_size, mask=next_n < s_hi, other=0).to(tl.int64)
-            in_page = (start_n % page_size + tl.arange(0, BLOCK_N)).to(tl.int64)
-            k_off = page * stride_kp + in_page * stride_kn
-            v_off = page * stride_vp + in_page * stride_vn
-            ks_off = page * stride_ksp + in_page * stride_ksn
-            vs_off = page * stride_vsp + in_page * stride_vsn
+            k_off, v_off, ks_off, vs_off = _whole_page_offsets(
+                page, start_n, page_size, stride_kp, stride_kn, stride_vp, stride_vn,
+                stride_ksp, stride_ksn, stride_vsp, stride_vsn, BLOCK_N)
         else:
             if PAGES_AHEAD:
                 pages = next_pages
@@ -171,66 +293,18 @@ def _flash_attn_kvcache_kernel(
             else:
                 pages = _block_page_ids(bt_row, start_n, first, s_hi, lp, page_size, page_shift, POW2_PAGE, PAGE,
                                         BLOCK_N)
-            if PAGE:  # the block starts a page: key j of it sits at row j % PAGE, a constant
-                keys = tl.arange(0, BLOCK_N)
-                size = PAGE
-            else:
-                keys = offs_n + lp
-                size = page_size
-            k_off = _page_offsets(pages, keys, size, stride_kp, stride_kn, POW2_PAGE)
-            v_off = _page_offsets(pages, keys, size, stride_vp, stride_vn, POW2_PAGE)
-            ks_off = _page_offsets(pages, keys, size, stride_ksp, stride_ksn, POW2_PAGE)
-            vs_off = _page_offsets(pages, keys, size, stride_vsp, stride_vsn, POW2_PAGE)
-        k = tl.load(k_base + k_off[None, :] + offs_d[:, None] * stride_kd,
-                    mask=n_in[None, :] & (offs_d[:, None] < D), other=0.0)          # [BLOCK_D, BLOCK_N]
-        v = tl.load(v_base + v_off[:, None] + offs_dv[None, :] * stride_vd,
-                    mask=n_in[:, None] & (offs_dv[None, :] < Dv), other=0.0)        # [BLOCK_N, BLOCK_DV]
-        if QUANTIZED:
-            # codes (int8 or e4m3) are exact in q's 16-bit type; each key's scale multiplies its
-            # column of scores, each value's scale its column of probabilities
-            k_scale = tl.load(ks_base + ks_off, mask=n_in, other=0.0)
-            v_scale = tl.load(vs_base + vs_off, mask=n_in, other=0.0)
-            k = k.to(q.dtype)
-            v = v.to(q.dtype)
-        qk = tl.dot(q, k, input_precision=INPUT_PRECISION)                          # [BLOCK_M, BLOCK_N]
-        if QUANTIZED:
-            qk = qk * k_scale[None, :]
-        if HAS_SOFTCAP:
-            s = softcap_log2 * _tanh(qk * softcap_scale)
-        else:
-            s = qk * sm_scale_log2
-        keep = row_in[:, None] & n_in[None, :]
-        if HAS_LEFT:
-            keep = keep & (offs_n[None, :] >= pos[:, None] - window_left)
-        if HAS_RIGHT:
-            keep = keep & (offs_n[None, :] <= pos[:, None] + window_right)
-        if HAS_ALIBI:
-            bias = -slope_log2[:, None] * tl.abs(pos[:, None] - offs_n[None, :]).to(tl.float32)
-            t = tl.where(keep, s + bias, float("-inf"))
-        else:
-            t = tl.where(keep, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(t, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        if HAS_ALIBI:
-            p = tl.math.exp2(tl.where(keep, (bias - m_safe[:, None]) + s, float("-inf")))
-        else:
-            p = tl.math.exp2(t - m_safe[:, None])
-        alpha = tl.math.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if QUANTIZED:
-            p = p * v_scale[None, :]
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION)
-        m_i = m_new
+            k_off, v_off, ks_off, vs_off = _key_page_offsets(
+                pages, offs_n, lp, page_size, stride_kp, stride_kn, stride_vp, stride_vn,
+                stride_ksp, stride_ksn, stride_vsp, stride_vsn, BLOCK_N, POW2_PAGE, PAGE)
+        acc, l_i, m_i = _kvcache_step(
+            acc, l_i, m_i, q, k_base, v_base, ks_base, vs_base, k_off, v_off, ks_off, vs_off,
+            offs_n, n_in, offs_d, offs_dv, row_in, pos, slope_log2, stride_kd, stride_vd,
+            sm_scale_log2, softcap_scale, softcap_log2, D, Dv, window_left, window_right,
+            HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, QUANTIZED, INPUT_PRECISION)
 
-    empty = l_i == 0.0
-    l_safe = tl.where(empty, 1.0, l_i)
-    out = acc / l_safe[:, None]
-    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
-    i64 = i.to(tl.int64)
-    tl.store(Out + split * stride_os + b * stride_ob + i64[:, None] * stride_om + h[:, None] * stride_oh
-             + offs_dv[None, :] * stride_od, out.to(Out.dtype.element_ty),
-             mask=row_in[:, None] & (offs_dv[None, :] < Dv))
-    tl.store(Lse + split * stride_ls + b * stride_lb + h * stride_lh + i64 * stride_lm, lse, mask=row_in)
+    _kvcache_store(Out, Lse, acc, l_i, m_i, split, b, i, h, row_in, offs_dv, Dv,
+                   stride_os, stride_ob, stride_om, stride_oh, stride_od,
+                   stride_ls, stride_lb, stride_lh, stride_lm)
 
 
 @triton.jit
