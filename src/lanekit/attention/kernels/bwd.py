@@ -115,6 +115,73 @@ def _flash_attn_bwd_probs(
 
 
 @triton.jit
+def _bwd_sequence(CuSeqQ, CuSeqK, b, Sq, Sk, IS_VARLEN: tl.constexpr):
+    # (first query row, Sq, first key row, Sk) of sequence b: with cu_seqlens (varlen) its rows
+    # of the packed tensors and its own lengths, else 0 and the batch's Sq and Sk.
+    q_start = 0
+    k_start = 0
+    if IS_VARLEN:
+        q_start, Sq, k_start, Sk = _varlen_bounds(CuSeqQ, CuSeqK, b)
+    return q_start, Sq, k_start, Sk
+
+
+@triton.jit
+def _bwd_tile_offsets(BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr,
+                      BLOCK_DV: tl.constexpr, INT64_TILES: tl.constexpr):
+    # Offsets within a tile: the program's own rows (BLOCK_R), the rows it walks (BLOCK_C), the
+    # head dims; int64 where a stride is so large that (block size) * stride overflows int32.
+    offs_r = tl.arange(0, BLOCK_R)
+    offs_c = tl.arange(0, BLOCK_C)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    if INT64_TILES:
+        offs_r = offs_r.to(tl.int64)
+        offs_c = offs_c.to(tl.int64)
+        offs_d = offs_d.to(tl.int64)
+        offs_dv = offs_dv.to(tl.int64)
+    return offs_r, offs_c, offs_d, offs_dv
+
+
+@triton.jit
+def _head_base(P, b, h, row, stride_b, stride_h, stride_row):
+    # Row ``row`` of head h of batch entry b of a (B, S, H, ...) operand (or of bias and mask's
+    # (B, H, Sq, Sk), the row along the axis given)
+    return P + b * stride_b + h * stride_h + row * stride_row
+
+
+@triton.jit
+def _rows_ptrs(P, b, h, start, block, offs_r, offs_c, stride_b, stride_h, stride_r, stride_c):
+    # [rows, cols] pointers of rows start + block + offs_r of head h of batch entry b of a
+    # (B, S, H, D) operand (start: the sequence's first packed row, 0 unless varlen)
+    return (P + b * stride_b + h * stride_h + (start + block) * stride_r
+            + offs_r[:, None] * stride_r + offs_c[None, :] * stride_c)
+
+
+@triton.jit
+def _visible_blocks(start, S, S_other, before, after, BLOCK: tl.constexpr, BLOCK_OTHER: tl.constexpr,
+                    HAS_BEFORE: tl.constexpr, HAS_AFTER: tl.constexpr):
+    # Rows [start, start + BLOCK) of one axis (S long), row x seeing rows [x - before, x + after]
+    # of the other (S_other long; no bound where that side has no window): the blocks of the
+    # other axis they see, [lo, hi), lo a block start, and inside it [full_lo, full_hi), blocks
+    # every row sees whole, which need no bound or window mask (none when the rows run past S).
+    lo = 0
+    hi = S_other
+    if HAS_BEFORE:
+        lo = tl.maximum(start - before, 0) // BLOCK_OTHER * BLOCK_OTHER
+    if HAS_AFTER:
+        hi = tl.minimum(tl.maximum(start + BLOCK + after, 0), S_other)
+    full_lo = lo
+    if HAS_BEFORE:
+        full_lo = tl.cdiv(tl.maximum(start + BLOCK - 1 - before, 0), BLOCK_OTHER) * BLOCK_OTHER
+        full_lo = tl.minimum(tl.maximum(full_lo, lo), hi)
+    full_hi = S_other // BLOCK_OTHER * BLOCK_OTHER
+    if HAS_AFTER:
+        full_hi = tl.minimum(full_hi, tl.maximum(start + after + 1, 0) // BLOCK_OTHER * BLOCK_OTHER)
+    full_hi = tl.where(start + BLOCK > S, full_lo, tl.maximum(full_hi, full_lo))
+    return lo, hi, full_lo, full_hi
+
+
+@triton.jit
 def _flash_attn_bwd_dkdv_inner(
     dk, dv, k, v, q_base, do_base, bias_base, mask_base, Alibi, Lse2, Delta, DBias,
     row_base, rng_offset, h0,
@@ -231,54 +298,33 @@ def _flash_attn_bwd_dkdv_kernel(
     b = tl.program_id(2).to(tl.int64)
     start_n = pid_n * BLOCK_N
     start_n64 = start_n.to(tl.int64)
-    q_start = 0
-    k_start = 0
+    q_start, Sq, k_start, Sk = _bwd_sequence(CuSeqQ, CuSeqK, b, Sq, Sk, IS_VARLEN)
     if IS_VARLEN:
-        q_start, Sq, k_start, Sk = _varlen_bounds(CuSeqQ, CuSeqK, b)
-        if start_n >= Sk:
+        if start_n >= Sk:   # past sequence b's keys
             return
-    offs_n_local = tl.arange(0, BLOCK_N)
-    offs_m_local = tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    if INT64_TILES:
-        offs_n_local = offs_n_local.to(tl.int64)
-        offs_m_local = offs_m_local.to(tl.int64)
-        offs_d = offs_d.to(tl.int64)
-        offs_dv = offs_dv.to(tl.int64)
+    offs_n_local, offs_m_local, offs_d, offs_dv = _bwd_tile_offsets(BLOCK_N, BLOCK_M, BLOCK_D, BLOCK_DV, INT64_TILES)
     offs_n = start_n + offs_n_local                                                 # [BLOCK_N]
     n_in = offs_n < Sk
-    k = tl.load(K + b * stride_kb + hk * stride_kh + (k_start + start_n64) * stride_kn
-                + offs_n_local[:, None] * stride_kn + offs_d[None, :] * stride_kd,
+    k = tl.load(_rows_ptrs(K, b, hk, k_start, start_n64, offs_n_local, offs_d, stride_kb, stride_kh, stride_kn,
+                           stride_kd),
                 mask=n_in[:, None] & (offs_d[None, :] < D), other=0.0)             # [BLOCK_N, BLOCK_D]
-    v = tl.load(V + b * stride_vb + hk * stride_vh + (k_start + start_n64) * stride_vn
-                + offs_n_local[:, None] * stride_vn + offs_dv[None, :] * stride_vd,
+    v = tl.load(_rows_ptrs(V, b, hk, k_start, start_n64, offs_n_local, offs_dv, stride_vb, stride_vh, stride_vn,
+                           stride_vd),
                 mask=n_in[:, None] & (offs_dv[None, :] < Dv), other=0.0)           # [BLOCK_N, BLOCK_DV]
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
 
-    # Query blocks that see this key block: [m_lo, m_hi). Inside it, [full_lo, full_hi) needs no
-    # bound or window mask (none when this key block runs past Sk); the blocks on either side do.
-    shift = Sk - Sq                                # query i sits at key position i + shift
-    m_lo = 0
-    m_hi = Sq
-    if HAS_RIGHT:
-        m_lo = tl.maximum(start_n - window_right - shift, 0) // BLOCK_M * BLOCK_M
-    if HAS_LEFT:
-        m_hi = tl.minimum(tl.maximum(start_n + BLOCK_N + window_left - shift, 0), Sq)
-    full_lo = m_lo
-    if HAS_RIGHT:
-        full_lo = tl.cdiv(tl.maximum(start_n + BLOCK_N - 1 - window_right - shift, 0), BLOCK_M) * BLOCK_M
-        full_lo = tl.minimum(tl.maximum(full_lo, m_lo), m_hi)
-    full_hi = Sq // BLOCK_M * BLOCK_M
-    if HAS_LEFT:
-        full_hi = tl.minimum(full_hi, tl.maximum(start_n + window_left - shift + 1, 0) // BLOCK_M * BLOCK_M)
-    full_hi = tl.where(start_n + BLOCK_N > Sk, full_lo, tl.maximum(full_hi, full_lo))
+    # Query blocks that see this key block: [m_lo, m_hi), and inside it [full_lo, full_hi) without
+    # masks; the blocks on either side need them. Query i sits at key position i + shift, so key j
+    # is seen by queries j - shift - window_right .. j - shift + window_left.
+    shift = Sk - Sq
+    m_lo, m_hi, full_lo, full_hi = _visible_blocks(start_n, Sk, Sq, window_right + shift, window_left - shift,
+                                                   BLOCK_N, BLOCK_M, HAS_RIGHT, HAS_LEFT)
     h0 = hk * GROUP                                # the first query head on this KV head
-    q_base = Q + b * stride_qb + h0 * stride_qh + q_start * stride_qm
-    do_base = DOut + b * stride_dob + h0 * stride_doh + q_start * stride_dom
-    bias_base = Bias + b * stride_bb + h0 * stride_bh + start_n64 * stride_bn
-    mask_base = Mask + b * stride_mb + h0 * stride_mh + start_n64 * stride_mn
+    q_base = _head_base(Q, b, h0, q_start, stride_qb, stride_qh, stride_qm)
+    do_base = _head_base(DOut, b, h0, q_start, stride_dob, stride_doh, stride_dom)
+    bias_base = _head_base(Bias, b, h0, start_n64, stride_bb, stride_bh, stride_bn)
+    mask_base = _head_base(Mask, b, h0, start_n64, stride_mb, stride_mh, stride_mn)
     row_base = b * stride_lb + h0 * stride_lh + q_start
     # [full_lo, full_hi) unmasked; then, in one loop, the masked blocks on either side of it:
     # [m_lo, full_lo) (on the causal diagonal; empty without a right window) and [full_hi, m_hi)
@@ -302,10 +348,10 @@ def _flash_attn_bwd_dkdv_kernel(
         BLOCK_M, True, EVEN_D, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_BIAS, HAS_MASK,
         HAS_DROPOUT, HAS_DBIAS, INPUT_PRECISION)
 
-    dk_ptrs = (DK + b * stride_dkb + hk * stride_dkh + (k_start + start_n64) * stride_dkn
-               + offs_n_local[:, None] * stride_dkn + offs_d[None, :] * stride_dkd)
-    dv_ptrs = (DV + b * stride_dvb + hk * stride_dvh + (k_start + start_n64) * stride_dvn
-               + offs_n_local[:, None] * stride_dvn + offs_dv[None, :] * stride_dvd)
+    dk_ptrs = _rows_ptrs(DK, b, hk, k_start, start_n64, offs_n_local, offs_d, stride_dkb, stride_dkh, stride_dkn,
+                         stride_dkd)
+    dv_ptrs = _rows_ptrs(DV, b, hk, k_start, start_n64, offs_n_local, offs_dv, stride_dvb, stride_dvh, stride_dvn,
+                         stride_dvd)
     tl.store(dk_ptrs, (dk * sm_scale).to(DK.dtype.element_ty), mask=n_in[:, None] & (offs_d[None, :] < D))
     tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=n_in[:, None] & (offs_dv[None, :] < Dv))
 
@@ -395,23 +441,15 @@ def _flash_attn_bwd_dq_kernel(
     hk = h // GROUP
     start_m = pid_m * BLOCK_M
     start_m64 = start_m.to(tl.int64)
-    q_start = 0
-    k_start = 0
+    q_start, Sq, k_start, Sk = _bwd_sequence(CuSeqQ, CuSeqK, b, Sq, Sk, IS_VARLEN)
     if IS_VARLEN:
-        q_start, Sq, k_start, Sk = _varlen_bounds(CuSeqQ, CuSeqK, b)
-        if start_m >= Sq:
+        if start_m >= Sq:   # past sequence b's queries
             return
-    offs_m_local = tl.arange(0, BLOCK_M)
-    offs_n_local = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    if INT64_TILES:
-        offs_m_local = offs_m_local.to(tl.int64)
-        offs_n_local = offs_n_local.to(tl.int64)
-        offs_d = offs_d.to(tl.int64)
-        offs_dv = offs_dv.to(tl.int64)
+    offs_m_local, offs_n_local, offs_d, offs_dv = _bwd_tile_offsets(BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, INT64_TILES)
     offs_m = start_m + offs_m_local                                                 # [BLOCK_M]
     m_in = offs_m < Sq
+    # q and do written out, not through _rows_ptrs: with that inlined call's line info, ptxas gave
+    # one windowed sm90 sample 54 more registers and a spill (the same PTX instructions otherwise)
     q = tl.load(Q + b * stride_qb + h * stride_qh + (q_start + start_m64) * stride_qm
                 + offs_m_local[:, None] * stride_qm + offs_d[None, :] * stride_qd,
                 mask=m_in[:, None] & (offs_d[None, :] < D), other=0.0)             # [BLOCK_M, BLOCK_D]
@@ -421,32 +459,20 @@ def _flash_attn_bwd_dq_kernel(
     row_base = b * stride_lb + h * stride_lh + q_start                              # LSE row of (b, h, 0)
     lse2 = tl.load(Lse2 + row_base + offs_m, mask=m_in, other=float("inf"))
     delta = tl.load(Delta + row_base + offs_m, mask=m_in, other=0.0)
-    k_base = K + b * stride_kb + hk * stride_kh + k_start * stride_kn
-    v_base = V + b * stride_vb + hk * stride_vh + k_start * stride_vn
-    bias_base = Bias + b * stride_bb + h * stride_bh + start_m64 * stride_bm
-    mask_base = Mask + b * stride_mb + h * stride_mh + start_m64 * stride_mm
+    k_base = _head_base(K, b, hk, k_start, stride_kb, stride_kh, stride_kn)
+    v_base = _head_base(V, b, hk, k_start, stride_vb, stride_vh, stride_vn)
+    bias_base = _head_base(Bias, b, h, start_m64, stride_bb, stride_bh, stride_bm)
+    mask_base = _head_base(Mask, b, h, start_m64, stride_mb, stride_mh, stride_mm)
     rng_base = rng_offset + (row_base + start_m64) * rng_stride
     slope_log2 = 0.0
     if HAS_ALIBI:
         slope_log2 = tl.load(Alibi + b * stride_ab + h * stride_ah).to(tl.float32) * 1.4426950408889634
 
-    # Key blocks this query block sees: [lo, hi), and inside it [full_lo, full_hi) without masks
-    # (none when this query block runs past Sq), as in the forward.
+    # Key blocks this query block sees: [lo, hi), and inside it [full_lo, full_hi) without masks,
+    # as in the forward. Query i sees keys i + shift - window_left .. i + shift + window_right.
     shift = Sk - Sq
-    lo = 0
-    hi = Sk
-    if HAS_LEFT:
-        lo = tl.maximum(start_m + shift - window_left, 0) // BLOCK_N * BLOCK_N
-    if HAS_RIGHT:
-        hi = tl.minimum(tl.maximum(start_m + BLOCK_M + shift + window_right, 0), Sk)
-    full_lo = lo
-    if HAS_LEFT:
-        full_lo = tl.cdiv(tl.maximum(start_m + BLOCK_M - 1 + shift - window_left, 0), BLOCK_N) * BLOCK_N
-        full_lo = tl.minimum(tl.maximum(full_lo, lo), hi)
-    full_hi = Sk // BLOCK_N * BLOCK_N
-    if HAS_RIGHT:
-        full_hi = tl.minimum(full_hi, tl.maximum(start_m + shift + window_right + 1, 0) // BLOCK_N * BLOCK_N)
-    full_hi = tl.where(start_m + BLOCK_M > Sq, full_lo, tl.maximum(full_hi, full_lo))
+    lo, hi, full_lo, full_hi = _visible_blocks(start_m, Sq, Sk, window_left - shift, shift + window_right,
+                                               BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     # [lo, full_lo) masked (empty without a left window), [full_lo, full_hi) unmasked,
     # [full_hi, hi) masked
@@ -472,8 +498,8 @@ def _flash_attn_bwd_dq_kernel(
         softcap_log2, Sq, Sk, D, Dv, window_left, window_right, dropout_p, seed, rng_stride, full_hi, hi,
         BLOCK_N, True, EVEN_D, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_BIAS, HAS_MASK,
         HAS_DROPOUT, INPUT_PRECISION)
-    tl.store(DQ + b * stride_dqb + h * stride_dqh + (q_start + start_m64) * stride_dqm
-             + offs_m_local[:, None] * stride_dqm + offs_d[None, :] * stride_dqd,
+    tl.store(_rows_ptrs(DQ, b, h, q_start, start_m64, offs_m_local, offs_d, stride_dqb, stride_dqh, stride_dqm,
+                        stride_dqd),
              (dq * sm_scale).to(DQ.dtype.element_ty), mask=m_in[:, None] & (offs_d[None, :] < D))
 
 
