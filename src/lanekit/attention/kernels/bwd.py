@@ -24,9 +24,10 @@ import torch
 import triton
 import triton.language as tl
 
+from lanekit.attention import tuning
 from lanekit.attention.kernels.common import LOG2E, _block, _check_grid, _strides4, _strides_bthd, _tile, _varlen_bounds
 from lanekit.common.numerics import tanh as _tanh
-from lanekit.runtime import alloc, tuning
+from lanekit.runtime import alloc
 from lanekit.runtime.lanes import triton_interpreted
 
 if triton_interpreted():

@@ -12,8 +12,9 @@ import torch
 import triton
 import triton.language as tl
 
-from lanekit.runtime import tuning
+from lanekit.attention import tuning
 from lanekit.runtime.lanes import triton_interpreted
+from lanekit.runtime.tuning import INTERPRETER, TileConfig, lookup
 
 if triton_interpreted():
     from lanekit.runtime.interpreter import fix_interpreter
@@ -73,9 +74,9 @@ def _strides_bthd(t: torch.Tensor, varlen: bool, paged: bool = False) -> tuple[i
     return tuple(t.stride())
 
 
-def _tile(table: dict, device: torch.device, bucket: int) -> tuning.TileConfig:
+def _tile(table: dict, device: torch.device, bucket: int) -> TileConfig:
     """The tile row for this device's architecture and head-dim bucket; the interpreter's own."""
-    return tuning.INTERPRETER if triton_interpreted() else tuning.lookup(table, device, bucket)
+    return INTERPRETER if triton_interpreted() else lookup(table, device, bucket)
 
 
 def _check_grid(B: int, H: int, heads: str = "heads") -> None:
