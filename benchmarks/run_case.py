@@ -17,6 +17,7 @@ import dataclasses
 import torch
 
 from benchmarks.run import FAMILIES, case_named
+from lanekit.attention import tuning as attention_tuning
 from lanekit.runtime import tuning
 
 
@@ -31,7 +32,8 @@ def main(argv=None) -> int:
     for item in args.set:
         name, _, value = item.partition("=")
         table_name, _, field = name.partition(".")
-        table = getattr(tuning, table_name, None)
+        table = next((getattr(m, table_name) for m in (attention_tuning, tuning) if hasattr(m, table_name)),
+                     None)
         if not isinstance(table, dict) or "generic" not in table:
             p.error(f"--set: expected TABLE.field=value with TABLE a tuning table, got {item!r}")
         row = table.get(arch, table["generic"])

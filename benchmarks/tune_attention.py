@@ -1,5 +1,5 @@
 """Sweep tile configurations of the attention kernels on this GPU and print the fastest per head
-dim, to fill runtime/tuning.py's tables for this architecture:
+dim, to fill attention/tuning.py's tables for this architecture:
 `python -m benchmarks.tune_attention [--backward | --fp32] [--dims 64 128]`. Every candidate is
 checked against the oracle before it is timed. The backward sweep times forward + backward, first
 over the dK/dV kernel's tiles, then over the dQ kernel's. --fp32 sweeps the forward's fp32 table
@@ -14,8 +14,8 @@ import torch
 import triton
 
 from benchmarks import attention, attention_fp32, attention_train
-from lanekit.runtime import tuning
-from lanekit.runtime.tuning import TileConfig
+from lanekit.attention import tuning
+from lanekit.runtime.tuning import TileConfig, arch_id
 
 CANDIDATES = [TileConfig(bm, bn, w, s) for bm, bn, w, s in [
     (128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 128, 8, 2), (128, 32, 4, 3),
@@ -54,7 +54,7 @@ def sweep(module, case, table, D, candidates) -> None:
             results.append((0.0, cfg, str(exc).splitlines()[0][:100]))
     results.sort(key=lambda r: -r[0])
     table[D] = results[0][1]
-    print(f"{tuning.arch_id(torch.device('cuda'))} {module.name(case)}", flush=True)
+    print(f"{arch_id(torch.device('cuda'))} {module.name(case)}", flush=True)
     for tf, cfg, err in results:
         print(f"   {tf:7.1f} TFLOP/s  {cfg}  {err}", flush=True)
     for peer, fn in module.runners(case, *inputs).items():
@@ -64,7 +64,7 @@ def sweep(module, case, table, D, candidates) -> None:
 
 
 def backward(dims) -> None:
-    arch = tuning.arch_id(torch.device("cuda"))
+    arch = arch_id(torch.device("cuda"))
     dkdv = tuning.FLASH_ATTN_BWD_DKDV.setdefault(arch, dict(tuning.FLASH_ATTN_BWD_DKDV["generic"]))
     dq = tuning.FLASH_ATTN_BWD_DQ.setdefault(arch, dict(tuning.FLASH_ATTN_BWD_DQ["generic"]))
     for D in dims:
@@ -84,7 +84,7 @@ def main() -> None:
     if args.backward:
         backward(args.dims)
         return
-    arch = tuning.arch_id(torch.device("cuda"))
+    arch = arch_id(torch.device("cuda"))
     if args.fp32:
         table = tuning.FLASH_ATTN_FWD_FP32.setdefault(arch, dict(tuning.FLASH_ATTN_FWD_FP32["generic"]))
         for case in attention_fp32.cases():

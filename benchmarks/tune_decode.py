@@ -8,7 +8,7 @@ of every decode table (FLASH_ATTN_KVCACHE and its _PER_KEY_PAGES, _SHORT: the ca
 the case runs, whatever its layout and length) and every split count is timed (CUDA
 graphs), each candidate checked against the oracle first (a wrong one is printed, not timed);
 prints every candidate's GB/s, best first, beside SDPA's cuDNN backend (the bar) timed in the same run. Copy
-the winners into tuning.py (and the heuristic) by hand, with the figures as comment.
+the winners into attention/tuning.py (and the heuristic) by hand, with the figures as comment.
 """
 
 from __future__ import annotations
@@ -20,16 +20,17 @@ import torch
 
 from benchmarks import decode
 from benchmarks.run import bench_graph
-from lanekit.runtime import tuning
+from lanekit.attention import tuning
+from lanekit.runtime.tuning import TileConfig, arch_id
 
 # (block_n, warps, stages): the rows that led earlier sweeps, with room around them; 16 and 32 keys
 # a step make pages of 16 whole blocks (one lookup per block, not per key)
-TILES = [tuning.TileConfig(64, bn, w, s) for bn, w, s in (
+TILES = [TileConfig(64, bn, w, s) for bn, w, s in (
     (128, 8, 2), (128, 8, 3), (128, 4, 2), (64, 4, 2), (64, 4, 3), (64, 4, 4), (64, 8, 3),
     (32, 4, 3), (32, 4, 4), (32, 2, 4), (16, 2, 4), (16, 2, 6), (16, 4, 4), (16, 1, 6))]
 SPLITS = (1, 2, 3, 4)
 # --quick: the 32k cases (issue 4's bar), the tiles and splits that led the last full sweep's
-QUICK_TILES = [tuning.TileConfig(64, bn, w, s) for bn, w, s in itertools.product((64, 128), (4, 8), (2, 3, 4))]
+QUICK_TILES = [TileConfig(64, bn, w, s) for bn, w, s in itertools.product((64, 128), (4, 8), (2, 3, 4))]
 QUICK_SPLITS = (1, 2, 3, 4)
 
 
@@ -37,7 +38,7 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("needs a GPU", file=sys.stderr)
         return 2
-    arch = tuning.arch_id(torch.device("cuda"))
+    arch = arch_id(torch.device("cuda"))
     tables = (tuning.FLASH_ATTN_KVCACHE, tuning.FLASH_ATTN_KVCACHE_PER_KEY_PAGES, tuning.FLASH_ATTN_KVCACHE_SHORT)
     saved = [t.get(arch) for t in tables]
 
@@ -54,7 +55,7 @@ def main() -> int:
     only = [a for a in args if not a.startswith("--")]  # case names, e.g. "decode Sk=4k paged 16"
     for a in args:  # --tiles=BN/WARPS/STAGES,... and --splits=S,...: a sweep of one's own
         if a.startswith("--tiles="):
-            tiles = [tuning.TileConfig(64, *map(int, t.split("/"))) for t in a[8:].split(",")]
+            tiles = [TileConfig(64, *map(int, t.split("/"))) for t in a[8:].split(",")]
         elif a.startswith("--splits="):
             splits_swept = tuple(map(int, a[9:].split(",")))
     for case in [decode.case_named(n) for n in only] if only else decode.cases():

@@ -10,7 +10,7 @@ bucket is the largest tile (rows x columns) whose every specialization passes th
 (compiles, uses the matrix instructions, fits in shared memory, spills nothing), then the one with
 more stages, then fewer warps; where none passes, the one that spills least (which then needs an
 allowance, with its reason, in lanekit.runtime.targets.SPILL_ALLOWANCES). It is printed as the row
-to write in runtime/tuning.py.
+to write in the family's tuning.py (attention/tuning.py for the attention sweeps).
 
 This chooses what compiles and fits; speed is for benchmarks on the GPU itself (tune_attention.py).
 """
@@ -22,6 +22,7 @@ import os
 from dataclasses import dataclass
 from typing import Callable
 
+from lanekit.attention import tuning as attention_tuning
 from lanekit.runtime import tuning
 from lanekit.runtime.targets import TARGETS
 from lanekit.runtime.tuning import RnnTileConfig, RotaryConfig, TileConfig
@@ -29,7 +30,7 @@ from lanekit.runtime.tuning import RnnTileConfig, RotaryConfig, TileConfig
 
 @dataclass(frozen=True)
 class Sweep:
-    table: str                       # the attribute of lanekit.runtime.tuning
+    table: str                       # a table of one of TABLE_MODULES, by name
     ops: tuple[str, ...]             # whose samples launch the kernel
     kernels: tuple[str, ...]
     bucket: Callable[[dict], int]    # a specialization's constexprs -> the table's key
@@ -37,6 +38,14 @@ class Sweep:
     candidates: Callable[[str], list]   # target -> candidate rows
     area: Callable[[object], int]    # the size of a candidate's tile, bigger preferred
     bucketed: bool = True            # a row per bucket (head dim); else one row for every bucket
+
+
+# The modules whose tables a sweep names, searched in order: the families' tuning, then runtime's.
+TABLE_MODULES = (attention_tuning, tuning)
+
+
+def _table(name: str) -> dict:
+    return getattr(next(m for m in TABLE_MODULES if hasattr(m, name)), name)
 
 
 _ATTN_FWD_OPS = ("flash_attn_func", "flash_attn_varlen_func")
@@ -114,7 +123,7 @@ def sweep(name: str, target: str, jobs: int) -> dict:
     from lanekit.export import compile_all
 
     s = SWEEPS[name]
-    table = getattr(tuning, s.table)
+    table = _table(s.table)
     saved = table.get(target)
     bucketed = not isinstance(table["generic"], RotaryConfig)
     buckets = set(table["generic"]) if s.bucketed and bucketed else {0}

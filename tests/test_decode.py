@@ -176,16 +176,17 @@ def test_split_count_follows_the_used_length_and_the_batch_not_the_capacity(devi
 
 
 def test_sm90_decode_tile_follows_the_layout_and_the_longest_sequence():
-    # the rows the H200 was tuned to (runtime/tuning.py): paged caches take the contiguous rows (the
+    # the rows the H200 was tuned to (attention/tuning.py): paged caches take the contiguous rows (the
     # kernel loads pages a step ahead), pages smaller than the long row's key block a row of their
     # own, and smaller tiles serve up to KVCACHE_SHORT_KEYS keys (max_seqlen_k: the used length,
     # or the caller's bound; None, as in a capture: long)
-    from lanekit.runtime import tuning
+    from lanekit.attention import tuning
+    from lanekit.runtime.tuning import compiling_for
 
     cpu = torch.device("cpu")
 
     def tile(page_size, one_page, max_keys, fp32=False, leftpad=False):
-        with tuning.compiling_for("sm90"):
+        with compiling_for("sm90"):
             return tuning.kvcache_tile(cpu, 128, fp32=fp32, page_size=page_size, one_page=one_page,
                                        leftpad=leftpad, max_keys=max_keys)
 
@@ -252,8 +253,8 @@ def test_power_of_two_pages_with_left_padding_match_the_oracle(device, quant, ah
     # ahead (NVIDIA) or in the block's own step (AMD: tuning.kvcache_pages_ahead); each split
     # walks several blocks, so the pages carried into the next step are used
     from lanekit import check
+    from lanekit.attention import tuning
     from lanekit.attention.registry import kvcache_case
-    from lanekit.runtime import tuning
     from lanekit.families import get_op
 
     monkeypatch.setattr(tuning, "kvcache_pages_ahead", lambda device: ahead)
@@ -311,7 +312,7 @@ def test_blocks_of_whole_pages_read_only_the_keys_they_own(device, page_size, ah
     # entry repeated for the page's keys (tuning.kvcache_block_pages): the interpreter's block
     # is 32 keys, sm90's 32 or 64. Pages in random order; every key a sequence does not own or
     # its window does not reach is NaN, spare pages included; splits start mid-sequence.
-    from lanekit.runtime import tuning
+    from lanekit.attention import tuning
     from lanekit.runtime.lanes import triton_interpreted
 
     monkeypatch.setattr(tuning, "kvcache_pages_ahead", lambda device: ahead)

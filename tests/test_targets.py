@@ -223,12 +223,14 @@ def test_the_execution_matrix_says_compiled_per_target_from_the_record():
 
 
 def test_compiling_for_makes_the_launchers_read_the_targets_rows():
+    from lanekit.attention import tuning as attention_tuning
     from lanekit.runtime import tuning
     cpu = torch.device("cpu")
     assert tuning.arch_id(cpu) == "generic"
     with tuning.compiling_for("gfx1201"):
         assert tuning.arch_id(cpu) == "gfx1201"
-        assert tuning.lookup(tuning.FLASH_ATTN_FWD, cpu, 128) == tuning.FLASH_ATTN_FWD["gfx1201"][128]
+        assert (tuning.lookup(attention_tuning.FLASH_ATTN_FWD, cpu, 128)
+                == attention_tuning.FLASH_ATTN_FWD["gfx1201"][128])
         assert tuning.norm_bwd_programs(cpu) == tuning.NORM_BWD_PROGRAMS["generic"]
     assert tuning.arch_id(cpu) == "generic"
     assert tuning.norm_bwd_programs(cpu) == tuning.INTERPRETER_NORM_BWD_PROGRAMS

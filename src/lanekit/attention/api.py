@@ -7,8 +7,8 @@ import math
 import torch
 
 from lanekit.attention import op as _lanes
+from lanekit.attention import tuning
 from lanekit.kv_cache import checks
-from lanekit.runtime import tuning
 from lanekit.runtime.lanes import triton_interpreted
 from lanekit.runtime.validate import check_outputs, int_at_least, is_int, is_real, lane_for, tensor
 
@@ -542,7 +542,7 @@ def flash_attn_with_kvcache(
             place with the appended tokens' scales.
         max_seqlen_k: (lanekit) an int at least every sequence's key count after the append (its
             cache_seqlens[b] + S_new), or None: the longest used length, read back with the
-            index checks. It picks the decode tile (runtime/tuning.py: smaller tiles for short
+            index checks. It picks the decode tile (attention/tuning.py: smaller tiles for short
             caches on some GPUs) and bounds num_splits=0's split count. Inside a CUDA graph
             capture, where lengths cannot be read, pass the bound the graph will replay under
             (a serving engine's length bucket); None there takes the long-cache tile. The tile

@@ -306,7 +306,7 @@ def _kvcache_samples(device):
     yield kvcache_case("int8 cache paged page 5 splits 2", device, quant=torch.int8, page_size=5, num_splits=2)
     yield kvcache_case("e4m3 cache Dv 32", device, quant=torch.float8_e4m3fn, Dv=32, seqlens=(10, 35))
     yield kvcache_case("fp32 d128 Sq 4 gqa 8:2", device, Hq=8, Sq=4, S_new=0, D=128, dtype=f32, seqlens=(40, 25))
-    # D=128 in 16 bits takes the rows tuned for the H200 (tuning.FLASH_ATTN_KVCACHE and its short and
+    # D=128 in 16 bits takes the rows tuned for the H200 (attention.tuning.FLASH_ATTN_KVCACHE, its short and
     # per-key-pages forms), chosen by the layout and by max_seqlen_k (None: the long-cache rows)
     yield kvcache_case("d128 gqa 8:2 (short-cache rows)", device, Hq=8, D=128, seqlens=(7, 39), max_seqlen_k=40)
     yield kvcache_case("d128 gqa 8:2, capacity 8200 (long-cache rows)", device, Hq=8, D=128, capacity=8200,
