@@ -16,6 +16,7 @@ import dataclasses
 
 import torch
 
+from benchmarks import tables
 from benchmarks.run import FAMILIES, case_named
 from lanekit.runtime import tuning
 
@@ -31,7 +32,7 @@ def main(argv=None) -> int:
     for item in args.set:
         name, _, value = item.partition("=")
         table_name, _, field = name.partition(".")
-        table = getattr(tuning, table_name, None)
+        table = tables.table(table_name)
         if not isinstance(table, dict) or "generic" not in table:
             p.error(f"--set: expected TABLE.field=value with TABLE a tuning table, got {item!r}")
         row = table.get(arch, table["generic"])

@@ -41,6 +41,7 @@ from triton.runtime import jit as triton_jit
 
 from benchmarks import decode, run
 from benchmarks import layers as bench
+import lanekit
 from lanekit.runtime import tuning
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -77,6 +78,14 @@ def _addressed(sass: str) -> list[tuple[int, str]]:
     return [(a, op) for a, op in ops if not op.startswith("NOP")]
 
 
+def _source_name(file: str) -> str:
+    """A source file as printed: its path within the lanekit package (layers/kernels/norm.py: the
+    kernel packages' modules share names), else its base name."""
+    package = os.path.dirname(os.path.abspath(lanekit.__file__))
+    path = os.path.abspath(file)
+    return os.path.relpath(path, package) if path.startswith(package + os.sep) else os.path.basename(file)
+
+
 def _by_line(kernel, cold: set) -> list[tuple[str, int, collections.Counter]]:
     """(file name, line, opcode counts) of each source line's instructions outside the cold
     ranges, most instructions first: the disassembly with its line table (nvdisasm -g), where a
@@ -87,7 +96,7 @@ def _by_line(kernel, cold: set) -> list[tuple[str, int, collections.Counter]]:
     parts = re.split(r'//## File "([^"]+)", line (\d+).*', text)
     counts = collections.defaultdict(collections.Counter)
     for file, line, body in zip(parts[1::3], parts[2::3], parts[3::3]):
-        counts[(os.path.basename(file), int(line))].update(op for a, op in _addressed(body) if a not in cold)
+        counts[(_source_name(file), int(line))].update(op for a, op in _addressed(body) if a not in cold)
     return sorted(((f, n, c) for (f, n), c in counts.items() if c), key=lambda r: -sum(r[2].values()))
 
 

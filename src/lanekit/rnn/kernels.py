@@ -25,9 +25,10 @@ import triton.language as tl
 
 from lanekit.common.numerics import sigmoid as _sigmoid, tanh as _tanh
 
-from lanekit.runtime import alloc, tuning
+from lanekit.rnn import tuning
+from lanekit.runtime import alloc
 from lanekit.runtime.lanes import triton_interpreted
-from lanekit.runtime.tuning import TileConfig
+from lanekit.runtime.tuning import TileConfig, lookup
 
 if triton_interpreted():
     from lanekit.runtime.interpreter import fix_interpreter
@@ -373,14 +374,14 @@ def _fwd_config(dtype: torch.dtype, device: torch.device, B: int) -> tuning.RnnT
     if triton_interpreted():
         return tuning.RNN_CELL_INTERPRETER
     table = tuning.RNN_CELL_FWD_FP32 if dtype == torch.float32 else tuning.RNN_CELL_FWD
-    return tuning.lookup(table, device, _batch_bucket(B))
+    return lookup(table, device, _batch_bucket(B))
 
 
 def _bwd_config(device: torch.device, B: int) -> TileConfig:
     if triton_interpreted():
         cfg = tuning.RNN_CELL_INTERPRETER
         return TileConfig(cfg.block_b, cfg.block_h, cfg.num_warps, cfg.num_stages, cfg.waves_per_eu)
-    return tuning.lookup(tuning.RNN_CELL_BWD, device, _batch_bucket(B))
+    return lookup(tuning.RNN_CELL_BWD, device, _batch_bucket(B))
 
 
 def _grid(B: int, H: int, block_b: int, block_h: int) -> tuple[int, int]:
