@@ -16,8 +16,8 @@ import dataclasses
 
 import torch
 
+from benchmarks import tables
 from benchmarks.run import FAMILIES, case_named
-from lanekit.attention import tuning as attention_tuning
 from lanekit.runtime import tuning
 
 
@@ -32,8 +32,7 @@ def main(argv=None) -> int:
     for item in args.set:
         name, _, value = item.partition("=")
         table_name, _, field = name.partition(".")
-        table = next((getattr(m, table_name) for m in (attention_tuning, tuning) if hasattr(m, table_name)),
-                     None)
+        table = tables.table(table_name)
         if not isinstance(table, dict) or "generic" not in table:
             p.error(f"--set: expected TABLE.field=value with TABLE a tuning table, got {item!r}")
         row = table.get(arch, table["generic"])

@@ -77,6 +77,17 @@ def _addressed(sass: str) -> list[tuple[int, str]]:
     return [(a, op) for a, op in ops if not op.startswith("NOP")]
 
 
+def _source_name(file: str) -> str:
+    """A source file as printed: its path within the lanekit package (layers/kernels/norm.py: the
+    kernel packages' modules share names), else its base name. Any checkout's lanekit counts: a
+    kernel's line table holds the path it was first compiled from, which Triton's cache keeps."""
+    parts = os.path.abspath(file).split(os.sep)
+    if "lanekit" in parts[:-1]:
+        at = len(parts) - 1 - parts[::-1].index("lanekit")
+        return "/".join(parts[at + 1:])
+    return os.path.basename(file)
+
+
 def _by_line(kernel, cold: set) -> list[tuple[str, int, collections.Counter]]:
     """(file name, line, opcode counts) of each source line's instructions outside the cold
     ranges, most instructions first: the disassembly with its line table (nvdisasm -g), where a
@@ -87,7 +98,7 @@ def _by_line(kernel, cold: set) -> list[tuple[str, int, collections.Counter]]:
     parts = re.split(r'//## File "([^"]+)", line (\d+).*', text)
     counts = collections.defaultdict(collections.Counter)
     for file, line, body in zip(parts[1::3], parts[2::3], parts[3::3]):
-        counts[(os.path.basename(file), int(line))].update(op for a, op in _addressed(body) if a not in cold)
+        counts[(_source_name(file), int(line))].update(op for a, op in _addressed(body) if a not in cold)
     return sorted(((f, n, c) for (f, n), c in counts.items() if c), key=lambda r: -sum(r[2].values()))
 
 

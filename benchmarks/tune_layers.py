@@ -1,10 +1,10 @@
 """Sweep the fused layers' tile tables on the GPU: `python -m benchmarks.tune_layers [TABLE[:op] ...]`.
 
-For each sweep (NORM, ROTARY, GLU: the tables of lanekit.runtime.tuning that the layers read, by
+For each sweep (NORM, ROTARY, GLU: the tables of lanekit.layers.tuning that the layers read, by
 name; ROTARY_MAXNREG and ROTARY_PREFETCH: more of ROTARY's fields, as TABLE_OF maps them), every
 candidate replaces this GPU's row in turn and the bench shapes of benchmarks/layers.py are timed;
-prints GB/s per candidate, best first. Copy the winners into tuning.py by hand, with the figures
-as comment.
+prints GB/s per candidate, best first. Copy the winners into lanekit/layers/tuning.py by hand, with
+a line of reason, and the figures into docs/tuning/layers.md.
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ import torch
 
 from benchmarks import layers
 from benchmarks.run import bench_graph
-from lanekit.runtime import tuning
+from lanekit.layers import tuning
+from lanekit.runtime.tuning import arch_id
 
 CANDIDATES = {
     "NORM": ([dict(max_block_n=b, num_warps=w) for b, w in itertools.product((4096, 8192), (4, 8, 16))],
@@ -50,7 +51,7 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("needs a GPU", file=sys.stderr)
         return 2
-    arch = tuning.arch_id(torch.device("cuda"))
+    arch = arch_id(torch.device("cuda"))
     wanted = sys.argv[1:]  # NORM, ROTARY:qk_norm_rope_quant e4m3, ... (default: every table and op)
     for table_name, (candidates, ops) in CANDIDATES.items():
         if wanted and not any(w.split(":")[0] == table_name for w in wanted):

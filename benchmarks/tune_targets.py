@@ -10,7 +10,7 @@ bucket is the largest tile (rows x columns) whose every specialization passes th
 (compiles, uses the matrix instructions, fits in shared memory, spills nothing), then the one with
 more stages, then fewer warps; where none passes, the one that spills least (which then needs an
 allowance, with its reason, in lanekit.runtime.targets.SPILL_ALLOWANCES). It is printed as the row
-to write in the family's tuning.py (attention/tuning.py for the attention sweeps).
+to write in the family's tuning.py (lanekit.layers.tuning, ...).
 
 This chooses what compiles and fits; speed is for benchmarks on the GPU itself (tune_attention.py).
 """
@@ -22,15 +22,16 @@ import os
 from dataclasses import dataclass
 from typing import Callable
 
-from lanekit.attention import tuning as attention_tuning
-from lanekit.runtime import tuning
+from benchmarks import tables
+from lanekit.layers.tuning import RotaryConfig
+from lanekit.rnn.tuning import RnnTileConfig
 from lanekit.runtime.targets import TARGETS
-from lanekit.runtime.tuning import RnnTileConfig, RotaryConfig, TileConfig
+from lanekit.runtime.tuning import TileConfig
 
 
 @dataclass(frozen=True)
 class Sweep:
-    table: str                       # a table of one of TABLE_MODULES, by name
+    table: str                       # a tuning table's name (benchmarks.tables.table)
     ops: tuple[str, ...]             # whose samples launch the kernel
     kernels: tuple[str, ...]
     bucket: Callable[[dict], int]    # a specialization's constexprs -> the table's key
@@ -41,11 +42,6 @@ class Sweep:
 
 
 # The modules whose tables a sweep names, searched in order: the families' tuning, then runtime's.
-TABLE_MODULES = (attention_tuning, tuning)
-
-
-def _table(name: str) -> dict:
-    return getattr(next(m for m in TABLE_MODULES if hasattr(m, name)), name)
 
 
 _ATTN_FWD_OPS = ("flash_attn_func", "flash_attn_varlen_func")
@@ -123,7 +119,7 @@ def sweep(name: str, target: str, jobs: int) -> dict:
     from lanekit.export import compile_all
 
     s = SWEEPS[name]
-    table = _table(s.table)
+    table = tables.table(s.table)
     saved = table.get(target)
     bucketed = not isinstance(table["generic"], RotaryConfig)
     buckets = set(table["generic"]) if s.bucketed and bucketed else {0}

@@ -158,9 +158,10 @@ def test_fused_glu_rows_take_a_block_that_divides_them(device, N, block, monkeyp
     blocks take the largest block down to a quarter of the row's (64 here) that divides N, with
     warps in proportion, or the row's own block where none does or the row is one block: forward
     and backward launch with that block and give the oracle's values and gradients."""
-    from lanekit.layers import kernels
-    from lanekit.runtime import tuning
-    arch = tuning.arch_id(torch.device(device))
+    from lanekit.layers import tuning
+    from lanekit.layers.kernels import glu as kernels
+    from lanekit.runtime.tuning import arch_id
+    arch = arch_id(torch.device(device))
     monkeypatch.setitem(tuning.GLU, arch, tuning.EltwiseConfig(64, 4))
     chosen = []
     grid_of = kernels._glu_grid
@@ -279,7 +280,7 @@ def test_quantized_qk_codes_are_exact_for_rows_of_wide_dynamic_range(device, dty
 def test_quantized_qk_codes_keep_the_sign_of_zero_weights(device, quant):
     """A weight of -0.0 with offset -0.0 gives (offset + w) = -0.0 and codes of -0.0 on the features
     it scales (e4m3 0x80 where x > 0), as in the oracle: the kernel's per-feature weight step
-    (w + -0.0, see layers.kernels._per_feature) must not turn it into +0.0. Some weights are +0.0,
+    (w + -0.0, see layers.kernels.qk_norm._per_feature) must not turn it into +0.0. Some weights are +0.0,
     and the rotary range is partial, so both the rotated and the passed-through features see it."""
     g = gen(11)
     q = randn(2, 3, 4, 64, dtype=torch.bfloat16, device=device, generator=g)
@@ -588,7 +589,7 @@ def _check_q_and_k_on_a_padded_layout(device, quant, B, S, HQ, HK, seed):
 def test_q_and_k_kernel_int64_row_offsets(device, quant, monkeypatch):
     """The q-and-k kernel's int64 row offsets (taken where a tensor's offsets pass 2^31, on small
     tensors here by lowering that limit) give the int32 path's results: the oracle's."""
-    from lanekit.layers import kernels
+    from lanekit.layers.kernels import qk_norm as kernels
     monkeypatch.setattr(kernels, "ROW_OFFSET_LIMIT", 1)
     _check_q_and_k_on_a_padded_layout(device, quant, B=2, S=5, HQ=4, HK=2, seed=13)
 
@@ -605,8 +606,9 @@ def test_q_and_k_kernel_prefetches(device, quant, ahead, monkeypatch):
     addresses it takes change nothing. Prefetches of masked rows are predicated off in the kernel;
     whether compute-sanitizer's memcheck (scripts/gpu.sh sanitizer) checks a prefetch's address at
     all is not established, so a clean run there does not show them in bounds."""
-    from lanekit.runtime import tuning
-    arch = tuning.arch_id(torch.device(device))
+    from lanekit.layers import tuning
+    from lanekit.runtime.tuning import arch_id
+    arch = arch_id(torch.device(device))
     row = dataclasses.replace(tuning.rotary_config(torch.device(device)), prefetch_rope=1,
                               norm_prefetch_ahead=ahead, quant_prefetch_ahead=ahead)
     monkeypatch.setitem(tuning.ROTARY, arch, row)

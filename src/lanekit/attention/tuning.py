@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lanekit.runtime.tuning import INTERPRETER, TileConfig, _block16, arch_id, lookup
+from lanekit.runtime.tuning import INTERPRETER, TileConfig, block16, arch_id, lookup
 
 
 # flash_attn_fwd: keyed by the padded head dim (max of Dqk and Dv, rounded up to a power of two, at
@@ -64,7 +64,6 @@ FLASH_ATTN_FWD: dict[str, dict[int, TileConfig]] = {
         256: TileConfig(128, 64, 4, 2),
     },
 }
-FLASH_ATTN_FWD["gfx1151"] = FLASH_ATTN_FWD["gfx1201"]
 
 # flash_attn_with_kvcache (decode and chunked prefill over a paged cache): block_m rows of (query,
 # head) pairs (decode uses 16, the least tl.dot takes, when Sq * group <= 16), block_n keys per step.
@@ -89,7 +88,6 @@ FLASH_ATTN_KVCACHE: dict[str, dict[int, TileConfig]] = {
     # fp32 sample), 16 keys with 8 warps least (targets.SPILL_ALLOWANCES).
     "gfx1201": {64: TileConfig(128, 32, 4, 2), 128: TileConfig(128, 16, 8, 1)},
 }
-FLASH_ATTN_KVCACHE["gfx1151"] = FLASH_ATTN_KVCACHE["gfx1201"]
 # Paged caches take the same rows as contiguous ones: the kernel loads each block's pages a step
 # ahead, so its K and V loads get num_stages - 1 buffers, as a contiguous cache's do.
 #
@@ -134,7 +132,6 @@ FLASH_ATTN_FWD_FP32: dict[str, dict[int, TileConfig]] = {
         256: TileConfig(16, 16, 8, 1),
     },
 }
-FLASH_ATTN_FWD_FP32["gfx1151"] = FLASH_ATTN_FWD_FP32["gfx1201"]
 
 # flash_attn backward: one table for the dK/dV kernel (block_m: query rows per step, block_n: the
 # program's keys, whose dK and dV accumulate in registers) and one for the dQ kernel (block_m: the
@@ -177,7 +174,6 @@ FLASH_ATTN_BWD_DKDV: dict[str, dict[int, TileConfig]] = {
         256: TileConfig(16, 64, 4, 2),
     },
 }
-FLASH_ATTN_BWD_DKDV["gfx1151"] = FLASH_ATTN_BWD_DKDV["gfx1201"]
 FLASH_ATTN_BWD_DQ: dict[str, dict[int, TileConfig]] = {
     "generic": {
         16: TileConfig(64, 32, 4, 2),
@@ -212,7 +208,6 @@ FLASH_ATTN_BWD_DQ: dict[str, dict[int, TileConfig]] = {
         256: TileConfig(64, 32, 4, 2),
     },
 }
-FLASH_ATTN_BWD_DQ["gfx1151"] = FLASH_ATTN_BWD_DQ["gfx1201"]
 # fp32 backward: small tiles everywhere (see the fp32 forward above). On gfx942 the generic fp32
 # rows compile and fit (docs/targets.md), so CDNA has no fp32 rows of its own.
 FLASH_ATTN_BWD_DKDV_FP32: dict[str, dict[int, TileConfig]] = {
@@ -223,7 +218,6 @@ FLASH_ATTN_BWD_DKDV_FP32: dict[str, dict[int, TileConfig]] = {
     # tile, until it is. docs/targets.md shows what it spills (targets.SPILL_ALLOWANCES).
     "gfx1201": {16: TileConfig(16, 16, 8, 1), 128: TileConfig(16, 16, 8, 1), 256: TileConfig(16, 16, 8, 1)},
 }
-FLASH_ATTN_BWD_DKDV_FP32["gfx1151"] = FLASH_ATTN_BWD_DKDV_FP32["gfx1201"]
 FLASH_ATTN_BWD_DQ_FP32: dict[str, dict[int, TileConfig]] = {
     "generic": {16: TileConfig(32, 32, 4, 1), 32: TileConfig(32, 32, 4, 1), 64: TileConfig(32, 32, 4, 1),
                 128: TileConfig(32, 16, 4, 1), 256: TileConfig(16, 16, 4, 1)},
@@ -231,7 +225,6 @@ FLASH_ATTN_BWD_DQ_FP32: dict[str, dict[int, TileConfig]] = {
     # spills, 16x16 with 8 warps least (targets.SPILL_ALLOWANCES).
     "gfx1201": {16: TileConfig(32, 32, 4, 2), 256: TileConfig(16, 16, 8, 1)},
 }
-FLASH_ATTN_BWD_DQ_FP32["gfx1151"] = FLASH_ATTN_BWD_DQ_FP32["gfx1201"]
 
 
 def kvcache_config(device: torch.device, bucket: int, *, fp32: bool, per_key_pages: bool = False,
@@ -310,13 +303,13 @@ def kvcache_block_pages(pages: int, page_size: int, block_n: int, leftpad: bool)
 
 def head_dim_block(d: int) -> int:
     """The block the attention kernels pad a head dim to: a power of two, at least 16."""
-    return _block16(d)
+    return block16(d)
 
 
 def kvcache_block_m(cfg: TileConfig, rows: int) -> int:
     """The decode kernel's block of (query, head) rows: cfg.block_m, or the least power of two at
     least 16 that holds ``rows`` (decode: Sq * group is small)."""
-    return min(cfg.block_m, _block16(rows))
+    return min(cfg.block_m, block16(rows))
 
 
 def resident_programs(device: torch.device, cfg: TileConfig, stage_bytes: int) -> int:

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from lanekit.common.numerics import quantize as _quantize  # the same rounding as qk_norm_rope_quant's codes
-from lanekit.runtime import tuning
+from lanekit.kv_cache import tuning
 from lanekit.runtime.alloc import empty
 from lanekit.runtime.lanes import triton_interpreted
 

@@ -25,9 +25,10 @@ import triton.language as tl
 
 from lanekit.common.numerics import sigmoid as _sigmoid, tanh as _tanh
 
-from lanekit.runtime import alloc, tuning
+from lanekit.rnn import tuning
+from lanekit.runtime import alloc
 from lanekit.runtime.lanes import triton_interpreted
-from lanekit.runtime.tuning import TileConfig
+from lanekit.runtime.tuning import TileConfig, lookup
 
 if triton_interpreted():
     from lanekit.runtime.interpreter import fix_interpreter
@@ -69,9 +70,73 @@ def _load_gate(P, offs_b, row0, offs_h, mask, row_len):
 
 
 @triton.jit
+def _store_gates4(P, offs_b, offs_h, mask, H64, v0, v1, v2, v3):
+    # the four gates' [BLOCK_B, BLOCK_H] blocks of a contiguous (B, 4H) buffer (the saved activations)
+    _store_gate(P, offs_b, 0 * H64, offs_h, mask, 4 * H64, v0)
+    _store_gate(P, offs_b, 1 * H64, offs_h, mask, 4 * H64, v1)
+    _store_gate(P, offs_b, 2 * H64, offs_h, mask, 4 * H64, v2)
+    _store_gate(P, offs_b, 3 * H64, offs_h, mask, 4 * H64, v3)
+
+
+@triton.jit
+def _load_gates4(P, offs_b, offs_h, mask, H64):
+    # the four gates' [BLOCK_B, BLOCK_H] blocks of a contiguous (B, 4H) buffer, as _store_gates4 wrote them
+    v0 = _load_gate(P, offs_b, 0 * H64, offs_h, mask, 4 * H64)
+    v1 = _load_gate(P, offs_b, 1 * H64, offs_h, mask, 4 * H64)
+    v2 = _load_gate(P, offs_b, 2 * H64, offs_h, mask, 4 * H64)
+    v3 = _load_gate(P, offs_b, 3 * H64, offs_h, mask, 4 * H64)
+    return v0, v1, v2, v3
+
+
+@triton.jit
 def _load_state(P, offs_b, offs_h, mask, stride_b, stride_h):
     # [BLOCK_B, BLOCK_H] of a (B, H) tensor with any strides, in fp32
     return tl.load(P + offs_b[:, None] * stride_b + offs_h[None, :] * stride_h, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _cell_block(B, H, BLOCK_B: tl.constexpr, BLOCK_H: tl.constexpr):
+    """(offs_b, offs_h, b_in, h_in, H64): the batch rows and hidden units of this program, and H in
+    int64 (a gate's offset in the stacked rows)."""
+    offs_b = tl.program_id(0).to(tl.int64) * BLOCK_B + tl.arange(0, BLOCK_B)     # [BLOCK_B]
+    offs_h = tl.program_id(1).to(tl.int64) * BLOCK_H + tl.arange(0, BLOCK_H)     # [BLOCK_H]
+    return offs_b, offs_h, offs_b < B, offs_h < H, tl.cast(H, tl.int64)
+
+
+@triton.jit
+def _gates_gemm(acc0, acc1, acc2, acc3, A, stride_ab, stride_ak, W, stride_wn, stride_wk, K, offs_b, b_in,
+                offs_h, h_in, H64, BLOCK_K: tl.constexpr, GATES: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+    """acc_g += A[offs_b, :K] @ W[g * H + offs_h, :K]^T for the first GATES gates g (W's gates stacked
+    along its rows), walking K by BLOCK_K: each tile of A is read once for all gates. The
+    accumulators past GATES pass through."""
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = (k0 + tl.arange(0, BLOCK_K)).to(tl.int64)
+        k_in = offs_k < K
+        a = _load_tile(A, offs_b, b_in, offs_k, k_in, stride_ab, stride_ak)          # [BLOCK_B, BLOCK_K]
+        w = W + offs_h[None, :] * stride_wn + offs_k[:, None] * stride_wk            # gate 0's tile
+        w_mask = h_in[None, :] & k_in[:, None]
+        gate = H64 * stride_wn                                                       # one gate's rows
+        acc0 = _dot_gate(acc0, a, w, w_mask, INPUT_PRECISION)
+        if GATES >= 2:
+            acc1 = _dot_gate(acc1, a, w + 1 * gate, w_mask, INPUT_PRECISION)
+        if GATES >= 3:
+            acc2 = _dot_gate(acc2, a, w + 2 * gate, w_mask, INPUT_PRECISION)
+        if GATES >= 4:
+            acc3 = _dot_gate(acc3, a, w + 3 * gate, w_mask, INPUT_PRECISION)
+    return acc0, acc1, acc2, acc3
+
+
+@triton.jit
+def _gates_bias(acc0, acc1, acc2, acc3, Bp, offs_h, h_in, stride, H64, GATES: tl.constexpr):
+    """acc_g += the bias of gate g, for the first GATES gates; the others pass through."""
+    acc0 += _bias(Bp, 0 * H64, offs_h, h_in, stride)
+    if GATES >= 2:
+        acc1 += _bias(Bp, 1 * H64, offs_h, h_in, stride)
+    if GATES >= 3:
+        acc2 += _bias(Bp, 2 * H64, offs_h, h_in, stride)
+    if GATES >= 4:
+        acc3 += _bias(Bp, 3 * H64, offs_h, h_in, stride)
+    return acc0, acc1, acc2, acc3
 
 
 # Batch sizes change from step to step; In and H are the model's and stay specialized.
@@ -85,48 +150,22 @@ def _lstm_cell_fwd_kernel(
     HAS_HX: tl.constexpr, HAS_BIH: tl.constexpr, HAS_BHH: tl.constexpr, SAVE: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
 ):
-    offs_b = tl.program_id(0).to(tl.int64) * BLOCK_B + tl.arange(0, BLOCK_B)     # [BLOCK_B]
-    offs_h = tl.program_id(1).to(tl.int64) * BLOCK_H + tl.arange(0, BLOCK_H)     # [BLOCK_H]
-    b_in = offs_b < B
-    h_in = offs_h < H
-    H64 = tl.cast(H, tl.int64)
+    offs_b, offs_h, b_in, h_in, H64 = _cell_block(B, H, BLOCK_B, BLOCK_H)
     acc_i = tl.zeros([BLOCK_B, BLOCK_H], dtype=tl.float32)
     acc_f = tl.zeros([BLOCK_B, BLOCK_H], dtype=tl.float32)
     acc_g = tl.zeros([BLOCK_B, BLOCK_H], dtype=tl.float32)
     acc_o = tl.zeros([BLOCK_B, BLOCK_H], dtype=tl.float32)
-    for k0 in range(0, In, BLOCK_K):
-        offs_k = (k0 + tl.arange(0, BLOCK_K)).to(tl.int64)
-        k_in = offs_k < In
-        x = _load_tile(X, offs_b, b_in, offs_k, k_in, stride_xb, stride_xk)          # [BLOCK_B, BLOCK_K]
-        w = Wih + offs_h[None, :] * stride_wih_n + offs_k[:, None] * stride_wih_k    # gate 0's tile
-        w_mask = h_in[None, :] & k_in[:, None]
-        gate = H64 * stride_wih_n                                                    # one gate's rows
-        acc_i = _dot_gate(acc_i, x, w, w_mask, INPUT_PRECISION)
-        acc_f = _dot_gate(acc_f, x, w + 1 * gate, w_mask, INPUT_PRECISION)
-        acc_g = _dot_gate(acc_g, x, w + 2 * gate, w_mask, INPUT_PRECISION)
-        acc_o = _dot_gate(acc_o, x, w + 3 * gate, w_mask, INPUT_PRECISION)
+    acc_i, acc_f, acc_g, acc_o = _gates_gemm(
+        acc_i, acc_f, acc_g, acc_o, X, stride_xb, stride_xk, Wih, stride_wih_n, stride_wih_k, In,
+        offs_b, b_in, offs_h, h_in, H64, BLOCK_K, 4, INPUT_PRECISION)
     if HAS_HX:  # without a state, h = 0: no second GEMM
-        for k0 in range(0, H, BLOCK_K):
-            offs_k = (k0 + tl.arange(0, BLOCK_K)).to(tl.int64)
-            k_in = offs_k < H
-            hk = _load_tile(Hx, offs_b, b_in, offs_k, k_in, stride_hb, stride_hk)     # [BLOCK_B, BLOCK_K]
-            w = Whh + offs_h[None, :] * stride_whh_n + offs_k[:, None] * stride_whh_k
-            w_mask = h_in[None, :] & k_in[:, None]
-            gate = H64 * stride_whh_n
-            acc_i = _dot_gate(acc_i, hk, w, w_mask, INPUT_PRECISION)
-            acc_f = _dot_gate(acc_f, hk, w + 1 * gate, w_mask, INPUT_PRECISION)
-            acc_g = _dot_gate(acc_g, hk, w + 2 * gate, w_mask, INPUT_PRECISION)
-            acc_o = _dot_gate(acc_o, hk, w + 3 * gate, w_mask, INPUT_PRECISION)
+        acc_i, acc_f, acc_g, acc_o = _gates_gemm(
+            acc_i, acc_f, acc_g, acc_o, Hx, stride_hb, stride_hk, Whh, stride_whh_n, stride_whh_k, H,
+            offs_b, b_in, offs_h, h_in, H64, BLOCK_K, 4, INPUT_PRECISION)
     if HAS_BIH:
-        acc_i += _bias(Bih, 0 * H64, offs_h, h_in, stride_bih)
-        acc_f += _bias(Bih, 1 * H64, offs_h, h_in, stride_bih)
-        acc_g += _bias(Bih, 2 * H64, offs_h, h_in, stride_bih)
-        acc_o += _bias(Bih, 3 * H64, offs_h, h_in, stride_bih)
+        acc_i, acc_f, acc_g, acc_o = _gates_bias(acc_i, acc_f, acc_g, acc_o, Bih, offs_h, h_in, stride_bih, H64, 4)
     if HAS_BHH:
-        acc_i += _bias(Bhh, 0 * H64, offs_h, h_in, stride_bhh)
-        acc_f += _bias(Bhh, 1 * H64, offs_h, h_in, stride_bhh)
-        acc_g += _bias(Bhh, 2 * H64, offs_h, h_in, stride_bhh)
-        acc_o += _bias(Bhh, 3 * H64, offs_h, h_in, stride_bhh)
+        acc_i, acc_f, acc_g, acc_o = _gates_bias(acc_i, acc_f, acc_g, acc_o, Bhh, offs_h, h_in, stride_bhh, H64, 4)
 
     i = _sigmoid(acc_i)
     f = _sigmoid(acc_f)
@@ -141,10 +180,7 @@ def _lstm_cell_fwd_kernel(
     _store_gate(Hout, offs_b, 0, offs_h, tile, H64, h_next)
     _store_gate(Cout, offs_b, 0, offs_h, tile, H64, c_next)
     if SAVE:  # the activations, (B, 4H) fp32: all the backward needs besides c
-        _store_gate(Saved, offs_b, 0 * H64, offs_h, tile, 4 * H64, i)
-        _store_gate(Saved, offs_b, 1 * H64, offs_h, tile, 4 * H64, f)
-        _store_gate(Saved, offs_b, 2 * H64, offs_h, tile, 4 * H64, g)
-        _store_gate(Saved, offs_b, 3 * H64, offs_h, tile, 4 * H64, o)
+        _store_gates4(Saved, offs_b, offs_h, tile, H64, i, f, g, o)
 
 
 @triton.jit(do_not_specialize=["B"])
@@ -162,6 +198,9 @@ def _gru_cell_fwd_kernel(
     b_in = offs_b < B
     h_in = offs_h < H
     H64 = tl.cast(H, tl.int64)
+    # The prologue and the two GEMM loops are _cell_block's and _gates_gemm's, written out: on sm90
+    # the helpers' inlining (its debug-line labels in the PTX) moved ptxas's spills of one
+    # specialization (104 -> 128 bytes; docs/targets.json), the other kernels' not at all.
     # r and z sum both products; n keeps them apart, since the reset gate scales W_hn h + b_hn only
     acc_r = tl.zeros([BLOCK_B, BLOCK_H], dtype=tl.float32)
     acc_z = tl.zeros([BLOCK_B, BLOCK_H], dtype=tl.float32)
@@ -189,13 +228,9 @@ def _gru_cell_fwd_kernel(
             acc_z = _dot_gate(acc_z, hk, w + 1 * gate, w_mask, INPUT_PRECISION)
             acc_hn = _dot_gate(acc_hn, hk, w + 2 * gate, w_mask, INPUT_PRECISION)
     if HAS_BIH:
-        acc_r += _bias(Bih, 0 * H64, offs_h, h_in, stride_bih)
-        acc_z += _bias(Bih, 1 * H64, offs_h, h_in, stride_bih)
-        acc_in += _bias(Bih, 2 * H64, offs_h, h_in, stride_bih)
+        acc_r, acc_z, acc_in, _ = _gates_bias(acc_r, acc_z, acc_in, acc_in, Bih, offs_h, h_in, stride_bih, H64, 3)
     if HAS_BHH:
-        acc_r += _bias(Bhh, 0 * H64, offs_h, h_in, stride_bhh)
-        acc_z += _bias(Bhh, 1 * H64, offs_h, h_in, stride_bhh)
-        acc_hn += _bias(Bhh, 2 * H64, offs_h, h_in, stride_bhh)
+        acc_r, acc_z, acc_hn, _ = _gates_bias(acc_r, acc_z, acc_hn, acc_hn, Bhh, offs_h, h_in, stride_bhh, H64, 3)
 
     r = _sigmoid(acc_r)
     z = _sigmoid(acc_z)
@@ -224,27 +259,14 @@ def _rnn_cell_fwd_kernel(
     HAS_HX: tl.constexpr, HAS_BIH: tl.constexpr, HAS_BHH: tl.constexpr, SAVE: tl.constexpr,
     RELU: tl.constexpr, INPUT_PRECISION: tl.constexpr,
 ):
-    offs_b = tl.program_id(0).to(tl.int64) * BLOCK_B + tl.arange(0, BLOCK_B)     # [BLOCK_B]
-    offs_h = tl.program_id(1).to(tl.int64) * BLOCK_H + tl.arange(0, BLOCK_H)     # [BLOCK_H]
-    b_in = offs_b < B
-    h_in = offs_h < H
-    H64 = tl.cast(H, tl.int64)
+    offs_b, offs_h, b_in, h_in, H64 = _cell_block(B, H, BLOCK_B, BLOCK_H)
     acc = tl.zeros([BLOCK_B, BLOCK_H], dtype=tl.float32)
-    for k0 in range(0, In, BLOCK_K):
-        offs_k = (k0 + tl.arange(0, BLOCK_K)).to(tl.int64)
-        k_in = offs_k < In
-        x = _load_tile(X, offs_b, b_in, offs_k, k_in, stride_xb, stride_xk)          # [BLOCK_B, BLOCK_K]
-        w = Wih + offs_h[None, :] * stride_wih_n + offs_k[:, None] * stride_wih_k
-        w_mask = h_in[None, :] & k_in[:, None]
-        acc = _dot_gate(acc, x, w, w_mask, INPUT_PRECISION)
+    # (one gate: the other accumulators pass through)
+    acc, _, _, _ = _gates_gemm(acc, acc, acc, acc, X, stride_xb, stride_xk, Wih, stride_wih_n, stride_wih_k, In,
+                               offs_b, b_in, offs_h, h_in, H64, BLOCK_K, 1, INPUT_PRECISION)
     if HAS_HX:
-        for k0 in range(0, H, BLOCK_K):
-            offs_k = (k0 + tl.arange(0, BLOCK_K)).to(tl.int64)
-            k_in = offs_k < H
-            hk = _load_tile(Hx, offs_b, b_in, offs_k, k_in, stride_hb, stride_hk)     # [BLOCK_B, BLOCK_K]
-            w = Whh + offs_h[None, :] * stride_whh_n + offs_k[:, None] * stride_whh_k
-            w_mask = h_in[None, :] & k_in[:, None]
-            acc = _dot_gate(acc, hk, w, w_mask, INPUT_PRECISION)
+        acc, _, _, _ = _gates_gemm(acc, acc, acc, acc, Hx, stride_hb, stride_hk, Whh, stride_whh_n, stride_whh_k,
+                                   H, offs_b, b_in, offs_h, h_in, H64, BLOCK_K, 1, INPUT_PRECISION)
     if HAS_BIH:
         acc += _bias(Bih, 0 * H64, offs_h, h_in, stride_bih)
     if HAS_BHH:
@@ -280,14 +302,9 @@ def _lstm_cell_bwd_kernel(
     BLOCK_B: tl.constexpr, BLOCK_H: tl.constexpr,
     HAS_DH: tl.constexpr, HAS_DC: tl.constexpr, HAS_CX: tl.constexpr,
 ):
-    offs_b = tl.program_id(0).to(tl.int64) * BLOCK_B + tl.arange(0, BLOCK_B)     # [BLOCK_B]
-    offs_h = tl.program_id(1).to(tl.int64) * BLOCK_H + tl.arange(0, BLOCK_H)     # [BLOCK_H]
-    tile = (offs_b < B)[:, None] & (offs_h < H)[None, :]
-    H64 = tl.cast(H, tl.int64)
-    i = _load_gate(Saved, offs_b, 0 * H64, offs_h, tile, 4 * H64)                 # [BLOCK_B, BLOCK_H]
-    f = _load_gate(Saved, offs_b, 1 * H64, offs_h, tile, 4 * H64)
-    g = _load_gate(Saved, offs_b, 2 * H64, offs_h, tile, 4 * H64)
-    o = _load_gate(Saved, offs_b, 3 * H64, offs_h, tile, 4 * H64)
+    offs_b, offs_h, b_in, h_in, H64 = _cell_block(B, H, BLOCK_B, BLOCK_H)
+    tile = b_in[:, None] & h_in[None, :]
+    i, f, g, o = _load_gates4(Saved, offs_b, offs_h, tile, H64)                  # [BLOCK_B, BLOCK_H] each
     c = tl.zeros([BLOCK_B, BLOCK_H], dtype=tl.float32)
     if HAS_CX:
         c = _load_state(Cx, offs_b, offs_h, tile, stride_cb, stride_ch)
@@ -315,14 +332,9 @@ def _gru_cell_bwd_kernel(
     B, H,
     BLOCK_B: tl.constexpr, BLOCK_H: tl.constexpr, HAS_HX: tl.constexpr,
 ):
-    offs_b = tl.program_id(0).to(tl.int64) * BLOCK_B + tl.arange(0, BLOCK_B)     # [BLOCK_B]
-    offs_h = tl.program_id(1).to(tl.int64) * BLOCK_H + tl.arange(0, BLOCK_H)     # [BLOCK_H]
-    tile = (offs_b < B)[:, None] & (offs_h < H)[None, :]
-    H64 = tl.cast(H, tl.int64)
-    r = _load_gate(Saved, offs_b, 0 * H64, offs_h, tile, 4 * H64)                 # [BLOCK_B, BLOCK_H]
-    z = _load_gate(Saved, offs_b, 1 * H64, offs_h, tile, 4 * H64)
-    n = _load_gate(Saved, offs_b, 2 * H64, offs_h, tile, 4 * H64)
-    hn = _load_gate(Saved, offs_b, 3 * H64, offs_h, tile, 4 * H64)
+    offs_b, offs_h, b_in, h_in, H64 = _cell_block(B, H, BLOCK_B, BLOCK_H)
+    tile = b_in[:, None] & h_in[None, :]
+    r, z, n, hn = _load_gates4(Saved, offs_b, offs_h, tile, H64)                 # [BLOCK_B, BLOCK_H] each
     h = tl.zeros([BLOCK_B, BLOCK_H], dtype=tl.float32)
     if HAS_HX:
         h = _load_state(Hx, offs_b, offs_h, tile, stride_hb, stride_hk)
@@ -347,10 +359,8 @@ def _rnn_cell_bwd_kernel(
     B, H,
     BLOCK_B: tl.constexpr, BLOCK_H: tl.constexpr, RELU: tl.constexpr,
 ):
-    offs_b = tl.program_id(0).to(tl.int64) * BLOCK_B + tl.arange(0, BLOCK_B)     # [BLOCK_B]
-    offs_h = tl.program_id(1).to(tl.int64) * BLOCK_H + tl.arange(0, BLOCK_H)     # [BLOCK_H]
-    tile = (offs_b < B)[:, None] & (offs_h < H)[None, :]
-    H64 = tl.cast(H, tl.int64)
+    offs_b, offs_h, b_in, h_in, H64 = _cell_block(B, H, BLOCK_B, BLOCK_H)
+    tile = b_in[:, None] & h_in[None, :]
     a = _load_gate(Saved, offs_b, 0, offs_h, tile, H64)                           # h' in fp32
     dh_next = _load_state(DHn, offs_b, offs_h, tile, stride_dhb, stride_dhh)
     if RELU:
@@ -373,14 +383,14 @@ def _fwd_config(dtype: torch.dtype, device: torch.device, B: int) -> tuning.RnnT
     if triton_interpreted():
         return tuning.RNN_CELL_INTERPRETER
     table = tuning.RNN_CELL_FWD_FP32 if dtype == torch.float32 else tuning.RNN_CELL_FWD
-    return tuning.lookup(table, device, _batch_bucket(B))
+    return lookup(table, device, _batch_bucket(B))
 
 
 def _bwd_config(device: torch.device, B: int) -> TileConfig:
     if triton_interpreted():
         cfg = tuning.RNN_CELL_INTERPRETER
         return TileConfig(cfg.block_b, cfg.block_h, cfg.num_warps, cfg.num_stages, cfg.waves_per_eu)
-    return tuning.lookup(tuning.RNN_CELL_BWD, device, _batch_bucket(B))
+    return lookup(tuning.RNN_CELL_BWD, device, _batch_bucket(B))
 
 
 def _grid(B: int, H: int, block_b: int, block_h: int) -> tuple[int, int]:
