@@ -259,21 +259,23 @@ def _norm_bwd_kernel(
                 dshift += dy
                 dgate += dh * x
             else:  # accumulate in this program's partial row; its first row starts it
-                first = row > row_start
+                # [BLOCK_N] bool, none on the first row; a where, since Triton 3.9's interpreter
+                # widens a broadcast scalar comparison (mask & (row > row_start)) to int64
+                reread = tl.where(row > row_start, mask, False)
                 if HAS_WEIGHT:
                     p = DW_PART + part + cols
-                    tl.store(p, tl.load(p, mask=mask & first, other=0.0) + g * xhat, mask=mask)
+                    tl.store(p, tl.load(p, mask=reread, other=0.0) + g * xhat, mask=mask)
                 if HAS_BIAS:
                     p = DB_PART + part + cols
-                    tl.store(p, tl.load(p, mask=mask & first, other=0.0) + g, mask=mask)
+                    tl.store(p, tl.load(p, mask=reread, other=0.0) + g, mask=mask)
                 if HAS_MOD:
                     p = DSCALE_PART + part + cols
-                    tl.store(p, tl.load(p, mask=mask & first, other=0.0) + dy * y_pre, mask=mask)
+                    tl.store(p, tl.load(p, mask=reread, other=0.0) + dy * y_pre, mask=mask)
                     p = DSHIFT_PART + part + cols
-                    tl.store(p, tl.load(p, mask=mask & first, other=0.0) + dy, mask=mask)
+                    tl.store(p, tl.load(p, mask=reread, other=0.0) + dy, mask=mask)
                 if HAS_GATE:
                     p = DGATE_PART + part + cols
-                    tl.store(p, tl.load(p, mask=mask & first, other=0.0) + dh * x, mask=mask)
+                    tl.store(p, tl.load(p, mask=reread, other=0.0) + dh * x, mask=mask)
     if ONE_BLOCK:
         if HAS_WEIGHT:
             tl.store(DW_PART + part + cols0, dw, mask=mask)
