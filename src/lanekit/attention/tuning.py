@@ -347,6 +347,8 @@ _NVIDIA_FWD = _NVIDIA_UNCOUNTED + ("the worst is a bias with a mask at D=111 (on
                                    "and 7 KB of stack with the 16-bit D=128 row); fp32 at D=64, 128 and 256 has "
                                    "rows of its own since (FLASH_ATTN_FWD_FP32: 584 bytes at most, sm90's D=128 "
                                    "row, the fastest timed)")
+_TRITON_371 = ("Triton 3.7.1 spills more on sm90 than the pinned 3.6.0, whose figures the record keeps (a "
+               "ceiling here, so that export passes under the Triton of torch 2.12's and 2.13's GPU wheels)")
 SPILL_ALLOWANCES: dict[tuple[str, str], tuple[int, str]] = {
     **{(kernel, rdna): (limit, why) for rdna in ("gfx1151", "gfx1201") for kernel, limit, why in (
         ("_flash_attn_fwd_kernel", 796, _RDNA_FP32_D256),
@@ -358,7 +360,10 @@ SPILL_ALLOWANCES: dict[tuple[str, str], tuple[int, str]] = {
     # NVIDIA: the spills there since before the record counted them (largest per kernel; the
     # record itself pins each specialization's figure, so any change still fails --check)
     ("_flash_attn_fwd_kernel", "sm80"): (7336, _NVIDIA_FWD),
-    ("_flash_attn_fwd_kernel", "sm90"): (2088, _NVIDIA_FWD),
+    # sm90 under Triton 3.7.1 (torch 2.12's and 2.13's): bias+mask D=111 spills 2768 where 3.6.0 spills
+    # 2088, and fp32 D=128 decode with GQA 8:2 spills 8 where 3.6.0 spills none (export, 2026-12-04)
+    ("_flash_attn_fwd_kernel", "sm90"): (2768, _NVIDIA_FWD + "; " + _TRITON_371),
+    ("_flash_attn_kvcache_kernel", "sm90"): (8, _TRITON_371),
     **{(kernel, target): (limit, _NVIDIA_OTHERS) for kernel, target, limit in (
         ("_flash_attn_bwd_dkdv_kernel", "sm80", 976), ("_flash_attn_bwd_dkdv_kernel", "sm90", 2112),
         ("_flash_attn_bwd_dq_kernel", "sm80", 656), ("_flash_attn_bwd_dq_kernel", "sm90", 1416),
