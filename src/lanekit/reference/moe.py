@@ -1,0 +1,203 @@
+"""Oracles of the mixture-of-experts family: plain PyTorch that reads like the definitions. No
+Triton here.
+
+Names and semantics are vLLM's (``vllm.model_executor.layers.fused_moe``: ``topk_softmax``,
+``grouped_topk``, ``moe_align_block_size``, ``fused_experts``); the grouped GEMM is
+``torch.nn.functional.grouped_mm``'s. Shapes: M tokens, K hidden size, N an expert's intermediate
+size, E experts, ``topk`` experts per token. A token's routing is the pair (``topk_weights`` fp32
+(M, topk), ``topk_ids`` int32 (M, topk)); its *flat index* i = t * topk + s names slot s of token t.
+
+Where an order must be chosen, it is fixed here so that every lane agrees bit for bit: top-k
+lists are sorted by score, highest first, equal scores by the lower expert (or group) id; the
+tokens of one expert, in the align and in the dispatch, are in ascending flat index.
+
+The oracles compute in the dtype of their floating inputs (the checks pass float64 copies): the
+expert MLP's intermediate, which the kernels round to the activation dtype between the two GEMMs,
+is not rounded here; the family's tolerances (``lanekit.moe.registry``) say what that costs.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+I32 = torch.int32
+
+
+def _sorted_topk(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k largest of ``scores`` (..., n) along the last dim, highest first, equal values by the
+    lower index (a stable descending sort). Returns (values, indices int64)."""
+    values, indices = torch.sort(scores, dim=-1, descending=True, stable=True)
+    return values[..., :k], indices[..., :k]
+
+
+def topk_softmax(gating_output: torch.Tensor, topk: int, renormalize: bool = False):
+    """vLLM's ``topk_softmax``: softmax of ``gating_output`` (M, E) over the experts, then its
+    ``topk`` largest (ties: the lower expert id); ``renormalize`` divides the chosen weights by
+    their sum. The kernels compute the softmax in fp32. Returns (topk_weights (M, topk) in the
+    compute dtype, topk_ids int32 (M, topk))."""
+    scores = torch.softmax(gating_output, dim=-1)
+    weights, ids = _sorted_topk(scores, topk)
+    if renormalize:
+        weights = weights / weights.sum(-1, keepdim=True)
+    return weights, ids.to(I32)
+
+
+def grouped_topk(gating_output: torch.Tensor, topk: int, num_expert_group: int, topk_group: int,
+                 renormalize: bool = False, scoring_func: str = "softmax",
+                 e_score_correction_bias: torch.Tensor | None = None,
+                 routed_scaling_factor: float = 1.0):
+    """DeepSeek-V3's group-limited routing (vLLM's ``grouped_topk``).
+
+    scores = softmax or sigmoid of ``gating_output`` (M, E). The E experts form
+    ``num_expert_group`` groups of E / num_expert_group consecutive experts. With
+    ``e_score_correction_bias`` (E,), the *choice* is made on scores + bias, and a group's score is
+    the sum of its two highest biased scores; without, on the scores, and a group's score is its
+    highest. The ``topk_group`` best groups are kept (ties: the lower group id), then the ``topk``
+    best experts among them (ties: the lower expert id), highest choice score first. The weights
+    are the *unbiased* scores of the chosen experts, divided by their sum if ``renormalize``, then
+    multiplied by ``routed_scaling_factor``. Returns (topk_weights (M, topk), topk_ids int32)."""
+    if scoring_func == "softmax":
+        scores = torch.softmax(gating_output, dim=-1)
+    else:
+        scores = torch.sigmoid(gating_output)
+    M, E = scores.shape
+    choice = scores if e_score_correction_bias is None else scores + e_score_correction_bias.to(scores.dtype)
+    grouped = choice.view(M, num_expert_group, E // num_expert_group)
+    if e_score_correction_bias is None:
+        group_scores = grouped.max(-1).values
+    else:
+        group_scores = _sorted_topk(grouped, 2)[0].sum(-1)
+    _, groups = _sorted_topk(group_scores, topk_group)
+    keep = torch.zeros(M, num_expert_group, dtype=torch.bool, device=scores.device)
+    keep.scatter_(1, groups, True)
+    keep = keep.repeat_interleave(E // num_expert_group, dim=1)
+    _, ids = _sorted_topk(choice.masked_fill(~keep, -math.inf), topk)
+    weights = scores.gather(1, ids)
+    if renormalize:
+        weights = weights / weights.sum(-1, keepdim=True)
+    return weights * routed_scaling_factor, ids.to(I32)
+
+
+def moe_align_block_size(topk_ids: torch.Tensor, block_size: int, num_experts: int,
+                         expert_map: torch.Tensor | None = None):
+    """vLLM's ``moe_align_block_size``: the flat indices of ``topk_ids`` (M, topk) sorted by expert,
+    each expert's run padded to a multiple of ``block_size``, so that each block of
+    ``block_size`` rows belongs to one expert.
+
+    Returns
+      sorted_token_ids int32 (max_num_tokens_padded,): expert 0's flat indices (ascending), padded
+        with the sentinel M * topk to a multiple of block_size, then expert 1's, ...; experts with
+        no token take no block; the tail past ``num_tokens_post_padded`` is the sentinel too.
+        max_num_tokens_padded = M * topk + E * (block_size - 1), or M * topk * block_size when
+        that is smaller (fewer routed slots than experts).
+      expert_ids int32 (max_num_tokens_padded / block_size, rounded up): each block's expert, 0
+        for the blocks past the last; with ``expert_map`` (E,) int32 (global -> local id, -1 for an
+        expert not on this rank), each entry mapped through it (the align itself counts every
+        expert: ``num_experts`` is the global count).
+      num_tokens_post_padded int32 (1,): the padded length in use.
+    """
+    numel = topk_ids.numel()
+    flat = topk_ids.reshape(-1).long()
+    padded_max = numel + num_experts * (block_size - 1)
+    if numel < num_experts:
+        padded_max = min(numel * block_size, padded_max)
+    sorted_ids = torch.full((padded_max,), numel, dtype=I32, device=topk_ids.device)
+    expert_ids = torch.zeros((padded_max + block_size - 1) // block_size, dtype=I32, device=topk_ids.device)
+    position = 0
+    for e in range(num_experts):
+        tokens = (flat == e).nonzero().reshape(-1)      # ascending flat index
+        if tokens.numel() == 0:
+            continue
+        sorted_ids[position:position + tokens.numel()] = tokens.to(I32)
+        blocks = (tokens.numel() + block_size - 1) // block_size
+        expert_ids[position // block_size:position // block_size + blocks] = e
+        position += blocks * block_size
+    if expert_map is not None:
+        expert_ids = expert_map.to(I32)[expert_ids.long()]
+    return sorted_ids, expert_ids, torch.tensor([position], dtype=I32, device=topk_ids.device)
+
+
+def moe_dispatch(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int):
+    """Gather the rows of ``x`` (M, K) in expert order: row j of the result is the token of the
+    j-th flat index when the M * topk flat indices are sorted by expert, ascending within one
+    (no padding). Returns
+      permuted (M * topk, K): x's dtype;
+      offs int32 (E,): the cumulative end of each expert's rows (``grouped_mm``'s ``offs``);
+      inv_permuted_idx int32 (M, topk): the row of ``permuted`` that holds slot (t, s), which
+        :func:`moe_combine` reads back.
+    """
+    M, topk = topk_ids.shape
+    flat = topk_ids.reshape(-1).long()
+    order = torch.sort(flat, stable=True).indices
+    permuted = x[order // topk]
+    counts = torch.bincount(flat, minlength=num_experts)[:num_experts]
+    inv = torch.empty_like(order)
+    inv[order] = torch.arange(order.numel(), device=order.device)
+    return permuted, counts.cumsum(0).to(I32), inv.view(M, topk).to(I32)
+
+
+def moe_combine(y: torch.Tensor, topk_weights: torch.Tensor, inv_permuted_idx: torch.Tensor):
+    """The weighted sum back in token order: out[t] = sum over s of topk_weights[t, s] *
+    y[inv_permuted_idx[t, s]], for y (R, K) (R >= every index) and the (M, topk) weights and
+    indices of :func:`moe_dispatch`. The kernels sum in fp32, s = 0, 1, ... in order (no atomics),
+    and round once to y's dtype. Returns (M, K)."""
+    rows = y[inv_permuted_idx.long()]                         # (M, topk, K)
+    return (rows * topk_weights.to(y.dtype).unsqueeze(-1)).sum(1)
+
+
+def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, out_dtype: torch.dtype | None = None):
+    """``torch.nn.functional.grouped_mm`` for a 2-D ``a`` (M_total, K) and a 3-D ``b`` (E, K, N):
+    rows offs[e-1]:offs[e] of a (offs[-1] = 0) times b[e]; ``offs`` int32 (E,) non-decreasing
+    cumulative ends, offs[E-1] = M_total; groups of 0 rows give nothing. Returns (M_total, N) in
+    ``out_dtype`` (default a's dtype)."""
+    out = a.new_zeros((a.shape[0], b.shape[2]))
+    start = 0
+    for e, end in enumerate(offs.tolist()):
+        out[start:end] = a[start:end] @ b[e]
+        start = end
+    return out if out_dtype is None else out.to(out_dtype)
+
+
+ACTIVATIONS = ("silu", "gelu")
+
+
+def _activation(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
+    """vLLM's ``silu_and_mul`` / ``gelu_and_mul`` (the exact, erf GELU): act(gate) * up."""
+    if activation == "silu":
+        return F.silu(gate) * up
+    return F.gelu(gate) * up
+
+
+def fused_moe(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+              topk_weights: torch.Tensor, topk_ids: torch.Tensor, activation: str = "silu",
+              apply_router_weight_on_input: bool = False, expert_map: torch.Tensor | None = None):
+    """vLLM's ``fused_experts`` for unquantized weights.
+
+    For each token t (of hidden_states (M, K)) and slot s: e = topk_ids[t, s] (mapped through
+    ``expert_map`` when given; an expert mapped to -1 contributes nothing);
+    h = w1[e] @ x (w1 (E, 2N, K): the gate rows, then the up rows); a = act(gate) * up (N,);
+    out[t] += topk_weights[t, s] * (w2[e] @ a) (w2 (E, K, N)). With
+    ``apply_router_weight_on_input`` the weight scales x instead of the expert's output
+    (vLLM allows it with topk = 1). Returns (M, K) in hidden_states' dtype."""
+    M, K = hidden_states.shape
+    N = w2.shape[2]
+    ids = topk_ids.long()
+    if expert_map is not None:
+        ids = expert_map.long()[ids]
+    weights = topk_weights.to(hidden_states.dtype)
+    out = hidden_states.new_zeros((M, K))
+    for e in range(w1.shape[0]):
+        token, slot = (ids == e).nonzero(as_tuple=True)
+        if token.numel() == 0:
+            continue
+        w = weights[token, slot].unsqueeze(-1)
+        x = hidden_states[token]
+        if apply_router_weight_on_input:
+            x = x * w
+        h = x @ w1[e].t()
+        y = _activation(h[:, :N], h[:, N:], activation) @ w2[e].t()
+        out.index_add_(0, token, y if apply_router_weight_on_input else y * w)
+    return out
