@@ -2,7 +2,7 @@
 # The GPU run, on the machine with the GPU (the device tool), from the repo root:
 #   bash scripts/gpu.sh [STEP ...]
 #   steps: info tests sanitizer check check-sanitized demo tune tune-bwd tune-layers profile bench
-#   bench-layers bench-decode tune-decode ncu ab (default, in this order: info tests check demo bench bench-layers
+#   bench-layers bench-decode bench-moe tune-moe tune-decode ncu ab (default, in this order: info tests check demo bench bench-layers
 #   bench-decode sanitizer).
 #   check-sanitized is lanekit check under compute-sanitizer's memcheck: every kernel on every
 #   registered sample, checked for out-of-bounds accesses as well as against its oracle.
@@ -49,6 +49,8 @@ for s in "${steps[@]}"; do
     bench) run_step bench python3 -m benchmarks.run attention attention_train attention_fp32 --json "$OUT/bench.json" ;;
     bench-layers) run_step bench-layers python3 -m benchmarks.run layers --json "$OUT/bench-layers.json" ;;
     bench-decode) run_step bench-decode python3 -m benchmarks.run decode prefill --json "$OUT/bench-decode.json" ;;
+    bench-moe) run_step bench-moe python3 -m benchmarks.run moe --json "$OUT/bench-moe.json" ;;
+    tune-moe) run_step tune-moe python3 -m benchmarks.tune_moe ${TUNE_ARGS:-} ;;
     tune-decode) run_step tune-decode python3 -m benchmarks.tune_decode ${TUNE_ARGS:-} ;;
     ab) run_step ab bash -c "python3 -m benchmarks.ab ${AB_ARGS:-}" ;;
     ncu) run_step ncu bash -c 'for spec in ${NCU_CASES:-"layers:adaln:_norm_fwd"}; do
