@@ -7,10 +7,49 @@ grouped GEMM's configs, keyed by shape, dtype and GPU, are data files a tuner wr
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+from lanekit.runtime.tuning import arch_row
+
 # ---- routing: topk_softmax, grouped_topk ----
 
 
 # ---- align and transport: moe_align_block_size, moe_dispatch, moe_combine ----
+
+@dataclass(frozen=True)
+class AlignConfig:
+    """The sort by expert of moe_align_block_size and moe_dispatch, and the row copies around it.
+
+    A sort whose (flat indices x experts) one-hot tile, both padded to powers of two, holds at
+    most ``one_program_tile`` elements runs in one program (one launch: decode); larger ones in
+    three (count per chunk of ``chunk`` flat indices, one scan, a scatter per chunk).
+    ``fuse_gather``: dispatch copies the rows of x in that same program while M * topk * K is at
+    most this. ``row_block``: the columns a program of the gather, combine and their backwards
+    copies or sums at once, ``rows``: the flat indices a gather program takes.
+    """
+
+    one_program_tile: int
+    chunk: int
+    fuse_gather: int
+    row_block: int
+    rows: int
+    num_warps: int
+    scan_num_warps: int
+
+
+# generic (every target until a sweep on the GPU says otherwise): a one-program tile of 16384
+# one-hot elements is 8 per thread at 8 warps of 32 lanes (4 on AMD's wave64), and keeps decode
+# (M * topk <= 64 at E = 256) in one launch; chunks of 1024 flat indices keep the per-chunk sort a
+# 55-step bitonic network in registers; rows of 1024 columns are 4 per thread at 8 warps.
+ALIGN: dict[str, AlignConfig] = {
+    "generic": AlignConfig(one_program_tile=16384, chunk=1024, fuse_gather=65536, row_block=1024,
+                           rows=4, num_warps=8, scan_num_warps=8),
+}
+
+
+def align_config(device) -> AlignConfig:
+    return arch_row(ALIGN, device)
+
 
 
 # ---- grouped GEMM and the fused expert MLP: grouped_mm, fused_moe ----
