@@ -16,6 +16,7 @@ from lanekit.moe import op as _lanes
 from lanekit.runtime import errors as _errors
 from lanekit.runtime.lanes import select_lane as _select_lane
 from lanekit.runtime.validate import int_at_least as _int_at_least, tensor as _tensor
+from lanekit.runtime.validate import lane_for as _lane_for
 
 __all__: list[str] = []
 
@@ -96,6 +97,106 @@ def moe_align_block_size(topk_ids: torch.Tensor, block_size: int, num_experts: i
     return getattr(_lanes, f"moe_align_block_size_{chosen}")(
         topk_ids=topk_ids, block_size=block_size, num_experts=num_experts, expert_map=expert_map)
 
+
+
+__all__ += ["moe_dispatch", "moe_combine"]
+
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)   # float64: reference lane only
+
+
+def moe_dispatch(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, *, lane: str | None = None):
+    """Gather the rows of ``x`` in expert order: the input of ``grouped_mm`` (no padding).
+
+    Row j of ``permuted`` is the token of the j-th routed slot when the M * topk slots (flat index
+    t * topk + s) are sorted by expert, ascending flat index within one expert.
+
+    Arguments:
+        x: (M, K) fp16, bf16 or fp32 (fp64 on the reference lane), any strides.
+        topk_ids: (M, topk) int32 on x's device, 1 <= topk <= num_experts, any strides. Read on
+            the device: an id outside [0, num_experts) is never used as an address; its slot is
+            placed after every expert's rows (past offs[E - 1], in flat order) and recorded in the
+            device's error flag (``lanekit.check_errors()``); ``LANEKIT_CHECK_INDICES=1`` raises
+            here instead.
+        num_experts: E, a positive int.
+        lane: "triton" or "reference"; default triton for CUDA/ROCm tensors, reference otherwise.
+
+    Returns:
+        permuted: (M * topk, K) in x's dtype, an exact copy of rows of x. Differentiable in x:
+            dx[t] = sum over s of dpermuted[inv_permuted_idx[t, s]], in slot order.
+        offs: (E,) int32, the cumulative end of each expert's rows (``grouped_mm``'s offs).
+        inv_permuted_idx: (M, topk) int32, the row of permuted holding slot (t, s), which
+            :func:`moe_combine` reads back.
+        No device sync.
+
+    Raises:
+        TypeError: a non-tensor; x not a float dtype (float64 off the reference lane); topk_ids
+            not int32; num_experts not an int.
+        ValueError: x not 2-d; topk_ids not (M, topk) for x's M, or on another device, or
+            topk outside [1, num_experts]; num_experts below 1; an unknown lane; with
+            LANEKIT_CHECK_INDICES=1, an expert id out of range.
+
+    Source: the permute of vLLM's modular MoE kernels (``moe_permute``) and of PyTorch's
+    ``grouped_mm`` users, with the order within one expert fixed (ascending flat index).
+    """
+    _tensor("x", x, dtypes=_FLOATS, ndim=2)
+    num_experts = _int_at_least("num_experts", num_experts, 1)
+    _topk_ids(topk_ids, num_experts, like=x, like_name="x")
+    if topk_ids.shape[0] != x.shape[0]:
+        raise ValueError(f"topk_ids: expected ({x.shape[0]}, topk) (x's M), got {tuple(topk_ids.shape)}")
+    chosen = _lane_for(x, lane)
+    return getattr(_lanes, f"moe_dispatch_{chosen}")(x=x, topk_ids=topk_ids, num_experts=num_experts)
+
+
+def moe_combine(y: torch.Tensor, topk_weights: torch.Tensor, inv_permuted_idx: torch.Tensor, *,
+                lane: str | None = None) -> torch.Tensor:
+    """The weighted sum back in token order: ``out[t] = sum over s of topk_weights[t, s] *
+    y[inv_permuted_idx[t, s]]``.
+
+    The kernel sums s = 0, 1, ... in fp32 in that order (no atomics: the same bits on every run)
+    and rounds once to y's dtype; the weights enter unrounded.
+
+    Arguments:
+        y: (R, K) fp16, bf16 or fp32 (fp64 on the reference lane), any strides: the experts'
+            outputs in :func:`moe_dispatch`'s row order (R >= M * topk rows; more are allowed).
+        topk_weights: (M, topk) float (fp32 as ``topk_softmax`` gives), on y's device.
+        inv_permuted_idx: (M, topk) int32, :func:`moe_dispatch`'s. Read on the device: an entry
+            outside [0, R) is never used as an address; that slot contributes nothing and it is
+            recorded in the device's error flag (``lanekit.check_errors()``);
+            ``LANEKIT_CHECK_INDICES=1`` raises here instead.
+        lane: as in :func:`moe_dispatch`.
+
+    Returns:
+        (M, K) in y's dtype. Differentiable in y and topk_weights: dy[inv[t, s]] =
+        topk_weights[t, s] * dout[t] (rows no slot names get 0; an index named twice, which
+        dispatch never gives, has an unspecified gradient), d topk_weights[t, s] =
+        dout[t] . y[inv[t, s]] (fp32).
+
+    Raises:
+        TypeError: a non-tensor; y or topk_weights not a float dtype (float64 off the reference
+            lane); inv_permuted_idx not int32.
+        ValueError: y not 2-d; topk_weights not 2-d, or inv_permuted_idx not its shape; tensors on
+            different devices; an unknown lane; with LANEKIT_CHECK_INDICES=1, an index out of
+            range.
+
+    Source: the unpermute-and-reduce of vLLM's MoE (``moe_unpermute``), fp32 accumulation as its
+    ``moe_sum``, in a fixed order.
+    """
+    _tensor("y", y, dtypes=_FLOATS, ndim=2)
+    _tensor("topk_weights", topk_weights, dtypes=_FLOATS, ndim=2, like=y, like_name="y")
+    _tensor("inv_permuted_idx", inv_permuted_idx, dtypes=(torch.int32,), ndim=2, like=y, like_name="y")
+    if inv_permuted_idx.shape != topk_weights.shape:
+        raise ValueError(f"inv_permuted_idx: expected shape {tuple(topk_weights.shape)} (topk_weights'), "
+                         f"got {tuple(inv_permuted_idx.shape)}")
+    if _errors.check_indices_eagerly() and inv_permuted_idx.numel():
+        bad = (inv_permuted_idx < 0) | (inv_permuted_idx >= y.shape[0])
+        if bool(bad.any()):
+            raise ValueError(f"inv_permuted_idx: expected rows of y in [0, {y.shape[0]}), got "
+                             f"{int(inv_permuted_idx[bad][0])} (LANEKIT_CHECK_INDICES=1)")
+    chosen = _lane_for(y, lane, "y")
+    if topk_weights.dtype == torch.float64 and chosen != "reference":
+        raise TypeError("topk_weights: expected fp16, bf16 or fp32 on the triton lane, got torch.float64")
+    return getattr(_lanes, f"moe_combine_{chosen}")(y=y, topk_weights=topk_weights,
+                                                   inv_permuted_idx=inv_permuted_idx)
 
 
 # ---- grouped GEMM and the fused expert MLP: grouped_mm, fused_moe ----

@@ -49,5 +49,95 @@ def moe_align_block_size_reference(*, topk_ids, block_size, num_experts, expert_
     return ref.moe_align_block_size(topk_ids, block_size, num_experts, expert_map)
 
 
+def _transport_kernels():
+    from lanekit.moe.kernels import transport
+
+    return transport
+
+
+@_custom_op("lanekit::moe_dispatch")
+def _moe_dispatch_op(x: Tensor, topk_ids: Tensor, num_experts: int) -> tuple[Tensor, Tensor, Tensor]:
+    return _transport_kernels().moe_dispatch_fwd(x=x, topk_ids=topk_ids, num_experts=num_experts)
+
+
+@_moe_dispatch_op.register_fake
+def _(x, topk_ids, num_experts):
+    return (x.new_empty((topk_ids.numel(), x.shape[1])), topk_ids.new_empty((num_experts,)),
+            topk_ids.new_empty(topk_ids.shape))
+
+
+@_custom_op("lanekit::moe_combine")
+def _moe_combine_op(y: Tensor, topk_weights: Tensor | None, inv_permuted_idx: Tensor,
+                    out_dtype: torch.dtype) -> Tensor:
+    return _transport_kernels().moe_combine_fwd(y=y, topk_weights=topk_weights,
+                                                inv_permuted_idx=inv_permuted_idx, out_dtype=out_dtype)
+
+
+@_moe_combine_op.register_fake
+def _(y, topk_weights, inv_permuted_idx, out_dtype):
+    return y.new_empty((inv_permuted_idx.shape[0], y.shape[1]), dtype=out_dtype)
+
+
+@_custom_op("lanekit::moe_combine_bwd")
+def _moe_combine_bwd_op(dout: Tensor, y: Tensor, topk_weights: Tensor,
+                        inv_permuted_idx: Tensor) -> tuple[Tensor, Tensor]:
+    return _transport_kernels().moe_combine_bwd(dout=dout, y=y, topk_weights=topk_weights,
+                                                inv_permuted_idx=inv_permuted_idx)
+
+
+@_moe_combine_bwd_op.register_fake
+def _(dout, y, topk_weights, inv_permuted_idx):
+    return y.new_empty(y.shape), topk_weights.new_empty(topk_weights.shape)
+
+
+def _dispatch_setup(ctx, inputs, output):
+    x, _, _ = inputs
+    _, _, inv = output
+    ctx.save_for_backward(inv)
+    ctx.x_dtype = x.dtype
+
+
+def _dispatch_backward(ctx, dpermuted, doffs, dinv):
+    (inv,) = ctx.saved_tensors
+    # each token's rows summed in slot order: a combine with every weight 1
+    return _moe_combine_op(dpermuted, None, inv, ctx.x_dtype), None, None
+
+
+_moe_dispatch_op.register_autograd(_dispatch_backward, setup_context=_dispatch_setup)
+
+
+def _combine_setup(ctx, inputs, output):
+    y, topk_weights, inv, _ = inputs
+    ctx.save_for_backward(y, topk_weights, inv)
+
+
+def _combine_backward(ctx, dout):
+    y, topk_weights, inv = ctx.saved_tensors
+    dy, dw = _moe_combine_bwd_op(dout, y, topk_weights, inv)
+    return dy, dw, None, None
+
+
+_moe_combine_op.register_autograd(_combine_backward, setup_context=_combine_setup)
+
+
+def moe_dispatch_triton(*, x, topk_ids, num_experts):
+    return _call(_moe_dispatch_op, x, topk_ids, num_experts, inputs=(x,))
+
+
+def moe_dispatch_reference(*, x, topk_ids, num_experts):
+    return ref.moe_dispatch(x, topk_ids, num_experts)
+
+
+def moe_combine_triton(*, y, topk_weights, inv_permuted_idx):
+    return _call(_moe_combine_op, y, topk_weights, inv_permuted_idx, y.dtype, inputs=(y, topk_weights))
+
+
+def moe_combine_reference(*, y, topk_weights, inv_permuted_idx):
+    """The oracle in float64 (the weights unrounded, as the kernel's fp32 sum takes them), rounded
+    once to y's dtype."""
+    out = ref.moe_combine(y.to(torch.float64), topk_weights.to(torch.float64), inv_permuted_idx)
+    return out.to(y.dtype)
+
+
 
 # ---- grouped GEMM and the fused expert MLP: grouped_mm, fused_moe ----

@@ -13,6 +13,7 @@ import torch
 
 from lanekit.runtime.registry import Op, Sample, register
 from lanekit.testing import CODES, EXACT, Tolerance, generator, randn
+from lanekit.testing import noncontiguous as _noncontiguous
 
 # ---- routing: topk_softmax, grouped_topk ----
 
@@ -68,6 +69,91 @@ register(Op(
     samples=_align_samples,
     outputs=(("sorted_token_ids", CODES), ("expert_ids", CODES), ("num_tokens_post_padded", CODES)),
     doc="vLLM's align of routed slots by expert, each run padded to the block size (bit for bit)",
+))
+
+
+# The combine's weighted sum of topk rows, in fp32 in slot order, rounded once.
+COMBINE = Tolerance(
+    name="moe_combine",
+    ulps=1.0,
+    fp32_ulps=4.0,
+    reason=(
+        "a sum of topk weighted rows in fp32, rounded once: 16-bit outputs within one step "
+        "(measured 0.5); fp32 outputs carry topk roundings of partial sums that may exceed the "
+        "result (measured up to 0.4 steps at topk 2 and 8); four steps"
+    ),
+)
+
+
+COMBINE_BWD = Tolerance(
+    name="moe_combine_bwd",
+    ulps=1.0,
+    fp32_ulps=16.0,
+    reason=(
+        "d topk_weights is a dot product over K in fp32 (blocks in order): measured up to 1.4 "
+        "fp32 steps at K = 7168; sixteen steps. 16-bit gradients are one rounding"
+    ),
+)
+
+
+def dispatch_case(name, device, *, M, topk, E, K, dtype=torch.bfloat16, experts=None,
+                  noncontiguous=False) -> Sample:
+    g = generator(name)
+    ids = routed_ids(g, M, topk, E, experts=experts)
+    x = randn(M, K, dtype=dtype, device=device, generator=g)
+    if noncontiguous:
+        x = _noncontiguous(x)
+    return Sample(name, dict(x=x, topk_ids=ids.to(device), num_experts=E))
+
+
+def _dispatch_samples(device):
+    yield dispatch_case("decode M1 E256 topk8 K7168", device, M=1, topk=8, E=256, K=7168)
+    yield dispatch_case("M3 E64 topk8 K200", device, M=3, topk=8, E=64, K=200)
+    yield dispatch_case("M5 E8 topk2 K72 fp32, experts 3.. with no token", device, M=5, topk=2, E=8,
+                        K=72, dtype=torch.float32, experts=3)
+    yield dispatch_case("E1 M9 topk1 K40 fp16", device, M=9, topk=1, E=1, K=40, dtype=torch.float16)
+    yield dispatch_case("M6 E16 topk4 K96, x non-contiguous", device, M=6, topk=4, E=16, K=96,
+                        noncontiguous=True)
+    yield dispatch_case("M300 E100 topk4 K16 (chunked sort, gather launch)", device, M=300, topk=4,
+                        E=100, K=16)
+    yield dispatch_case("M0 E8 topk2 K64", device, M=0, topk=2, E=8, K=64)
+
+
+def combine_case(name, device, *, M, topk, E, K, dtype=torch.bfloat16, extra_rows=0,
+                 noncontiguous=False) -> Sample:
+    """y holds M * topk (+ extra_rows) expert outputs; inv_permuted_idx is a dispatch's."""
+    g = generator(name)
+    ids = routed_ids(g, M, topk, E)
+    inv = torch.sort(ids.reshape(-1).long(), stable=True).indices.argsort().view(M, topk).to(torch.int32)
+    y = randn(M * topk + extra_rows, K, dtype=dtype, device=device, generator=g)
+    if noncontiguous:
+        y = _noncontiguous(y)
+    weights = torch.rand(M, topk, generator=g).to(device)
+    return Sample(name, dict(y=y, topk_weights=weights, inv_permuted_idx=inv.to(device)))
+
+
+def _combine_samples(device):
+    yield combine_case("decode M1 topk8 K7168", device, M=1, topk=8, E=256, K=7168)
+    yield combine_case("M3 E64 topk8 K200", device, M=3, topk=8, E=64, K=200)
+    yield combine_case("M5 topk8 K72 fp32", device, M=5, topk=8, E=16, K=72, dtype=torch.float32)
+    yield combine_case("M7 topk2 K33 fp16, y with 5 rows past the slots", device, M=7, topk=2, E=4,
+                       K=33, dtype=torch.float16, extra_rows=5)
+    yield combine_case("E1 M4 topk1 K64, y non-contiguous", device, M=4, topk=1, E=1, K=64,
+                       noncontiguous=True)
+
+
+register(Op(
+    name="moe_dispatch", family="moe", oracle=f"{_REF}:moe_dispatch",
+    lanes={"triton": f"{_MOE}:moe_dispatch_triton", "reference": f"{_MOE}:moe_dispatch_reference"},
+    samples=_dispatch_samples,
+    outputs=(("permuted", EXACT), ("offs", CODES), ("inv_permuted_idx", CODES)),
+    doc="The rows of x gathered in expert order (exact), grouped_mm's offs, the inverse permutation",
+))
+register(Op(
+    name="moe_combine", family="moe", oracle=f"{_REF}:moe_combine",
+    lanes={"triton": f"{_MOE}:moe_combine_triton", "reference": f"{_MOE}:moe_combine_reference"},
+    samples=_combine_samples, outputs=(("out", COMBINE),),
+    doc="The weighted sum of each token's expert rows, fp32 in slot order, rounded once",
 ))
 
 
