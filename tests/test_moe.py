@@ -29,6 +29,146 @@ def test_device_errors_are_reported_once_and_cleared():
 
 # ---- routing: topk_softmax, grouped_topk ----
 
+ROUTE_LANES = ["triton", "reference"]
+
+
+def _logits(M, E, dtype=torch.bfloat16, device="cpu", ties=False, seed="logits"):
+    return moe_registry.gating_logits(generator(f"{seed} {M} {E}"), M, E, dtype, ties=ties).to(device)
+
+
+TOPK_CASES = {
+    "decode M=1 E=256 topk=8": dict(M=1, E=256, topk=8),
+    "M=3 E=64 topk=8 renormalize": dict(M=3, E=64, topk=8, renormalize=True),
+    "E=512 fp16": dict(M=5, E=512, topk=6, dtype=torch.float16),
+    "E=1": dict(M=4, E=1, topk=1),
+}
+
+
+@pytest.mark.parametrize("lane", ROUTE_LANES)
+@pytest.mark.parametrize("case", TOPK_CASES)
+def test_topk_softmax_matches_the_oracle(device, lane, case):
+    c = dict(TOPK_CASES[case])
+    x = _logits(c.pop("M"), c.pop("E"), c.pop("dtype", torch.bfloat16), device)
+    with poisoned_outputs():
+        weights, ids = lanekit.moe.topk_softmax(x, **c, lane=lane)
+    r_weights, r_ids = ref.topk_softmax(x.double(), c["topk"], c.get("renormalize", False))
+    assert weights.dtype == torch.float32 and ids.dtype == torch.int32
+    assert_close(ids, r_ids, CODES)
+    assert_close(weights, r_weights, moe_registry.ROUTING)
+    if c.get("renormalize"):
+        assert torch.allclose(weights.sum(-1), torch.ones_like(weights[:, 0]))
+
+
+@pytest.mark.parametrize("lane", ROUTE_LANES)
+def test_topk_softmax_equal_weights_go_to_the_lower_expert_id(device, lane):
+    x = torch.zeros(3, 12, device=device)
+    x[1, [2, 5, 7, 11]] = 1.5                       # four equal maxima
+    x[2, [9, 3]] = 2.0
+    x[2, [4, 8]] = 1.0
+    weights, ids = lanekit.moe.topk_softmax(x, 4, lane=lane)
+    assert ids.tolist() == [[0, 1, 2, 3], [2, 5, 7, 11], [3, 9, 4, 8]]
+    assert weights[0].eq(weights[0, 0]).all() and weights[1].eq(weights[1, 0]).all()
+    assert weights[2, 0] == weights[2, 1] and weights[2, 2] == weights[2, 3]
+
+
+@pytest.mark.parametrize("lane", ROUTE_LANES)
+def test_topk_softmax_weights_are_vllms_softmax_scores(device, lane):
+    """Without renormalize the weights are the softmax probabilities themselves (vLLM's
+    topk_softmax), not a softmax over the chosen logits."""
+    x = _logits(2, 8, torch.float32, device)
+    weights, ids = lanekit.moe.topk_softmax(x, 2, lane=lane)
+    assert_close(weights, torch.softmax(x.double(), -1).gather(1, ids.long()), moe_registry.ROUTING)
+
+
+GROUPED_CASES = {
+    "DeepSeek-V3 sigmoid bias x2.5": dict(M=3, E=256, topk=8, num_expert_group=8, topk_group=4,
+                                          renormalize=True, scoring_func="sigmoid", bias=True,
+                                          routed_scaling_factor=2.5),
+    "softmax no bias": dict(M=4, E=64, topk=6, num_expert_group=8, topk_group=3),
+    "groups of 18 experts": dict(M=2, E=72, topk=4, num_expert_group=4, topk_group=2, bias=True),
+    "E=1": dict(M=3, E=1, topk=1, num_expert_group=1, topk_group=1),
+}
+
+
+def _grouped_inputs(device, c):
+    c = dict(c)
+    x = _logits(c.pop("M"), c["E"], torch.float32, device, seed="grouped")
+    bias = None
+    if c.pop("bias", False):
+        bias = (torch.randperm(c["E"], generator=generator("bias")).float() / 1024).to(device)
+    c.pop("E")
+    return x, bias, c
+
+
+@pytest.mark.parametrize("lane", ROUTE_LANES)
+@pytest.mark.parametrize("case", GROUPED_CASES)
+def test_grouped_topk_matches_the_oracle(device, lane, case):
+    x, bias, c = _grouped_inputs(device, GROUPED_CASES[case])
+    with poisoned_outputs():
+        weights, ids = lanekit.moe.grouped_topk(x, e_score_correction_bias=bias, **c, lane=lane)
+    r_weights, r_ids = ref.grouped_topk(x.double(), e_score_correction_bias=bias.double() if bias is not None else None, **c)
+    assert_close(ids, r_ids, CODES)
+    assert_close(weights, r_weights, moe_registry.ROUTING)
+    groups = ids.long() // (x.shape[1] // c["num_expert_group"])
+    assert all(len(set(row)) <= c["topk_group"] for row in groups.tolist())
+
+
+@pytest.mark.parametrize("lane", ROUTE_LANES)
+def test_grouped_topk_bias_chooses_but_does_not_weigh(device, lane):
+    x = torch.zeros(1, 8, device=device)
+    x[0, 0] = 3.0                                   # the best score ...
+    bias = torch.zeros(8, device=device)
+    bias[[4, 5]] = 10.0                             # ... loses to group 2's two biased experts
+    weights, ids = lanekit.moe.grouped_topk(x, 2, 4, 1, scoring_func="sigmoid",
+                                            e_score_correction_bias=bias, lane=lane)
+    assert ids.tolist() == [[4, 5]]                # sigmoid(0) + 10 each, equal: the lower id first
+    assert_close(weights, torch.full((1, 2), 0.5, dtype=torch.float64), moe_registry.ROUTING)
+
+
+@pytest.mark.parametrize("lane", ROUTE_LANES)
+def test_grouped_topk_equal_group_scores_keep_the_lower_group(device, lane):
+    x = torch.zeros(1, 16, device=device)
+    x[0, [1, 5, 13]] = 2.0                          # groups 0, 1 and 3 tie at their best
+    weights, ids = lanekit.moe.grouped_topk(x, 2, 4, 2, lane=lane)
+    assert ids.tolist() == [[1, 5]]
+
+
+@pytest.mark.parametrize("lane", ROUTE_LANES)
+def test_routing_rejects_bad_input_before_any_launch(device, lane):
+    x = _logits(3, 8, torch.float32, device)
+    topk_softmax, grouped = lanekit.moe.topk_softmax, lanekit.moe.grouped_topk
+    _assert_rejected(lambda: topk_softmax(x, 9, lane=lane), ValueError, r"topk: expected an int in \[1, E = 8\]", x)
+    _assert_rejected(lambda: topk_softmax(x, 0, lane=lane), ValueError, "topk", x)
+    _assert_rejected(lambda: topk_softmax(x, 2.0, lane=lane), TypeError, "topk", x)
+    _assert_rejected(lambda: topk_softmax(x, 2, renormalize=1, lane=lane), TypeError, "renormalize", x)
+    _assert_rejected(lambda: topk_softmax(x.int(), 2, lane=lane), TypeError, "gating_output", x)
+    _assert_rejected(lambda: topk_softmax(x[0], 2, lane=lane), ValueError, "gating_output: expected 2 dim", x)
+    wide = torch.zeros(2, 513, device=device)
+    _assert_rejected(lambda: topk_softmax(wide, 2, lane=lane), ValueError, "E <= 512", wide)
+    _assert_rejected(lambda: grouped(x, 9, 2, 1, lane=lane), ValueError, "topk", x)
+    _assert_rejected(lambda: grouped(x, 2, 3, 1, lane=lane), ValueError, "num_expert_group: expected a divisor", x)
+    _assert_rejected(lambda: grouped(x, 2, 4, 5, lane=lane), ValueError, "topk_group", x)
+    _assert_rejected(lambda: grouped(x, 5, 4, 2, lane=lane), ValueError, "experts of the kept groups", x)
+    _assert_rejected(lambda: grouped(x, 2, 4, 2, scoring_func="relu", lane=lane), ValueError, "scoring_func", x)
+    bias = torch.zeros(7, device=device)
+    _assert_rejected(lambda: grouped(x, 2, 4, 2, e_score_correction_bias=bias, lane=lane), ValueError,
+                     r"e_score_correction_bias: expected shape \(8,\)", x, bias)
+    _assert_rejected(lambda: grouped(x, 2, 4, 2, routed_scaling_factor=float("nan"), lane=lane), ValueError,
+                     "routed_scaling_factor", x)
+
+
+def test_routing_then_align_compiles_with_torch_compile(device):
+    x = _logits(3, 16, torch.float32, device, seed="compile")
+
+    def route(x):
+        weights, ids = lanekit.moe.topk_softmax(x, 2, True, lane="triton")
+        return weights, lanekit.moe.moe_align_block_size(ids, 4, 16, lane="triton")
+
+    compiled = torch.compile(route, fullgraph=True, backend="eager" if device == "cpu" else "inductor")
+    (w1, a1), (w2, a2) = compiled(x), route(x)
+    assert torch.equal(w1, w2) and all(torch.equal(p, q) for p, q in zip(a1, a2))
+
+
 
 # ---- align and transport: moe_align_block_size, moe_dispatch, moe_combine ----
 

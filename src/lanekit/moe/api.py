@@ -10,6 +10,8 @@ host before each launch instead: ``lanekit.runtime.errors``).
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from lanekit.moe import op as _lanes
@@ -17,10 +19,135 @@ from lanekit.runtime import errors as _errors
 from lanekit.runtime.lanes import select_lane as _select_lane
 from lanekit.runtime.validate import int_at_least as _int_at_least, tensor as _tensor
 from lanekit.runtime.validate import lane_for as _lane_for
+from lanekit.runtime.validate import is_real as _is_real
 
 __all__: list[str] = []
 
 # ---- routing: topk_softmax, grouped_topk ----
+
+__all__ += ["topk_softmax", "grouped_topk"]
+
+_MAX_EXPERTS = 512   # a token's scores sit in one program's registers
+
+
+def _gating(gating_output, topk, lane):
+    _tensor("gating_output", gating_output,
+            dtypes=(torch.float16, torch.bfloat16, torch.float32, torch.float64), ndim=2)
+    E = gating_output.shape[1]
+    if not 1 <= E <= _MAX_EXPERTS:
+        raise ValueError(f"gating_output: expected (M, E) with 1 <= E <= {_MAX_EXPERTS}, got shape "
+                         f"{tuple(gating_output.shape)}")
+    topk = _int_at_least("topk", topk, 1)
+    if topk > E:
+        raise ValueError(f"topk: expected an int in [1, E = {E}] (gating_output's experts), got {topk}")
+    return E, topk, _lane_for(gating_output, lane, "gating_output")
+
+
+def _flag(name, value):
+    if not isinstance(value, bool):
+        raise TypeError(f"{name}: expected a bool, got {type(value).__name__}")
+    return value
+
+
+def topk_softmax(gating_output: torch.Tensor, topk: int, renormalize: bool = False, *,
+                 lane: str | None = None):
+    """Each token's ``topk`` experts by softmax score, and their weights.
+
+    ``scores = softmax(gating_output)`` over the experts, in fp32; the topk largest, highest first
+    (equal scores: the lower expert id); with ``renormalize`` the chosen weights are divided by
+    their sum (Mixtral, Qwen-MoE), else they are the scores themselves.
+
+    Arguments:
+        gating_output: (M, E) router logits, fp16, bf16 or fp32 (fp64 on the reference lane), any
+            strides; 1 <= E <= 512.
+        topk: experts per token, an int in [1, E].
+        renormalize: a bool.
+        lane: "triton" or "reference"; default triton for CUDA/ROCm tensors, reference otherwise.
+
+    Returns:
+        topk_weights: (M, topk) fp32.
+        topk_ids: (M, topk) int32, in [0, E), distinct per token.
+        Not differentiable (as vLLM's).
+
+    Raises:
+        TypeError: a non-tensor or an unsupported dtype; topk not an int; renormalize not a bool.
+        ValueError: gating_output not 2-d or E outside [1, 512]; topk outside [1, E]; an unknown
+            lane.
+
+    Source: vLLM's ``topk_softmax`` (``vllm.model_executor.layers.fused_moe``), ties fixed to the
+    lower expert id.
+    """
+    E, topk, chosen = _gating(gating_output, topk, lane)
+    renormalize = _flag("renormalize", renormalize)
+    return getattr(_lanes, f"topk_softmax_{chosen}")(gating_output=gating_output, topk=topk,
+                                                     renormalize=renormalize)
+
+
+def grouped_topk(gating_output: torch.Tensor, topk: int, num_expert_group: int, topk_group: int,
+                 renormalize: bool = False, scoring_func: str = "softmax",
+                 e_score_correction_bias: torch.Tensor | None = None,
+                 routed_scaling_factor: float = 1.0, *, lane: str | None = None):
+    """DeepSeek-V3's group-limited routing: the best ``topk_group`` groups of experts, then the
+    best ``topk`` experts among them.
+
+    scores = softmax or sigmoid of ``gating_output`` in fp32. The E experts form
+    ``num_expert_group`` groups of E / num_expert_group consecutive ones. The *choice* is made
+    on scores + ``e_score_correction_bias`` when given (a group then scores the sum of its two
+    best), else on the scores (a group scores its best); equal choice scores go to the lower
+    group or expert id. The weights are the chosen experts' *unbiased* scores, divided by their
+    sum if ``renormalize``, then times ``routed_scaling_factor``.
+
+    Arguments:
+        gating_output: (M, E) router logits, fp16, bf16 or fp32 (fp64 on the reference lane),
+            any strides; 1 <= E <= 512.
+        topk: experts per token, in [1, topk_group * E / num_expert_group].
+        num_expert_group: groups, a positive int dividing E.
+        topk_group: groups kept, in [1, num_expert_group].
+        renormalize: a bool.
+        scoring_func: "softmax" or "sigmoid" (DeepSeek-V3).
+        e_score_correction_bias: (E,) float on gating_output's device, or None.
+        routed_scaling_factor: a finite number (DeepSeek-V3: 2.5).
+        lane: as in :func:`topk_softmax`.
+
+    Returns:
+        topk_weights (M, topk) fp32 and topk_ids (M, topk) int32, highest choice score first.
+        Not differentiable.
+
+    Raises:
+        TypeError: a non-tensor or an unsupported dtype; an int or bool argument of another type.
+        ValueError: shapes as above; num_expert_group not dividing E; topk_group or topk out of
+            range; scoring_func unknown; routed_scaling_factor not finite; an unknown lane.
+
+    Source: vLLM's ``grouped_topk`` (DeepSeek-V2/V3's ``MoEGate``), ties fixed to the lower id.
+    """
+    E, topk, chosen = _gating(gating_output, topk, lane)
+    groups = _int_at_least("num_expert_group", num_expert_group, 1)
+    if E % groups:
+        raise ValueError(f"num_expert_group: expected a divisor of E = {E}, got {groups}")
+    topk_group = _int_at_least("topk_group", topk_group, 1)
+    if topk_group > groups:
+        raise ValueError(f"topk_group: expected an int in [1, num_expert_group = {groups}], got {topk_group}")
+    if topk > topk_group * (E // groups):
+        raise ValueError(f"topk: expected at most topk_group * E / num_expert_group = "
+                         f"{topk_group * (E // groups)} (the experts of the kept groups), got {topk}")
+    renormalize = _flag("renormalize", renormalize)
+    if scoring_func not in ("softmax", "sigmoid"):
+        raise ValueError(f"scoring_func: expected 'softmax' or 'sigmoid', got {scoring_func!r}")
+    if e_score_correction_bias is not None:
+        _tensor("e_score_correction_bias", e_score_correction_bias,
+                dtypes=(torch.float16, torch.bfloat16, torch.float32, torch.float64), ndim=1,
+                like=gating_output, like_name="gating_output")
+        if e_score_correction_bias.shape[0] != E:
+            raise ValueError(f"e_score_correction_bias: expected shape ({E},) (E), got "
+                             f"{tuple(e_score_correction_bias.shape)}")
+    if not (_is_real(routed_scaling_factor) and math.isfinite(routed_scaling_factor)):
+        raise ValueError(f"routed_scaling_factor: expected a finite number, got {routed_scaling_factor!r}")
+    return getattr(_lanes, f"grouped_topk_{chosen}")(
+        gating_output=gating_output, topk=topk, num_expert_group=groups, topk_group=topk_group,
+        renormalize=renormalize, scoring_func=scoring_func,
+        e_score_correction_bias=e_score_correction_bias,
+        routed_scaling_factor=float(routed_scaling_factor))
+
 
 
 # ---- align and transport: moe_align_block_size, moe_dispatch, moe_combine ----

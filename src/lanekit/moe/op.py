@@ -16,6 +16,68 @@ Tensor = torch.Tensor
 
 # ---- routing: topk_softmax, grouped_topk ----
 
+def _routing_kernels():
+    from lanekit.moe.kernels import routing
+
+    return routing
+
+
+@_custom_op("lanekit::topk_softmax")
+def _topk_softmax_op(gating_output: Tensor, topk: int, renormalize: bool) -> tuple[Tensor, Tensor]:
+    return _routing_kernels().topk_softmax_fwd(gating_output=gating_output, topk=topk,
+                                               renormalize=renormalize)
+
+
+@_topk_softmax_op.register_fake
+def _(gating_output, topk, renormalize):
+    M = gating_output.shape[0]
+    return (gating_output.new_empty((M, topk), dtype=torch.float32),
+            gating_output.new_empty((M, topk), dtype=torch.int32))
+
+
+@_custom_op("lanekit::grouped_topk")
+def _grouped_topk_op(gating_output: Tensor, topk: int, num_expert_group: int, topk_group: int,
+                     renormalize: bool, scoring_func: str, e_score_correction_bias: Tensor | None,
+                     routed_scaling_factor: float) -> tuple[Tensor, Tensor]:
+    return _routing_kernels().grouped_topk_fwd(
+        gating_output=gating_output, topk=topk, num_expert_group=num_expert_group,
+        topk_group=topk_group, renormalize=renormalize, scoring_func=scoring_func,
+        e_score_correction_bias=e_score_correction_bias, routed_scaling_factor=routed_scaling_factor)
+
+
+@_grouped_topk_op.register_fake
+def _(gating_output, topk, num_expert_group, topk_group, renormalize, scoring_func,
+      e_score_correction_bias, routed_scaling_factor):
+    M = gating_output.shape[0]
+    return (gating_output.new_empty((M, topk), dtype=torch.float32),
+            gating_output.new_empty((M, topk), dtype=torch.int32))
+
+
+def topk_softmax_triton(*, gating_output, topk, renormalize=False):
+    return _call(_topk_softmax_op, gating_output, topk, renormalize)
+
+
+def topk_softmax_reference(*, gating_output, topk, renormalize=False):
+    """The oracle in float64, the weights rounded to fp32 (the kernels' output dtype)."""
+    weights, ids = ref.topk_softmax(gating_output.to(torch.float64), topk, renormalize)
+    return weights.to(torch.float32), ids
+
+
+def grouped_topk_triton(*, gating_output, topk, num_expert_group, topk_group, renormalize=False,
+                        scoring_func="softmax", e_score_correction_bias=None, routed_scaling_factor=1.0):
+    return _call(_grouped_topk_op, gating_output, topk, num_expert_group, topk_group, renormalize,
+                 scoring_func, e_score_correction_bias, float(routed_scaling_factor))
+
+
+def grouped_topk_reference(*, gating_output, topk, num_expert_group, topk_group, renormalize=False,
+                           scoring_func="softmax", e_score_correction_bias=None,
+                           routed_scaling_factor=1.0):
+    bias = e_score_correction_bias.to(torch.float64) if e_score_correction_bias is not None else None
+    weights, ids = ref.grouped_topk(gating_output.to(torch.float64), topk, num_expert_group, topk_group,
+                                    renormalize, scoring_func, bias, routed_scaling_factor)
+    return weights.to(torch.float32), ids
+
+
 
 # ---- align and transport: moe_align_block_size, moe_dispatch, moe_combine ----
 

@@ -17,6 +17,101 @@ from lanekit.testing import noncontiguous as _noncontiguous
 
 # ---- routing: topk_softmax, grouped_topk ----
 
+# The routing weights: fp32 scores (a softmax: exp, a sum over E, a division), then for
+# renormalize a sum of topk and a division.
+ROUTING = Tolerance(
+    name="moe_routing",
+    ulps=1.0,
+    fp32_ulps=8.0,
+    reason=(
+        "fp32 weights from an fp32 softmax over E (exp, a sum of E terms, a division) or sigmoid, "
+        "then maybe a renormalizing sum and division and the scaling factor: measured up to 2.2 "
+        "fp32 steps at E = 72 to 512; eight steps"
+    ),
+)
+
+
+def gating_logits(g: torch.Generator, M: int, E: int, dtype, *, ties: bool = False) -> torch.Tensor:
+    """(M, E) router logits whose scores stay apart: each row a permutation of (k - E/2) / 16,
+    exact in bf16 up to E = 256 and in fp16 and fp32 up to 512 (so every lane and the float64
+    oracle choose the same experts). ``ties``: row t has its experts in blocks of t + 1 equal
+    logits instead (row 0 all distinct, the last row's largest logits equal in pairs and more)."""
+    rows = []
+    for t in range(M):
+        k = torch.randperm(E, generator=g).float()
+        if ties:
+            k = torch.div(k, t + 1, rounding_mode="floor")
+        rows.append((k - E // 2) / 16)
+    x = torch.stack(rows) if M else torch.empty((0, E))
+    cast = x.to(dtype)
+    if not torch.equal(cast.double(), x.double()):
+        raise ValueError(f"gating_logits: E = {E} is not exact in {dtype}")
+    return cast
+
+
+def topk_softmax_case(name, device, *, M, E, topk, dtype=torch.bfloat16, renormalize=False,
+                      ties=False, noncontiguous=False) -> Sample:
+    x = gating_logits(generator(name), M, E, dtype, ties=ties)
+    if noncontiguous:
+        x = _noncontiguous(x)
+    return Sample(name, dict(gating_output=x.to(device), topk=topk, renormalize=renormalize))
+
+
+def _topk_softmax_samples(device):
+    yield topk_softmax_case("decode M1 E256 topk8", device, M=1, E=256, topk=8)
+    yield topk_softmax_case("M3 E64 topk8 fp32 renormalize", device, M=3, E=64, topk=8,
+                            dtype=torch.float32, renormalize=True)
+    yield topk_softmax_case("M17 E512 topk6 fp16 renormalize", device, M=17, E=512, topk=6,
+                            dtype=torch.float16, renormalize=True)
+    yield topk_softmax_case("E1 M5 topk1", device, M=5, E=1, topk=1)
+    yield topk_softmax_case("M9 E72 topk3, gating_output non-contiguous", device, M=9, E=72, topk=3,
+                            noncontiguous=True)
+    yield topk_softmax_case("ties: blocks of equal logits, M4 E16 topk4", device, M=4, E=16, topk=4,
+                            ties=True)
+    yield topk_softmax_case("M0 E8 topk2", device, M=0, E=8, topk=2)
+
+
+def grouped_topk_case(name, device, *, M, E, topk, groups, topk_group, scoring_func="softmax",
+                      bias=False, renormalize=False, scale=1.0, ties=False,
+                      dtype=torch.bfloat16) -> Sample:
+    g = generator(name)
+    x = gating_logits(g, M, E, dtype, ties=ties)
+    b = (torch.randperm(E, generator=g).float() / 1024).to(device) if bias else None
+    return Sample(name, dict(gating_output=x.to(device), topk=topk, num_expert_group=groups,
+                             topk_group=topk_group, renormalize=renormalize,
+                             scoring_func=scoring_func, e_score_correction_bias=b,
+                             routed_scaling_factor=scale))
+
+
+def _grouped_topk_samples(device):
+    yield grouped_topk_case("DeepSeek-V3 decode: E256 8 groups keep 4 topk8 sigmoid bias x2.5", device,
+                            M=1, E=256, topk=8, groups=8, topk_group=4, scoring_func="sigmoid",
+                            bias=True, renormalize=True, scale=2.5)
+    yield grouped_topk_case("M3 E64 8 groups keep 3 topk6 softmax", device, M=3, E=64, topk=6,
+                            groups=8, topk_group=3, dtype=torch.float32)
+    yield grouped_topk_case("M5 E72 4 groups of 18 keep 2 topk4 softmax bias renormalize", device,
+                            M=5, E=72, topk=4, groups=4, topk_group=2, bias=True, renormalize=True)
+    yield grouped_topk_case("M4 E16 groups of one expert keep 4 topk2 sigmoid bias", device, M=4,
+                            E=16, topk=2, groups=16, topk_group=4, scoring_func="sigmoid", bias=True)
+    yield grouped_topk_case("ties: blocks of equal logits, M4 E32 4 groups keep 2 topk4", device,
+                            M=4, E=32, topk=4, groups=4, topk_group=2, ties=True)
+    yield grouped_topk_case("E1 M3 one group topk1", device, M=3, E=1, topk=1, groups=1, topk_group=1)
+
+
+
+register(Op(
+    name="topk_softmax", family="moe", oracle="lanekit.reference.moe:topk_softmax",
+    lanes={"triton": "lanekit.moe.op:topk_softmax_triton", "reference": "lanekit.moe.op:topk_softmax_reference"},
+    samples=_topk_softmax_samples, outputs=(("topk_weights", ROUTING), ("topk_ids", CODES)),
+    doc="vLLM's softmax routing: fp32 softmax, top-k by repeated arg-max (ties: the lower id)",
+))
+register(Op(
+    name="grouped_topk", family="moe", oracle="lanekit.reference.moe:grouped_topk",
+    lanes={"triton": "lanekit.moe.op:grouped_topk_triton", "reference": "lanekit.moe.op:grouped_topk_reference"},
+    samples=_grouped_topk_samples, outputs=(("topk_weights", ROUTING), ("topk_ids", CODES)),
+    doc="DeepSeek-V3's group-limited routing (softmax or sigmoid, correction bias, scaling)",
+))
+
 
 # ---- align and transport: moe_align_block_size, moe_dispatch, moe_combine ----
 
@@ -59,13 +154,13 @@ def _align_samples(device):
                      E=100, block_size=32, expert_map=True)
 
 
-_MOE = "lanekit.moe.op"
-_REF = "lanekit.reference.moe"
+_ALIGN_MOE = "lanekit.moe.op"
+_ALIGN_REF = "lanekit.reference.moe"
 
 register(Op(
-    name="moe_align_block_size", family="moe", oracle=f"{_REF}:moe_align_block_size",
-    lanes={"triton": f"{_MOE}:moe_align_block_size_triton",
-           "reference": f"{_MOE}:moe_align_block_size_reference"},
+    name="moe_align_block_size", family="moe", oracle=f"{_ALIGN_REF}:moe_align_block_size",
+    lanes={"triton": f"{_ALIGN_MOE}:moe_align_block_size_triton",
+           "reference": f"{_ALIGN_MOE}:moe_align_block_size_reference"},
     samples=_align_samples,
     outputs=(("sorted_token_ids", CODES), ("expert_ids", CODES), ("num_tokens_post_padded", CODES)),
     doc="vLLM's align of routed slots by expert, each run padded to the block size (bit for bit)",
@@ -143,15 +238,15 @@ def _combine_samples(device):
 
 
 register(Op(
-    name="moe_dispatch", family="moe", oracle=f"{_REF}:moe_dispatch",
-    lanes={"triton": f"{_MOE}:moe_dispatch_triton", "reference": f"{_MOE}:moe_dispatch_reference"},
+    name="moe_dispatch", family="moe", oracle=f"{_ALIGN_REF}:moe_dispatch",
+    lanes={"triton": f"{_ALIGN_MOE}:moe_dispatch_triton", "reference": f"{_ALIGN_MOE}:moe_dispatch_reference"},
     samples=_dispatch_samples,
     outputs=(("permuted", EXACT), ("offs", CODES), ("inv_permuted_idx", CODES)),
     doc="The rows of x gathered in expert order (exact), grouped_mm's offs, the inverse permutation",
 ))
 register(Op(
-    name="moe_combine", family="moe", oracle=f"{_REF}:moe_combine",
-    lanes={"triton": f"{_MOE}:moe_combine_triton", "reference": f"{_MOE}:moe_combine_reference"},
+    name="moe_combine", family="moe", oracle=f"{_ALIGN_REF}:moe_combine",
+    lanes={"triton": f"{_ALIGN_MOE}:moe_combine_triton", "reference": f"{_ALIGN_MOE}:moe_combine_reference"},
     samples=_combine_samples, outputs=(("out", COMBINE),),
     doc="The weighted sum of each token's expert rows, fp32 in slot order, rounded once",
 ))

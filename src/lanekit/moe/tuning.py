@@ -13,6 +13,33 @@ from lanekit.runtime.tuning import arch_row
 
 # ---- routing: topk_softmax, grouped_topk ----
 
+@dataclass(frozen=True)
+class RoutingConfig:
+    """Tokens per program of topk_softmax and grouped_topk (each holds all E scores of a token)."""
+
+    block_m: int
+    num_warps: int
+
+
+# keyed by the padded expert count (a power of two; larger E takes the largest key's row):
+# [block_m, E] tiles of 1024-2048 fp32 scores, 8-16 per thread at 4 warps, each top-k step two
+# row reductions over them. Not yet swept on the GPU.
+ROUTING: dict[str, dict[int, RoutingConfig]] = {
+    "generic": {
+        64: RoutingConfig(16, 4),
+        128: RoutingConfig(16, 4),
+        256: RoutingConfig(8, 4),
+        512: RoutingConfig(4, 4),
+    },
+}
+
+
+def routing_config(device, num_experts: int) -> RoutingConfig:
+    rows = arch_row(ROUTING, device)
+    padded = max(64, 1 << max(num_experts - 1, 0).bit_length())
+    return rows.get(padded, rows[max(rows)])
+
+
 
 # ---- align and transport: moe_align_block_size, moe_dispatch, moe_combine ----
 
