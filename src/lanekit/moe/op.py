@@ -89,22 +89,22 @@ def _align_kernels():
 
 @_custom_op("lanekit::moe_align_block_size")
 def _moe_align_op(topk_ids: Tensor, block_size: int, num_experts: int,
-                  expert_map: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+                  expert_map: Tensor | None) -> Tensor:
+    """The three results in one int32 buffer (one allocation: host time on the decode path)."""
     return _align_kernels().moe_align_block_size_fwd(topk_ids=topk_ids, block_size=block_size,
                                                      num_experts=num_experts, expert_map=expert_map)
 
 
 @_moe_align_op.register_fake
 def _(topk_ids, block_size, num_experts, expert_map):
-    numel = topk_ids.numel()
-    padded = numel + num_experts * (block_size - 1)
-    padded = min(numel * block_size, padded) if numel < num_experts else padded
-    return (topk_ids.new_empty((padded,)), topk_ids.new_empty(((padded + block_size - 1) // block_size,)),
-            topk_ids.new_empty((1,)))
+    padded, blocks = _align_kernels().align_lengths(topk_ids.numel(), block_size, num_experts)
+    return topk_ids.new_empty((padded + blocks + 1,))
 
 
 def moe_align_block_size_triton(*, topk_ids, block_size, num_experts, expert_map=None):
-    return _call(_moe_align_op, topk_ids, block_size, num_experts, expert_map)
+    out = _call(_moe_align_op, topk_ids, block_size, num_experts, expert_map)
+    align = _align_kernels()
+    return align.split_align_output(out, *align.align_lengths(topk_ids.numel(), block_size, num_experts))
 
 
 def moe_align_block_size_reference(*, topk_ids, block_size, num_experts, expert_map=None):
@@ -118,14 +118,14 @@ def _transport_kernels():
 
 
 @_custom_op("lanekit::moe_dispatch")
-def _moe_dispatch_op(x: Tensor, topk_ids: Tensor, num_experts: int) -> tuple[Tensor, Tensor, Tensor]:
+def _moe_dispatch_op(x: Tensor, topk_ids: Tensor, num_experts: int) -> tuple[Tensor, Tensor]:
+    """(permuted, one int32 buffer of inv_permuted_idx then offs: one allocation for the two)."""
     return _transport_kernels().moe_dispatch_fwd(x=x, topk_ids=topk_ids, num_experts=num_experts)
 
 
 @_moe_dispatch_op.register_fake
 def _(x, topk_ids, num_experts):
-    return (x.new_empty((topk_ids.numel(), x.shape[1])), topk_ids.new_empty((num_experts,)),
-            topk_ids.new_empty(topk_ids.shape))
+    return x.new_empty((topk_ids.numel(), x.shape[1])), topk_ids.new_empty((topk_ids.numel() + num_experts,))
 
 
 @_custom_op("lanekit::moe_combine")
@@ -153,14 +153,16 @@ def _(dout, y, topk_weights, inv_permuted_idx):
 
 
 def _dispatch_setup(ctx, inputs, output):
-    x, _, _ = inputs
-    _, _, inv = output
-    ctx.save_for_backward(inv)
-    ctx.x_dtype = x.dtype
+    x, topk_ids, _ = inputs
+    _, order = output
+    ctx.save_for_backward(order)
+    ctx.x_dtype, ctx.routing = x.dtype, tuple(topk_ids.shape)
 
 
-def _dispatch_backward(ctx, dpermuted, doffs, dinv):
-    (inv,) = ctx.saved_tensors
+def _dispatch_backward(ctx, dpermuted, dorder):
+    (order,) = ctx.saved_tensors
+    M, topk = ctx.routing
+    inv = order[:M * topk].view(M, topk)
     # each token's rows summed in slot order: a combine with every weight 1
     return _moe_combine_op(dpermuted, None, inv, ctx.x_dtype), None, None
 
@@ -183,7 +185,9 @@ _moe_combine_op.register_autograd(_combine_backward, setup_context=_combine_setu
 
 
 def moe_dispatch_triton(*, x, topk_ids, num_experts):
-    return _call(_moe_dispatch_op, x, topk_ids, num_experts, inputs=(x,))
+    permuted, order = _call(_moe_dispatch_op, x, topk_ids, num_experts, inputs=(x,))
+    M, topk = topk_ids.shape
+    return permuted, order[M * topk:], order[:M * topk].view(M, topk)
 
 
 def moe_dispatch_reference(*, x, topk_ids, num_experts):
@@ -192,6 +196,35 @@ def moe_dispatch_reference(*, x, topk_ids, num_experts):
 
 def moe_combine_triton(*, y, topk_weights, inv_permuted_idx):
     return _call(_moe_combine_op, y, topk_weights, inv_permuted_idx, y.dtype, inputs=(y, topk_weights))
+
+
+def _grads(forward, wrt, douts, **kwargs):
+    """Gradients of ``forward``'s outputs (paired with douts) in the tensors named by wrt, by autograd."""
+    leaves = {k: kwargs[k].detach().clone().requires_grad_() for k in wrt}
+    outs = forward(**{**kwargs, **leaves})
+    outs = outs if isinstance(outs, tuple) else (outs,)
+    pairs = [(o, d) for o, d in zip(outs, douts) if d is not None]
+    torch.autograd.backward([o for o, _ in pairs], [d for _, d in pairs])
+    return tuple(leaves[k].grad for k in wrt)
+
+
+def moe_dispatch_backward_triton(*, x, topk_ids, num_experts, dpermuted):
+    return _grads(moe_dispatch_triton, ("x",), (dpermuted,), x=x, topk_ids=topk_ids, num_experts=num_experts)[0]
+
+
+def moe_dispatch_backward_reference(*, x, topk_ids, num_experts, dpermuted):
+    return ref.moe_dispatch_backward(x, topk_ids, num_experts, dpermuted.to(torch.float64)).to(x.dtype)
+
+
+def moe_combine_backward_triton(*, y, topk_weights, inv_permuted_idx, dout):
+    return _grads(moe_combine_triton, ("y", "topk_weights"), (dout,), y=y, topk_weights=topk_weights,
+                  inv_permuted_idx=inv_permuted_idx)
+
+
+def moe_combine_backward_reference(*, y, topk_weights, inv_permuted_idx, dout):
+    dy, dw = ref.moe_combine_backward(y.to(torch.float64), topk_weights.to(torch.float64),
+                                      inv_permuted_idx, dout.to(torch.float64))
+    return dy.to(y.dtype), dw.to(topk_weights.dtype)
 
 
 def moe_combine_reference(*, y, topk_weights, inv_permuted_idx):

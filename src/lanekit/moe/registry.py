@@ -14,6 +14,7 @@ import torch
 from lanekit.runtime.registry import Op, Sample, register
 from lanekit.testing import CODES, EXACT, Tolerance, generator, randn
 from lanekit.testing import noncontiguous as _noncontiguous
+from lanekit.testing import with_output_grads
 
 # ---- routing: topk_softmax, grouped_topk ----
 
@@ -251,6 +252,35 @@ register(Op(
     doc="The weighted sum of each token's expert rows, fp32 in slot order, rounded once",
 ))
 
+
+
+def _dispatch_backward_samples(device):
+    """The forward's samples but the chunked one (its sort is the forward's; its backward is a
+    combine, which the others cover)."""
+    samples = (s for s in _dispatch_samples(device) if s.kwargs["x"].shape[0] <= 64)
+    return with_output_grads(samples,
+                             lambda kw: {"dpermuted": ((kw["topk_ids"].numel(), kw["x"].shape[1]), kw["x"])})
+
+
+def _combine_backward_samples(device):
+    return with_output_grads(_combine_samples(device),
+                             lambda kw: {"dout": ((kw["topk_weights"].shape[0], kw["y"].shape[1]), kw["y"])})
+
+
+register(Op(
+    name="moe_dispatch.backward", family="moe", oracle=f"{_ALIGN_REF}:moe_dispatch_backward",
+    lanes={"triton": f"{_ALIGN_MOE}:moe_dispatch_backward_triton",
+           "reference": f"{_ALIGN_MOE}:moe_dispatch_backward_reference"},
+    samples=_dispatch_backward_samples, outputs=(("dx", COMBINE),),
+    doc="Gradient of moe_dispatch in x (by autograd): each token's rows summed in slot order",
+))
+register(Op(
+    name="moe_combine.backward", family="moe", oracle=f"{_ALIGN_REF}:moe_combine_backward",
+    lanes={"triton": f"{_ALIGN_MOE}:moe_combine_backward_triton",
+           "reference": f"{_ALIGN_MOE}:moe_combine_backward_reference"},
+    samples=_combine_backward_samples, outputs=(("dy", COMBINE), ("dtopk_weights", COMBINE_BWD)),
+    doc="Gradients of moe_combine (by autograd): dy rows, d topk_weights (fp32 dot over K)",
+))
 
 
 # ---- grouped GEMM and the fused expert MLP: grouped_mm, fused_moe ----

@@ -148,6 +148,25 @@ def moe_combine(y: torch.Tensor, topk_weights: torch.Tensor, inv_permuted_idx: t
     return (rows * topk_weights.to(y.dtype).unsqueeze(-1)).sum(1)
 
 
+def moe_dispatch_backward(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int,
+                          dpermuted: torch.Tensor):
+    """The gradient in x of :func:`moe_dispatch`'s permuted rows: dx[t] = sum over s of
+    dpermuted[inv_permuted_idx[t, s]]. Returns (M, K) in dpermuted's dtype."""
+    _, _, inv = moe_dispatch(x, topk_ids, num_experts)
+    return dpermuted[inv.long()].sum(1)
+
+
+def moe_combine_backward(y: torch.Tensor, topk_weights: torch.Tensor, inv_permuted_idx: torch.Tensor,
+                         dout: torch.Tensor):
+    """The gradients of :func:`moe_combine` for an ``inv_permuted_idx`` that names each row at
+    most once: dy[inv[t, s]] = topk_weights[t, s] * dout[t] (rows named by no slot: 0) and
+    d topk_weights[t, s] = dout[t] . y[inv[t, s]]. Returns (dy (R, K), d topk_weights (M, topk))."""
+    rows = inv_permuted_idx.long()
+    dy = torch.zeros_like(y)
+    dy[rows.reshape(-1)] = (topk_weights.to(y.dtype).unsqueeze(-1) * dout.unsqueeze(1)).reshape(-1, y.shape[1])
+    return dy, (dout.unsqueeze(1) * y[rows]).sum(-1).to(topk_weights.dtype)
+
+
 def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, out_dtype: torch.dtype | None = None):
     """``torch.nn.functional.grouped_mm`` for a 2-D ``a`` (M_total, K) and a 3-D ``b`` (E, K, N):
     rows offs[e-1]:offs[e] of a (offs[-1] = 0) times b[e]; ``offs`` int32 (E,) non-decreasing

@@ -280,28 +280,44 @@ def _sort(*, topk_ids, num_experts, block_size, dispatch, sorted_ids=None, exper
     return False
 
 
+def align_lengths(numel: int, block_size: int, num_experts: int) -> tuple[int, int]:
+    """(max_num_tokens_padded, the number of blocks)."""
+    max_padded = padded_length(numel, block_size, num_experts)
+    return max_padded, (max_padded + block_size - 1) // block_size
+
+
+def split_align_output(out, max_padded: int, num_blocks: int):
+    return out[:max_padded], out[max_padded:max_padded + num_blocks], out[max_padded + num_blocks:]
+
+
 def moe_align_block_size_fwd(*, topk_ids, block_size, num_experts, expert_map=None):
-    """topk_ids int32 (M, topk), any strides; expert_map int32 (E,) or None. Returns
-    (sorted_token_ids, expert_ids, num_tokens_post_padded) as the oracle defines them."""
+    """topk_ids int32 (M, topk), any strides; expert_map int32 (E,) or None. Returns one int32
+    buffer holding (sorted_token_ids, expert_ids, num_tokens_post_padded) as the oracle defines
+    them, one after the other (split_align_output gives the three views)."""
     device = topk_ids.device
     numel = topk_ids.numel()
     expert_map = expert_map.contiguous() if expert_map is not None else None   # (E,): a copy at most
-    max_padded = padded_length(numel, block_size, num_experts)
-    num_blocks = triton.cdiv(max_padded, block_size)
-    sorted_ids = empty((max_padded,), dtype=topk_ids.dtype, device=device)
-    expert_ids = empty((num_blocks,), dtype=topk_ids.dtype, device=device)
-    num_post = empty((1,), dtype=topk_ids.dtype, device=device)
+    max_padded, num_blocks = align_lengths(numel, block_size, num_experts)
+    # one allocation for the three (an allocation costs host time on the decode path)
+    out = empty((max_padded + num_blocks + 1,), dtype=topk_ids.dtype, device=device)
+    sorted_ids, expert_ids, num_post = split_align_output(out, max_padded, num_blocks)
     _sort(topk_ids=topk_ids, num_experts=num_experts, block_size=block_size, dispatch=False,
           sorted_ids=sorted_ids, expert_ids=expert_ids, num_post=num_post, expert_map=expert_map,
           max_padded=max_padded, num_blocks=num_blocks)
-    return sorted_ids, expert_ids, num_post
+    return out
+
+
+def split_order(order, M: int, topk: int):
+    """(inv (M, topk), offs (E,)) views of expert_order_fwd's buffer."""
+    return order[:M * topk].view(M, topk), order[M * topk:]
 
 
 def expert_order_fwd(*, topk_ids, num_experts, x=None, permuted=None):
-    """The dispatch's order: (inv int32 (M, topk), offs int32 (E,), whether the rows of x were
-    copied into permuted in the same launch)."""
-    inv = empty(topk_ids.shape, dtype=topk_ids.dtype, device=topk_ids.device)
-    offs = empty((num_experts,), dtype=topk_ids.dtype, device=topk_ids.device)
+    """The dispatch's order: (one int32 buffer of inv (M, topk) then offs (E,), see split_order;
+    whether the rows of x were copied into permuted in the same launch)."""
+    M, topk = topk_ids.shape
+    order = empty((M * topk + num_experts,), dtype=topk_ids.dtype, device=topk_ids.device)
+    inv, offs = split_order(order, M, topk)
     gathered = _sort(topk_ids=topk_ids, num_experts=num_experts, block_size=1, dispatch=True,
                      inv=inv, offs=offs, x=x, permuted=permuted)
-    return inv, offs, gathered
+    return order, gathered

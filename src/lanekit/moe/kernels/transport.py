@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from lanekit.moe import tuning
-from lanekit.moe.kernels.align import expert_order_fwd
+from lanekit.moe.kernels.align import expert_order_fwd, split_order
 from lanekit.runtime import errors
 from lanekit.runtime.alloc import empty
 from lanekit.runtime.lanes import triton_interpreted
@@ -96,20 +96,21 @@ def _block_k(K, cfg):
 
 def moe_dispatch_fwd(*, x, topk_ids, num_experts):
     """x (M, K) any strides, topk_ids int32 (M, topk). Returns (permuted (M * topk, K) in x's
-    dtype, offs int32 (E,), inv_permuted_idx int32 (M, topk))."""
+    dtype, one int32 buffer of inv_permuted_idx (M, topk) then offs (E,): align.split_order)."""
     M, topk = topk_ids.shape
     K = x.shape[1]
     numel = M * topk
     permuted = empty((numel, K), dtype=x.dtype, device=x.device)
-    inv, offs, gathered = expert_order_fwd(topk_ids=topk_ids, num_experts=num_experts, x=x,
-                                           permuted=permuted)
+    order, gathered = expert_order_fwd(topk_ids=topk_ids, num_experts=num_experts, x=x,
+                                       permuted=permuted)
+    inv, _ = split_order(order, M, topk)
     if not gathered and numel and K:
         cfg = tuning.align_config(x.device)
         block_k = _block_k(K, cfg)
         grid = (triton.cdiv(numel, cfg.rows), triton.cdiv(K, block_k))
         _moe_gather_kernel[grid](x, *x.stride(), inv, permuted, *permuted.stride(), numel, topk, K,
                                  ROWS=cfg.rows, BLOCK_K=block_k, num_warps=cfg.num_warps)
-    return permuted, offs, inv
+    return permuted, order
 
 
 def moe_combine_fwd(*, y, topk_weights, inv_permuted_idx, out_dtype=None):
