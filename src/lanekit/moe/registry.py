@@ -143,6 +143,8 @@ def align_case(name, device, *, M, topk, E, block_size, experts=None, expert_map
 def _align_samples(device):
     yield align_case("decode M1 E256 topk8 block 16", device, M=1, topk=8, E=256, block_size=16)
     yield align_case("M3 E64 topk8 block 64", device, M=3, topk=8, E=64, block_size=64)
+    yield align_case("M8 E256 topk8 block 128: the largest one-program tile", device, M=8, topk=8,
+                     E=256, block_size=128)
     yield align_case("M3 E64 topk8, half the experts remote (expert_map)", device, M=3, topk=8, E=64,
                      block_size=16, expert_map=True)
     yield align_case("E1 M17 topk1 block 16", device, M=17, topk=1, E=1, block_size=16)
@@ -205,6 +207,8 @@ def dispatch_case(name, device, *, M, topk, E, K, dtype=torch.bfloat16, experts=
 def _dispatch_samples(device):
     yield dispatch_case("decode M1 E256 topk8 K7168", device, M=1, topk=8, E=256, K=7168)
     yield dispatch_case("M3 E64 topk8 K200", device, M=3, topk=8, E=64, K=200)
+    yield dispatch_case("M8 E256 topk8 K2048: the largest one-program tile, rows by a launch", device,
+                        M=8, topk=8, E=256, K=2048)
     yield dispatch_case("M5 E8 topk2 K72 fp32, experts 3.. with no token", device, M=5, topk=2, E=8,
                         K=72, dtype=torch.float32, experts=3)
     yield dispatch_case("E1 M9 topk1 K40 fp16", device, M=9, topk=1, E=1, K=40, dtype=torch.float16)
