@@ -9,8 +9,9 @@ dispatch puts it after every expert (in flat order, past offs[E - 1]); both reco
 ``BAD_EXPERT`` in the device's error flag.
 
 Two ways, the same order:
-- ``_moe_align_one_program_kernel``: every flat index in one program, ranks from a
-  [flat, expert] one-hot tile and its cumulative sum (decode: one launch).
+- ``_moe_align_one_program_kernel`` and ``_moe_dispatch_one_program_kernel``: every flat index
+  in one program, ranks from a [flat, expert] one-hot tile and its cumulative sum
+  (``_one_program_positions``; decode: one launch, the dispatch's row copies in it too).
 - ``_moe_align_count_kernel`` (a histogram per chunk of flat indices), ``_moe_align_scan_kernel``
   (one program: each expert's start, each chunk's base per expert, the padding and the tail,
   reading only the counts: no value it writes is read back by another of its threads),
@@ -74,14 +75,10 @@ def _fill_padding(SORTED, starts, counts, padded, sentinel, block_size, PAD: tl.
 
 
 @triton.jit
-def _moe_align_one_program_kernel(
-        IDS, stride_m, stride_k, numel, topk, E, block_size,
-        SORTED, EXPERT_IDS, NUM_POST, EXPERT_MAP, max_padded, num_blocks,
-        INV, OFFS, X, stride_xm, stride_xk, P, stride_pm, stride_pk, K,
-        ERR, ERR_BIT,
-        DISPATCH: tl.constexpr, HAS_MAP: tl.constexpr, GATHER: tl.constexpr,
-        BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
-        PAD: tl.constexpr, FILL: tl.constexpr):
+def _one_program_positions(IDS, stride_m, stride_k, numel, topk, E, block_size, ERR, ERR_BIT,
+                           BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr):
+    """Every flat index's position, from a [BLOCK_T, BLOCK_E] one-hot tile: (flat, ids, in_range,
+    valid, experts, counts, padded, ends, starts, total, rank, pos)."""
     flat = tl.arange(0, BLOCK_T).to(tl.int64)
     ids, in_range, valid = _load_ids(IDS, stride_m, stride_k, flat, numel, topk, E)
     _record_bad(ERR, ERR_BIT, in_range, valid)
@@ -94,34 +91,53 @@ def _moe_align_one_program_kernel(
     starts = ends - padded
     total = tl.sum(padded, axis=0)
     pos = (tl.sum(onehot * starts[None, :], axis=1) + rank).to(tl.int64)         # [BLOCK_T]
-    if DISPATCH:
-        # an id outside [0, E) goes after every expert, in flat order
-        bad = (in_range & (valid == 0)).to(tl.int32)
-        pos = tl.where(valid, pos, total + tl.cumsum(bad, axis=0) - 1)
-        tl.store(INV + flat, pos.to(tl.int32), mask=in_range)
-        tl.store(OFFS + experts, ends, mask=experts < E)
-        if GATHER:
-            token = flat // topk
-            for k0 in range(0, K, BLOCK_K):
-                k = k0 + tl.arange(0, BLOCK_K).to(tl.int64)
-                m = in_range[:, None] & (k < K)[None, :]                          # [BLOCK_T, BLOCK_K]
-                rows = tl.load(X + token[:, None] * stride_xm + k[None, :] * stride_xk, mask=m)
-                tl.store(P + pos[:, None] * stride_pm + k[None, :] * stride_pk, rows, mask=m)
-    else:
-        tl.store(SORTED + pos, flat.to(tl.int32), mask=valid)
-        # the first token of each block names its block's expert
-        first = valid & (rank % block_size == 0)
-        e = ids
-        if HAS_MAP:
-            e = tl.load(EXPERT_MAP + ids, mask=first, other=0)
-        tl.store(EXPERT_IDS + pos // block_size, e, mask=first)
-        fill = 0
-        if HAS_MAP:
-            fill = tl.load(EXPERT_MAP)
-        _fill(EXPERT_IDS, (total // block_size).to(tl.int64), num_blocks, fill, FILL)
-        _fill_padding(SORTED, starts, counts, padded, numel, block_size, PAD)
-        _fill(SORTED, total.to(tl.int64), max_padded, numel, FILL)
-        tl.store(NUM_POST, total)
+    return flat, ids, in_range, valid, experts, counts, padded, ends, starts, total, rank, pos
+
+
+@triton.jit
+def _moe_align_one_program_kernel(IDS, stride_m, stride_k, numel, topk, E, block_size, OUT,
+                                  max_padded, num_blocks, EXPERT_MAP, ERR, ERR_BIT,
+                                  HAS_MAP: tl.constexpr, BLOCK_T: tl.constexpr,
+                                  BLOCK_E: tl.constexpr, PAD: tl.constexpr, FILL: tl.constexpr):
+    # OUT: sorted_token_ids (max_padded), expert_ids (num_blocks), num_tokens_post_padded (1)
+    flat, ids, in_range, valid, experts, counts, padded, ends, starts, total, rank, pos = \
+        _one_program_positions(IDS, stride_m, stride_k, numel, topk, E, block_size, ERR, ERR_BIT,
+                               BLOCK_T, BLOCK_E)
+    EXPERT_IDS = OUT + max_padded
+    tl.store(OUT + pos, flat.to(tl.int32), mask=valid)
+    first = valid & (rank % block_size == 0)             # the first token of a block names its expert
+    e = ids
+    fill = 0
+    if HAS_MAP:
+        e = tl.load(EXPERT_MAP + ids, mask=first, other=0)
+        fill = tl.load(EXPERT_MAP)
+    tl.store(EXPERT_IDS + pos // block_size, e, mask=first)
+    _fill(EXPERT_IDS, (total // block_size).to(tl.int64), num_blocks, fill, FILL)
+    _fill_padding(OUT, starts, counts, padded, numel, block_size, PAD)
+    _fill(OUT, total.to(tl.int64), max_padded, numel, FILL)
+    tl.store(EXPERT_IDS + num_blocks, total)
+
+
+@triton.jit
+def _moe_dispatch_one_program_kernel(IDS, stride_m, stride_k, numel, topk, E, ORDER, X, stride_xm,
+                                     stride_xk, P, stride_pm, stride_pk, K, ERR, ERR_BIT,
+                                     GATHER: tl.constexpr, BLOCK_T: tl.constexpr,
+                                     BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+    # ORDER: inv_permuted_idx (numel), then offs (E)
+    flat, ids, in_range, valid, experts, counts, padded, ends, starts, total, rank, pos = \
+        _one_program_positions(IDS, stride_m, stride_k, numel, topk, E, 1, ERR, ERR_BIT,
+                               BLOCK_T, BLOCK_E)
+    bad = (in_range & (valid == 0)).to(tl.int32)          # after every expert, in flat order
+    pos = tl.where(valid, pos, total + tl.cumsum(bad, axis=0) - 1)
+    tl.store(ORDER + flat, pos.to(tl.int32), mask=in_range)
+    tl.store(ORDER + numel + experts, ends, mask=experts < E)
+    if GATHER:
+        token = flat // topk
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K).to(tl.int64)
+            m = in_range[:, None] & (k < K)[None, :]                              # [BLOCK_T, BLOCK_K]
+            rows = tl.load(X + token[:, None] * stride_xm + k[None, :] * stride_xk, mask=m)
+            tl.store(P + pos[:, None] * stride_pm + k[None, :] * stride_pk, rows, mask=m)
 
 
 @triton.jit
@@ -212,10 +228,10 @@ def padded_length(numel: int, block_size: int, num_experts: int) -> int:
     return min(numel * block_size, padded) if numel < num_experts else padded
 
 
-def _pad_tile(pad_width, experts, cfg):
-    """The columns of the [experts, PAD] tile that writes the padding: a tile of at most
-    row_block * rows elements."""
-    return max(1, min(pad_width, cfg.row_block * cfg.rows // experts))
+def _pad_tile(block_size, experts, cfg):
+    """The columns of the [experts, PAD] tile that writes the padding (at most block_size - 1 a
+    run): a tile of at most row_block * rows elements."""
+    return max(1, min(triton.next_power_of_2(max(block_size - 1, 1)), cfg.row_block * cfg.rows // experts))
 
 
 def _one_program(numel, num_experts, cfg):
@@ -224,41 +240,21 @@ def _one_program(numel, num_experts, cfg):
     return block_t, block_e, block_t * block_e <= cfg.one_program_tile
 
 
-def _sort(*, topk_ids, num_experts, block_size, dispatch, sorted_ids=None, expert_ids=None,
-          num_post=None, expert_map=None, max_padded=0, num_blocks=0, inv=None, offs=None,
-          x=None, permuted=None):
-    """The launches of the sort by expert; returns whether the rows of x were gathered too."""
+def _chunked(*, topk_ids, num_experts, block_size, dispatch, cfg, err, sorted_ids=None,
+             expert_ids=None, num_post=None, expert_map=None, max_padded=0, num_blocks=0,
+             inv=None, offs=None):
+    """The sort of many flat indices: count per chunk, one scan, a scatter per chunk."""
     device = topk_ids.device
-    cfg = tuning.align_config(device)
     M, topk = topk_ids.shape
     numel = M * topk
-    err = errors.error_flag(device)
     dummy = topk_ids
-    pad_width = triton.next_power_of_2(max(block_size - 1, 1))
-    common = dict(DISPATCH=dispatch, HAS_MAP=expert_map is not None)
-    block_t, block_e, one = _one_program(numel, num_experts, cfg)
-    if one:
-        K = x.shape[1] if x is not None else 0
-        gather = dispatch and numel * K <= cfg.fuse_gather
-        _moe_align_one_program_kernel[(1,)](
-            topk_ids, *topk_ids.stride(), numel, topk, num_experts, block_size,
-            sorted_ids if sorted_ids is not None else dummy,
-            expert_ids if expert_ids is not None else dummy,
-            num_post if num_post is not None else dummy,
-            expert_map if expert_map is not None else dummy, max_padded, num_blocks,
-            inv if inv is not None else dummy, offs if offs is not None else dummy,
-            x if gather else dummy, *(x.stride() if gather else (0, 0)),
-            permuted if gather else dummy, *(permuted.stride() if gather else (0, 0)), K,
-            err, BAD_EXPERT, GATHER=gather, BLOCK_T=block_t, BLOCK_E=block_e,
-            BLOCK_K=max(16, min(triton.next_power_of_2(max(K, 1)), cfg.row_block * cfg.rows // block_t)),
-            PAD=_pad_tile(pad_width, block_e, cfg), FILL=cfg.row_block, num_warps=cfg.num_warps, **common)
-        return gather
     chunk = cfg.chunk
     num_chunks = triton.cdiv(numel, chunk)
     bins = triton.next_power_of_2(num_experts + 1)
-    counts = empty((num_chunks, bins), dtype=topk_ids.dtype, device=device)
-    base = empty((num_chunks, bins), dtype=topk_ids.dtype, device=device)
-    starts = empty((bins,), dtype=topk_ids.dtype, device=device)
+    scratch = empty((2 * num_chunks * bins + bins,), dtype=topk_ids.dtype, device=device)
+    counts, base = scratch[:num_chunks * bins], scratch[num_chunks * bins:2 * num_chunks * bins]
+    starts = scratch[2 * num_chunks * bins:]
+    common = dict(DISPATCH=dispatch, HAS_MAP=expert_map is not None)
     _moe_align_count_kernel[(num_chunks,)](topk_ids, *topk_ids.stride(), numel, topk, num_experts,
                                            counts, err, BAD_EXPERT, BLOCK_T=chunk, NUM_BINS=bins,
                                            num_warps=cfg.num_warps)
@@ -268,8 +264,9 @@ def _sort(*, topk_ids, num_experts, block_size, dispatch, sorted_ids=None, exper
         expert_ids if expert_ids is not None else dummy,
         num_post if num_post is not None else dummy,
         expert_map if expert_map is not None else dummy, max_padded, num_blocks,
-        offs if offs is not None else dummy, NUM_BINS=bins, PAD=_pad_tile(pad_width, bins, cfg), FILL=cfg.row_block,
-        num_warps=cfg.scan_num_warps, **common)
+        offs if offs is not None else dummy, NUM_BINS=bins,
+        PAD=_pad_tile(block_size, bins, cfg), FILL=cfg.row_block, num_warps=cfg.scan_num_warps,
+        **common)
     _moe_align_scatter_kernel[(num_chunks,)](
         topk_ids, *topk_ids.stride(), numel, topk, num_experts, block_size, base, starts,
         sorted_ids if sorted_ids is not None else dummy,
@@ -277,7 +274,6 @@ def _sort(*, topk_ids, num_experts, block_size, dispatch, sorted_ids=None, exper
         expert_map if expert_map is not None else dummy,
         inv if inv is not None else dummy, BLOCK_T=chunk, NUM_BINS=bins,
         num_warps=cfg.num_warps, **common)
-    return False
 
 
 def align_lengths(numel: int, block_size: int, num_experts: int) -> tuple[int, int]:
@@ -295,15 +291,26 @@ def moe_align_block_size_fwd(*, topk_ids, block_size, num_experts, expert_map=No
     buffer holding (sorted_token_ids, expert_ids, num_tokens_post_padded) as the oracle defines
     them, one after the other (split_align_output gives the three views)."""
     device = topk_ids.device
-    numel = topk_ids.numel()
+    cfg = tuning.align_config(device)
+    err = errors.error_flag(device)
+    M, topk = topk_ids.shape
+    numel = M * topk
     expert_map = expert_map.contiguous() if expert_map is not None else None   # (E,): a copy at most
     max_padded, num_blocks = align_lengths(numel, block_size, num_experts)
     # one allocation for the three (an allocation costs host time on the decode path)
     out = empty((max_padded + num_blocks + 1,), dtype=topk_ids.dtype, device=device)
+    block_t, block_e, one = _one_program(numel, num_experts, cfg)
+    if one:
+        _moe_align_one_program_kernel[(1,)](
+            topk_ids, *topk_ids.stride(), numel, topk, num_experts, block_size, out, max_padded,
+            num_blocks, expert_map if expert_map is not None else topk_ids, err, BAD_EXPERT,
+            HAS_MAP=expert_map is not None, BLOCK_T=block_t, BLOCK_E=block_e,
+            PAD=_pad_tile(block_size, block_e, cfg), FILL=cfg.row_block, num_warps=cfg.num_warps)
+        return out
     sorted_ids, expert_ids, num_post = split_align_output(out, max_padded, num_blocks)
-    _sort(topk_ids=topk_ids, num_experts=num_experts, block_size=block_size, dispatch=False,
-          sorted_ids=sorted_ids, expert_ids=expert_ids, num_post=num_post, expert_map=expert_map,
-          max_padded=max_padded, num_blocks=num_blocks)
+    _chunked(topk_ids=topk_ids, num_experts=num_experts, block_size=block_size, dispatch=False,
+             cfg=cfg, err=err, sorted_ids=sorted_ids, expert_ids=expert_ids, num_post=num_post,
+             expert_map=expert_map, max_padded=max_padded, num_blocks=num_blocks)
     return out
 
 
@@ -312,12 +319,27 @@ def split_order(order, M: int, topk: int):
     return order[:M * topk].view(M, topk), order[M * topk:]
 
 
-def expert_order_fwd(*, topk_ids, num_experts, x=None, permuted=None):
+def expert_order_fwd(*, topk_ids, num_experts, x, permuted):
     """The dispatch's order: (one int32 buffer of inv (M, topk) then offs (E,), see split_order;
     whether the rows of x were copied into permuted in the same launch)."""
+    device = topk_ids.device
+    cfg = tuning.align_config(device)
+    err = errors.error_flag(device)
     M, topk = topk_ids.shape
-    order = empty((M * topk + num_experts,), dtype=topk_ids.dtype, device=topk_ids.device)
+    numel = M * topk
+    K = x.shape[1]
+    order = empty((numel + num_experts,), dtype=topk_ids.dtype, device=device)
+    block_t, block_e, one = _one_program(numel, num_experts, cfg)
+    if one:
+        gather = numel * K <= cfg.fuse_gather
+        _moe_dispatch_one_program_kernel[(1,)](
+            topk_ids, *topk_ids.stride(), numel, topk, num_experts, order, x, *x.stride(),
+            permuted, *permuted.stride(), K, err, BAD_EXPERT, GATHER=gather, BLOCK_T=block_t,
+            BLOCK_E=block_e,
+            BLOCK_K=max(16, min(triton.next_power_of_2(max(K, 1)), cfg.row_block * cfg.rows // block_t)),
+            num_warps=cfg.num_warps)
+        return order, gather
     inv, offs = split_order(order, M, topk)
-    gathered = _sort(topk_ids=topk_ids, num_experts=num_experts, block_size=1, dispatch=True,
-                     inv=inv, offs=offs, x=x, permuted=permuted)
-    return order, gathered
+    _chunked(topk_ids=topk_ids, num_experts=num_experts, block_size=1, dispatch=True, cfg=cfg,
+             err=err, inv=inv, offs=offs)
+    return order, False
