@@ -17,9 +17,10 @@ import torch
 from lanekit.moe import op as _lanes
 from lanekit.runtime import errors as _errors
 from lanekit.runtime.lanes import select_lane as _select_lane
-from lanekit.runtime.validate import int_at_least as _int_at_least, tensor as _tensor
-from lanekit.runtime.validate import lane_for as _lane_for
+from lanekit.runtime.validate import int_at_least as _int_at_least
 from lanekit.runtime.validate import is_real as _is_real
+from lanekit.runtime.validate import lane_for as _lane_for
+from lanekit.runtime.validate import tensor as _tensor
 
 __all__: list[str] = []
 

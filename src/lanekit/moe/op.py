@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 
 from lanekit.reference import moe as ref
-from lanekit.runtime.custom_ops import call as _call, custom_op as _custom_op
+from lanekit.runtime.custom_ops import call as _call
+from lanekit.runtime.custom_ops import custom_op as _custom_op
 
 Tensor = torch.Tensor
 
