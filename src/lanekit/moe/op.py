@@ -162,8 +162,7 @@ def _dispatch_setup(ctx, inputs, output):
 
 def _dispatch_backward(ctx, dpermuted, dorder):
     (order,) = ctx.saved_tensors
-    M, topk = ctx.routing
-    inv = order[:M * topk].view(M, topk)
+    inv, _ = _align_kernels().split_order(order, *ctx.routing)
     # each token's rows summed in slot order: a combine with every weight 1
     return _moe_combine_op(dpermuted, None, inv, ctx.x_dtype), None, None
 
@@ -187,8 +186,8 @@ _moe_combine_op.register_autograd(_combine_backward, setup_context=_combine_setu
 
 def moe_dispatch_triton(*, x, topk_ids, num_experts):
     permuted, order = _call(_moe_dispatch_op, x, topk_ids, num_experts, inputs=(x,))
-    M, topk = topk_ids.shape
-    return permuted, order[M * topk:], order[:M * topk].view(M, topk)
+    inv, offs = _align_kernels().split_order(order, *topk_ids.shape)
+    return permuted, offs, inv
 
 
 def moe_dispatch_reference(*, x, topk_ids, num_experts):

@@ -51,7 +51,8 @@ class AlignConfig:
     most ``one_program_tile`` elements runs in one program (one launch: decode); larger ones in
     three (count per chunk of ``chunk`` flat indices, one scan, a scatter per chunk).
     ``fuse_gather``: dispatch copies the rows of x in that same program while M * topk * K is at
-    most this. ``row_block``: the columns a program of the gather, combine and their backwards
+    most this, ``gather_tile`` elements of rows at a time (few iterations: each waits for its
+    loads). ``row_block``: the columns a program of the gather, combine and their backwards
     copies or sums at once, ``rows``: the flat indices a gather program takes.
     """
 
@@ -62,20 +63,33 @@ class AlignConfig:
     rows: int
     num_warps: int
     scan_num_warps: int
+    gather_tile: int
 
 
 # generic (every target until a sweep on the GPU says otherwise): a one-program tile of 16384
 # one-hot elements is 8 per thread at 8 warps of 32 lanes (4 on AMD's wave64), and keeps decode
 # (M * topk <= 64 at E = 256) in one launch; chunks of 1024 flat indices keep the per-chunk sort a
-# 55-step bitonic network in registers; rows of 1024 columns are 4 per thread at 8 warps.
+# 55-step bitonic network in registers; rows of 1024 columns are 4 per thread at 8 warps; the
+# one program's row copies take 16384 elements (64 per thread) a step: decode's 8 rows of
+# K = 7168 in 4 steps.
 ALIGN: dict[str, AlignConfig] = {
     "generic": AlignConfig(one_program_tile=16384, chunk=1024, fuse_gather=65536, row_block=1024,
-                           rows=4, num_warps=8, scan_num_warps=8),
+                           rows=4, num_warps=8, scan_num_warps=8, gather_tile=16384),
 }
 
 
 def align_config(device) -> AlignConfig:
     return arch_row(ALIGN, device)
+
+
+def next_pow2(n: int) -> int:
+    """The least power of two >= n (1 for n <= 1): triton.next_power_of_2 in plain Python, whose
+    call costs a few microseconds of host time on the decode path."""
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
 
 
 

@@ -23,6 +23,7 @@ them; every position of ``sorted_token_ids`` is written exactly once.
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
@@ -231,12 +232,12 @@ def padded_length(numel: int, block_size: int, num_experts: int) -> int:
 def _pad_tile(block_size, experts, cfg):
     """The columns of the [experts, PAD] tile that writes the padding (at most block_size - 1 a
     run): a tile of at most row_block * rows elements."""
-    return max(1, min(triton.next_power_of_2(max(block_size - 1, 1)), cfg.row_block * cfg.rows // experts))
+    return max(1, min(tuning.next_pow2(max(block_size - 1, 1)), cfg.row_block * cfg.rows // experts))
 
 
 def _one_program(numel, num_experts, cfg):
-    block_t = triton.next_power_of_2(max(numel, 1))
-    block_e = triton.next_power_of_2(num_experts)
+    block_t = tuning.next_pow2(max(numel, 1))
+    block_e = tuning.next_pow2(num_experts)
     return block_t, block_e, block_t * block_e <= cfg.one_program_tile
 
 
@@ -249,8 +250,8 @@ def _chunked(*, topk_ids, num_experts, block_size, dispatch, cfg, err, sorted_id
     numel = M * topk
     dummy = topk_ids
     chunk = cfg.chunk
-    num_chunks = triton.cdiv(numel, chunk)
-    bins = triton.next_power_of_2(num_experts + 1)
+    num_chunks = tuning.cdiv(numel, chunk)
+    bins = tuning.next_pow2(num_experts + 1)
     scratch = empty((2 * num_chunks * bins + bins,), dtype=topk_ids.dtype, device=device)
     counts, base = scratch[:num_chunks * bins], scratch[num_chunks * bins:2 * num_chunks * bins]
     starts = scratch[2 * num_chunks * bins:]
@@ -283,7 +284,9 @@ def align_lengths(numel: int, block_size: int, num_experts: int) -> tuple[int, i
 
 
 def split_align_output(out, max_padded: int, num_blocks: int):
-    return out[:max_padded], out[max_padded:max_padded + num_blocks], out[max_padded + num_blocks:]
+    """(sorted_token_ids, expert_ids, num_tokens_post_padded): views of the align's buffer (one
+    call for the three, the cheapest in host time)."""
+    return torch.split_with_sizes(out, (max_padded, num_blocks, 1))
 
 
 def moe_align_block_size_fwd(*, topk_ids, block_size, num_experts, expert_map=None):
@@ -316,7 +319,8 @@ def moe_align_block_size_fwd(*, topk_ids, block_size, num_experts, expert_map=No
 
 def split_order(order, M: int, topk: int):
     """(inv (M, topk), offs (E,)) views of expert_order_fwd's buffer."""
-    return order[:M * topk].view(M, topk), order[M * topk:]
+    inv, offs = torch.split_with_sizes(order, (M * topk, order.shape[0] - M * topk))
+    return inv.view(M, topk), offs
 
 
 def expert_order_fwd(*, topk_ids, num_experts, x, permuted):
@@ -336,7 +340,7 @@ def expert_order_fwd(*, topk_ids, num_experts, x, permuted):
             topk_ids, *topk_ids.stride(), numel, topk, num_experts, order, x, *x.stride(),
             permuted, *permuted.stride(), K, err, BAD_EXPERT, GATHER=gather, BLOCK_T=block_t,
             BLOCK_E=block_e,
-            BLOCK_K=max(16, min(triton.next_power_of_2(max(K, 1)), cfg.row_block * cfg.rows // block_t)),
+            BLOCK_K=max(16, min(tuning.next_pow2(max(K, 1)), cfg.gather_tile // block_t)) if gather else 16,
             num_warps=cfg.num_warps)
         return order, gather
     inv, offs = split_order(order, M, topk)

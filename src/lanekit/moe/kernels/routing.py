@@ -138,7 +138,7 @@ def _launch(gating_output, topk):
     cfg = tuning.routing_config(gating_output.device, E)
     weights = empty((M, topk), dtype=torch.float32, device=gating_output.device)
     ids = empty((M, topk), dtype=torch.int32, device=gating_output.device)
-    return cfg, weights, ids, (triton.cdiv(M, cfg.block_m),)
+    return cfg, weights, ids, (tuning.cdiv(M, cfg.block_m),)
 
 
 def topk_softmax_fwd(*, gating_output, topk, renormalize):
@@ -149,8 +149,8 @@ def topk_softmax_fwd(*, gating_output, topk, renormalize):
     if M:
         _topk_softmax_kernel[grid](gating_output, *gating_output.stride(), weights, *weights.stride(),
                                    ids, *ids.stride(), M, E, topk, RENORMALIZE=renormalize,
-                                   BLOCK_M=cfg.block_m, BLOCK_E=triton.next_power_of_2(E),
-                                   TOPK=triton.next_power_of_2(topk), num_warps=cfg.num_warps)
+                                   BLOCK_M=cfg.block_m, BLOCK_E=tuning.next_pow2(E),
+                                   TOPK=tuning.next_pow2(topk), num_warps=cfg.num_warps)
     return weights, ids
 
 
@@ -165,7 +165,7 @@ def grouped_topk_fwd(*, gating_output, topk, num_expert_group, topk_group, renor
             bias.stride(0) if bias is not None else 0, weights, *weights.stride(), ids, *ids.stride(),
             M, E, topk, num_expert_group, E // num_expert_group, topk_group,
             float(routed_scaling_factor), SIGMOID=scoring_func == "sigmoid", HAS_BIAS=bias is not None,
-            RENORMALIZE=renormalize, BLOCK_M=cfg.block_m, BLOCK_E=triton.next_power_of_2(E),
-            BLOCK_G=triton.next_power_of_2(num_expert_group), TOPK=triton.next_power_of_2(topk),
+            RENORMALIZE=renormalize, BLOCK_M=cfg.block_m, BLOCK_E=tuning.next_pow2(E),
+            BLOCK_G=tuning.next_pow2(num_expert_group), TOPK=tuning.next_pow2(topk),
             num_warps=cfg.num_warps)
     return weights, ids

@@ -91,7 +91,7 @@ def _moe_combine_bwd_kernel(DOUT, stride_dm, stride_dk, Y, stride_ym, stride_yk,
 
 
 def _block_k(K, cfg):
-    return max(16, min(triton.next_power_of_2(max(K, 1)), cfg.row_block))
+    return max(16, min(tuning.next_pow2(max(K, 1)), cfg.row_block))
 
 
 def moe_dispatch_fwd(*, x, topk_ids, num_experts):
@@ -103,11 +103,11 @@ def moe_dispatch_fwd(*, x, topk_ids, num_experts):
     permuted = empty((numel, K), dtype=x.dtype, device=x.device)
     order, gathered = expert_order_fwd(topk_ids=topk_ids, num_experts=num_experts, x=x,
                                        permuted=permuted)
-    inv, _ = split_order(order, M, topk)
     if not gathered and numel and K:
+        inv, _ = split_order(order, M, topk)
         cfg = tuning.align_config(x.device)
         block_k = _block_k(K, cfg)
-        grid = (triton.cdiv(numel, cfg.rows), triton.cdiv(K, block_k))
+        grid = (tuning.cdiv(numel, cfg.rows), tuning.cdiv(K, block_k))
         _moe_gather_kernel[grid](x, *x.stride(), inv, permuted, *permuted.stride(), numel, topk, K,
                                  ROWS=cfg.rows, BLOCK_K=block_k, num_warps=cfg.num_warps)
     return permuted, order
@@ -124,7 +124,7 @@ def moe_combine_fwd(*, y, topk_weights, inv_permuted_idx, out_dtype=None):
     cfg = tuning.align_config(y.device)
     block_k = _block_k(K, cfg)
     w = topk_weights if topk_weights is not None else inv_permuted_idx
-    _moe_combine_kernel[(M, triton.cdiv(K, block_k))](
+    _moe_combine_kernel[(M, tuning.cdiv(K, block_k))](
         y, *y.stride(), w, *w.stride(), inv_permuted_idx, *inv_permuted_idx.stride(), out,
         *out.stride(), R, topk, K, errors.error_flag(y.device), BAD_ROW,
         HAS_WEIGHTS=topk_weights is not None, BLOCK_K=block_k, num_warps=cfg.num_warps)
