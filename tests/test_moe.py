@@ -292,6 +292,7 @@ def test_align_rejects_bad_input_before_any_launch(device, lane):
     _assert_rejected(lambda: align(ids, 16.0, 4, lane=lane), TypeError, "block_size", ids)
     _assert_rejected(lambda: align(ids, True, 4, lane=lane), TypeError, "block_size", ids)
     _assert_rejected(lambda: align(ids, 16, 0, lane=lane), ValueError, "num_experts", ids)
+    _assert_rejected(lambda: align(ids, 16, 1025, lane=lane), ValueError, r"num_experts: expected an int in \[1, 1024\]", ids)
     emap = torch.zeros(5, dtype=torch.int32, device=device)
     _assert_rejected(lambda: align(ids, 16, 4, emap, lane=lane), ValueError, r"expert_map: expected shape \(4,\)", ids, emap)
     _assert_rejected(lambda: align(ids, 16, 4, emap[:4].float(), lane=lane), TypeError, "expert_map", ids)

@@ -156,6 +156,16 @@ def grouped_topk(gating_output: torch.Tensor, topk: int, num_expert_group: int, 
 __all__ += ["moe_align_block_size"]
 
 
+_MAX_SORTED_EXPERTS = 1024   # the sort's per-expert counts sit in one program's registers
+
+
+def _num_experts(num_experts) -> int:
+    num_experts = _int_at_least("num_experts", num_experts, 1)
+    if num_experts > _MAX_SORTED_EXPERTS:
+        raise ValueError(f"num_experts: expected an int in [1, {_MAX_SORTED_EXPERTS}], got {num_experts}")
+    return num_experts
+
+
 def _topk_ids(topk_ids, num_experts: int, like: torch.Tensor | None = None, like_name: str | None = None):
     """topk_ids int32 (M, topk) with 1 <= topk <= num_experts, on like's device; with
     LANEKIT_CHECK_INDICES=1 its values too (a sync)."""
@@ -190,7 +200,7 @@ def moe_align_block_size(topk_ids: torch.Tensor, block_size: int, num_experts: i
             recorded in the device's error flag (``lanekit.check_errors()`` raises it), or, with
             ``LANEKIT_CHECK_INDICES=1``, raises here at once.
         block_size: rows per block of the expert GEMM, a positive int (vLLM uses 16, 32, 64, 128).
-        num_experts: E, the global number of experts, a positive int.
+        num_experts: E, the global number of experts, an int in [1, 1024].
         expert_map: (E,) int32 or None: global -> local expert id, -1 for an expert on another
             rank. With it, expert_ids holds the local ids (the sort still counts every expert).
         lane: "triton" or "reference"; default triton for CUDA/ROCm tensors, reference otherwise.
@@ -206,15 +216,15 @@ def moe_align_block_size(topk_ids: torch.Tensor, block_size: int, num_experts: i
 
     Raises:
         TypeError: topk_ids or expert_map not an int32 tensor; block_size or num_experts not an int.
-        ValueError: topk_ids not 2-d or topk outside [1, num_experts]; block_size or num_experts
-            below 1; expert_map not (E,) or on another device; an unknown lane; with
+        ValueError: topk_ids not 2-d or topk outside [1, num_experts]; block_size below 1 or
+            num_experts outside [1, 1024]; expert_map not (E,) or on another device; an unknown lane; with
             LANEKIT_CHECK_INDICES=1, an expert id outside [0, num_experts).
 
     Source: vLLM's ``moe_align_block_size`` (``vllm.model_executor.layers.fused_moe``), with the
     order within one expert fixed (ascending flat index).
     """
     block_size = _int_at_least("block_size", block_size, 1)
-    num_experts = _int_at_least("num_experts", num_experts, 1)
+    num_experts = _num_experts(num_experts)
     _topk_ids(topk_ids, num_experts)
     if expert_map is not None:
         _tensor("expert_map", expert_map, dtypes=(torch.int32,), ndim=1, like=topk_ids, like_name="topk_ids")
@@ -245,7 +255,7 @@ def moe_dispatch(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, *, l
             placed after every expert's rows (past offs[E - 1], in flat order) and recorded in the
             device's error flag (``lanekit.check_errors()``); ``LANEKIT_CHECK_INDICES=1`` raises
             here instead.
-        num_experts: E, a positive int.
+        num_experts: E, an int in [1, 1024].
         lane: "triton" or "reference"; default triton for CUDA/ROCm tensors, reference otherwise.
 
     Returns:
@@ -260,14 +270,14 @@ def moe_dispatch(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, *, l
         TypeError: a non-tensor; x not a float dtype (float64 off the reference lane); topk_ids
             not int32; num_experts not an int.
         ValueError: x not 2-d; topk_ids not (M, topk) for x's M, or on another device, or
-            topk outside [1, num_experts]; num_experts below 1; an unknown lane; with
+            topk outside [1, num_experts]; num_experts outside [1, 1024]; an unknown lane; with
             LANEKIT_CHECK_INDICES=1, an expert id out of range.
 
     Source: the permute of vLLM's modular MoE kernels (``moe_permute``) and of PyTorch's
     ``grouped_mm`` users, with the order within one expert fixed (ascending flat index).
     """
     _tensor("x", x, dtypes=_FLOATS, ndim=2)
-    num_experts = _int_at_least("num_experts", num_experts, 1)
+    num_experts = _num_experts(num_experts)
     _topk_ids(topk_ids, num_experts, like=x, like_name="x")
     if topk_ids.shape[0] != x.shape[0]:
         raise ValueError(f"topk_ids: expected ({x.shape[0]}, topk) (x's M), got {tuple(topk_ids.shape)}")

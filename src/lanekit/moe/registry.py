@@ -155,6 +155,8 @@ def _align_samples(device):
     yield align_case("M0 E8 topk2", device, M=0, topk=2, E=8, block_size=16)
     yield align_case("M300 E100 topk4 block 32 (chunked sort), expert_map", device, M=300, topk=4,
                      E=100, block_size=32, expert_map=True)
+    yield align_case("M40 E1024 topk8 block 16 (chunked sort, 2048 bins)", device, M=40, topk=8,
+                     E=1024, block_size=16)
 
 
 _ALIGN_MOE = "lanekit.moe.op"
@@ -200,7 +202,7 @@ def dispatch_case(name, device, *, M, topk, E, K, dtype=torch.bfloat16, experts=
     ids = routed_ids(g, M, topk, E, experts=experts)
     x = randn(M, K, dtype=dtype, device=device, generator=g)
     if noncontiguous:
-        x = _noncontiguous(x)
+        x, ids = _noncontiguous(x), _noncontiguous(ids)
     return Sample(name, dict(x=x, topk_ids=ids.to(device), num_experts=E))
 
 
@@ -212,8 +214,8 @@ def _dispatch_samples(device):
     yield dispatch_case("M5 E8 topk2 K72 fp32, experts 3.. with no token", device, M=5, topk=2, E=8,
                         K=72, dtype=torch.float32, experts=3)
     yield dispatch_case("E1 M9 topk1 K40 fp16", device, M=9, topk=1, E=1, K=40, dtype=torch.float16)
-    yield dispatch_case("M6 E16 topk4 K96, x non-contiguous", device, M=6, topk=4, E=16, K=96,
-                        noncontiguous=True)
+    yield dispatch_case("M6 E16 topk4 K96, x and topk_ids non-contiguous", device, M=6, topk=4, E=16,
+                        K=96, noncontiguous=True)
     yield dispatch_case("M300 E100 topk4 K16 (chunked sort, gather launch)", device, M=300, topk=4,
                         E=100, K=16)
     yield dispatch_case("M0 E8 topk2 K64", device, M=0, topk=2, E=8, K=64)
