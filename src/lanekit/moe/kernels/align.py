@@ -160,8 +160,10 @@ def _moe_align_scan_kernel(COUNTS, BASE, STARTS, num_chunks, numel, E, block_siz
                            NUM_BINS: tl.constexpr, PAD: tl.constexpr, FILL: tl.constexpr):
     bins = tl.arange(0, NUM_BINS)
     run = tl.zeros([NUM_BINS], dtype=tl.int32)
+    counts_row = COUNTS + bins                      # advanced a row at a time: 64-bit pointers
     for c in range(num_chunks):                      # each expert's count
-        run += tl.load(COUNTS + c * NUM_BINS + bins)
+        run += tl.load(counts_row)
+        counts_row += NUM_BINS
     counts = tl.where(bins < E, run, 0)
     padded = (counts + block_size - 1) // block_size * block_size
     if DISPATCH:
@@ -173,11 +175,14 @@ def _moe_align_scan_kernel(COUNTS, BASE, STARTS, num_chunks, numel, E, block_siz
     # a chunk's base: the expert's start + the earlier chunks' count of it - this chunk's count of
     # the lower experts (then base + the place in the chunk's sorted keys is the position)
     before = tl.zeros([NUM_BINS], dtype=tl.int32)
+    counts_row, base_row = COUNTS + bins, BASE + bins
     for c in range(num_chunks):
-        cnt = tl.load(COUNTS + c * NUM_BINS + bins)
+        cnt = tl.load(counts_row)
         lower = tl.cumsum(cnt, axis=0) - cnt
-        tl.store(BASE + c * NUM_BINS + bins, starts + before - lower)
+        tl.store(base_row, starts + before - lower)
         before += cnt
+        counts_row += NUM_BINS
+        base_row += NUM_BINS
     if DISPATCH:
         tl.store(OFFS + bins, ends, mask=bins < E)
     else:

@@ -62,8 +62,9 @@ def _store_topk(W, stride_wm, stride_wk, IDS, stride_im, stride_ik, rows, rmask,
                 topk, TOPK: tl.constexpr):
     kcol = tl.arange(0, TOPK)
     m = rmask[:, None] & (kcol < topk)[None, :]
-    tl.store(W + rows[:, None] * stride_wm + kcol[None, :] * stride_wk, weights, mask=m)
-    tl.store(IDS + rows[:, None] * stride_im + kcol[None, :] * stride_ik, ids, mask=m)
+    k64 = kcol.to(tl.int64)[None, :]
+    tl.store(W + rows[:, None] * stride_wm + k64 * stride_wk, weights, mask=m)
+    tl.store(IDS + rows[:, None] * stride_im + k64 * stride_ik, ids, mask=m)
 
 
 @triton.jit
