@@ -7,6 +7,16 @@ grouped GEMM's configs, keyed by shape, dtype and GPU, are data files a tuner wr
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from lanekit.runtime.tuning import ARCH_ALIASES, arch_id, compiling, tile_options
+
 # ---- routing: topk_softmax, grouped_topk ----
 
 
@@ -14,6 +24,111 @@ from __future__ import annotations
 
 
 # ---- grouped GEMM and the fused expert MLP: grouped_mm, fused_moe ----
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """A grouped GEMM tile. Forward: block_m rows of a group by block_n columns, block_k of K a
+    step. The weights' gradient (grouped_mm_bwd): block_m rows of K by block_n columns of N, block_k
+    of a group's rows a step. group_m: row tiles that share a column tile of b in L2 (the swizzle)."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int
+    num_warps: int
+    num_stages: int
+    waves_per_eu: int = 0   # AMD: the occupancy the compiler keeps registers for (0: its choice)
+
+    def options(self) -> dict:
+        return tile_options(self)
+
+
+# Under the interpreter every program runs in Python: few, mid-sized tiles (tl.dot needs >= 16).
+INTERPRETER_GEMM = GemmConfig(32, 32, 32, 1, 1, 1)
+
+# Shared memory (LDS) a program may use, by architecture, for the stages of the default tiles when
+# no tuned file has a row (on a GPU, the driver's figure is read instead).
+SHARED_MEMORY: dict[str, int] = {
+    "generic": 65536,
+    "sm80": 166912,     # A100: 163 KiB opt-in per block
+    "sm90": 232448,     # H100/H200: 227 KiB opt-in per block
+    "gfx942": 65536,    # MI300: 64 KiB LDS
+    "gfx1201": 65536,   # RDNA 4 (and gfx1151 by alias): 64 KiB LDS
+}
+
+# Default tiles by the rows a group holds on average (M_total / E), the largest first that the
+# average reaches; stages come from shared memory (default_gemm_config).
+# - 128 rows and up: 128 x 128 x 64 with 8 warps, the tile CUTLASS's sm90 grouped GEMM also takes
+#   for bf16, GROUP_M 8 keeping b's columns in L2.
+# - 32..127 rows: 64 x 128 x 64, 4 warps: half the rows of a 128 tile would be padding.
+# - under 32 (decode): 16 x 64 x 128, 4 warps: bound by reading b, many column tiles in flight.
+DEFAULT_TILES: tuple[tuple[int, GemmConfig], ...] = (
+    (128, GemmConfig(128, 128, 64, 8, 8, 0)),
+    (32, GemmConfig(64, 128, 64, 8, 4, 0)),
+    (0, GemmConfig(16, 64, 128, 1, 4, 0)),
+)
+MAX_STAGES = 4    # more buys nothing on a K loop of 64-wide steps (Triton's matmul tutorial, sm90)
+
+# The tuned configs: JSON files that benchmarks/tune_moe.py writes, one per (kernel, arch, dtype,
+# E, K, N), holding a config per M_total (rows); a call takes the row of the nearest M_total.
+CONFIG_DIR = Path(__file__).parent / "configs"
+
+
+def config_file_name(kernel: str, arch: str, dtype: torch.dtype, E: int, K: int, N: int) -> str:
+    return f"{kernel}-{arch}-{str(dtype).removeprefix('torch.')}-E{E}-K{K}-N{N}.json"
+
+
+@functools.lru_cache(maxsize=None)
+def _config_file(name: str) -> dict[int, GemmConfig] | None:
+    path = CONFIG_DIR / name
+    if not path.is_file():
+        return None
+    rows = json.loads(path.read_text())["configs"]
+    return {int(m): GemmConfig(**row) for m, row in rows.items()}
+
+
+def _shared_memory(device: torch.device, arch: str) -> int:
+    if compiling() is None and device.type == "cuda" and torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(device)
+        optin = getattr(props, "shared_memory_per_block_optin", 0)
+        if optin:
+            return int(optin)
+    return SHARED_MEMORY.get(arch, SHARED_MEMORY.get(ARCH_ALIASES.get(arch, ""), SHARED_MEMORY["generic"]))
+
+
+def default_gemm_config(device: torch.device, arch: str, M: int, E: int, dtype: torch.dtype) -> GemmConfig:
+    """The default tile for an average of M / E rows a group, with as many stages (2 to MAX_STAGES)
+    as the architecture's shared memory holds (a and b tiles a stage, plus one stage's worth for
+    the epilogue)."""
+    average = M // max(E, 1)
+    tile = next(cfg for rows, cfg in DEFAULT_TILES if average >= rows)
+    size = max(torch.tensor([], dtype=dtype).element_size(), 2)
+    stage = (tile.block_m * tile.block_k + tile.block_k * tile.block_n) * size
+    stages = max(2, min(MAX_STAGES, _shared_memory(device, arch) // stage - 1))
+    return dataclasses.replace(tile, num_stages=stages)
+
+
+def _gemm_config(kernel: str, device: torch.device, *, E, K, N, M, dtype) -> GemmConfig:
+    if device.type != "cuda" and compiling() is None:
+        return INTERPRETER_GEMM
+    arch = arch_id(device)
+    for key in (arch, ARCH_ALIASES.get(arch)):
+        rows = key and _config_file(config_file_name(kernel, key, dtype, E, K, N))
+        if rows:
+            return rows[min(rows, key=lambda m: (abs(m - M), m))]
+    return default_gemm_config(device, arch, M, E, dtype)
+
+
+def grouped_mm_config(device: torch.device, *, E: int, K: int, N: int, M: int, dtype: torch.dtype) -> GemmConfig:
+    """The forward's tile for (M_total, K) @ (E, K, N) in ``dtype`` on ``device``: the tuned file's
+    row nearest M_total, else :func:`default_gemm_config`."""
+    return _gemm_config("grouped_mm", device, E=E, K=K, N=N, M=M, dtype=dtype)
+
+
+def grouped_mm_bwd_config(device: torch.device, *, E: int, K: int, N: int, M: int, dtype: torch.dtype) -> GemmConfig:
+    """The weights' gradient's tile (block_m over K, block_n over N, block_k over a group's rows)."""
+    return _gemm_config("grouped_mm_bwd", device, E=E, K=K, N=N, M=M, dtype=dtype)
+
 
 
 # ---- compile allowances (lanekit targets): (kernel, target) -> (bytes | regular expression, reason).
