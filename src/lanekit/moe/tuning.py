@@ -57,16 +57,28 @@ SHARED_MEMORY: dict[str, int] = {
 }
 
 # Default tiles by the rows a group holds on average (M_total / E), the largest first that the
-# average reaches; stages come from shared memory (default_gemm_config).
-# - 128 rows and up: 128 x 128 x 64 with 8 warps, the tile CUTLASS's sm90 grouped GEMM also takes
-#   for bf16, GROUP_M 8 keeping b's columns in L2.
-# - 32..127 rows: 64 x 128 x 64, 4 warps: half the rows of a 128 tile would be padding.
-# - under 32 (decode): 16 x 64 x 128, 4 warps: bound by reading b, many column tiles in flight.
-DEFAULT_TILES: tuple[tuple[int, GemmConfig], ...] = (
-    (128, GemmConfig(128, 128, 64, 8, 8, 0)),
-    (32, GemmConfig(64, 128, 64, 8, 4, 0)),
-    (0, GemmConfig(16, 64, 128, 1, 4, 0)),
-)
+# average reaches; stages come from shared memory (default_gemm_config). sm90's wgmma takes 64 rows
+# a warpgroup, so no tile has fewer than 64 rows per 4 warps (mma.sync would do, at the same
+# bandwidth-bound speed, but the compile record asks for the target's matrix instructions).
+DEFAULT_TILES: dict[str, tuple[tuple[int, GemmConfig], ...]] = {
+    "grouped_mm": (
+        # 128 x 128 x 64, 8 warps: the tile CUTLASS's sm90 grouped GEMM also takes for bf16;
+        # GROUP_M 8 keeps b's column tiles in L2 across row tiles
+        (128, GemmConfig(128, 128, 64, 8, 8, 0)),
+        # 32..127 rows: 64 x 128 x 64, 4 warps: half a 128-row tile would be padding
+        (32, GemmConfig(64, 128, 64, 8, 4, 0)),
+        # decode: bound by reading b; 64 rows (wgmma's least), deep 128-wide K steps
+        (0, GemmConfig(64, 64, 128, 1, 4, 0)),
+    ),
+    # the weights' gradient: block_m x block_n of (K, N), block_k of a group's rows a step
+    "grouped_mm_bwd": (
+        (128, GemmConfig(128, 128, 64, 1, 8, 0)),
+        (0, GemmConfig(64, 64, 32, 1, 4, 0)),   # few rows a group: bound by writing d b
+    ),
+}
+# fp32 operands multiply in fp32 (ieee, no TF32) on the FMA units: small tiles keep the product's
+# registers (a 16 x 64 x 128 one spilled 4 KiB a thread on sm90).
+FP32_TILE = GemmConfig(32, 32, 32, 1, 4, 0)
 MAX_STAGES = 4    # more buys nothing on a K loop of 64-wide steps (Triton's matmul tutorial, sm90)
 
 # The tuned configs: JSON files that benchmarks/tune_moe.py writes, one per (kernel, arch, dtype,
@@ -96,12 +108,16 @@ def _shared_memory(device: torch.device, arch: str) -> int:
     return SHARED_MEMORY.get(arch, SHARED_MEMORY.get(ARCH_ALIASES.get(arch, ""), SHARED_MEMORY["generic"]))
 
 
-def default_gemm_config(device: torch.device, arch: str, M: int, E: int, dtype: torch.dtype) -> GemmConfig:
+def default_gemm_config(kernel: str, device: torch.device, arch: str, M: int, E: int,
+                        dtype: torch.dtype) -> GemmConfig:
     """The default tile for an average of M / E rows a group, with as many stages (2 to MAX_STAGES)
     as the architecture's shared memory holds (a and b tiles a stage, plus one stage's worth for
     the epilogue)."""
     average = M // max(E, 1)
-    tile = next(cfg for rows, cfg in DEFAULT_TILES if average >= rows)
+    if dtype == torch.float32:
+        tile = FP32_TILE
+    else:
+        tile = next(cfg for rows, cfg in DEFAULT_TILES[kernel] if average >= rows)
     size = max(torch.tensor([], dtype=dtype).element_size(), 2)
     stage = (tile.block_m * tile.block_k + tile.block_k * tile.block_n) * size
     stages = max(2, min(MAX_STAGES, _shared_memory(device, arch) // stage - 1))
@@ -116,12 +132,13 @@ def _gemm_config(kernel: str, device: torch.device, *, E, K, N, M, dtype) -> Gem
         rows = key and _config_file(config_file_name(kernel, key, dtype, E, K, N))
         if rows:
             return rows[min(rows, key=lambda m: (abs(m - M), m))]
-    return default_gemm_config(device, arch, M, E, dtype)
+    return default_gemm_config(kernel, device, arch, M, E, dtype)
 
 
 def grouped_mm_config(device: torch.device, *, E: int, K: int, N: int, M: int, dtype: torch.dtype) -> GemmConfig:
-    """The forward's tile for (M_total, K) @ (E, K, N) in ``dtype`` on ``device``: the tuned file's
-    row nearest M_total, else :func:`default_gemm_config`."""
+    """The forward's tile for (M_total, K) @ (E, K, N) multiplied in ``dtype`` (fp32 where an
+    operand is) on ``device``: the tuned file's row nearest M_total, else
+    :func:`default_gemm_config`."""
     return _gemm_config("grouped_mm", device, E=E, K=K, N=N, M=M, dtype=dtype)
 
 

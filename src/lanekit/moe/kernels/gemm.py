@@ -170,12 +170,13 @@ def grouped_mm_fwd(*, a, b, offs, out, short_ok=False):
     E, _, N = b.shape
     if M == 0 or N == 0:
         return out
-    cfg = tuning.grouped_mm_config(a.device, E=E, K=K, N=N, M=M, dtype=a.dtype)
+    dot_f32 = _dot_f32(a, b)
+    cfg = tuning.grouped_mm_config(a.device, E=E, K=K, N=N, M=M, dtype=torch.float32 if dot_f32 else a.dtype)
     grid = ((triton.cdiv(M, cfg.block_m) + E) * triton.cdiv(N, cfg.block_n),)
     _grouped_mm_fwd_kernel[grid](
         a, b, out, offs, errors.error_flag(a.device), M, N, K, E, *a.stride(), *b.stride(), *out.stride(),
         ERR_BIT=BAD_OFFS, BLOCK_E=_block_e(E), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, DOT_F32=_dot_f32(a, b), EVEN_K=K % cfg.block_k == 0,
+        BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, DOT_F32=dot_f32, EVEN_K=K % cfg.block_k == 0,
         SHORT_OK=short_ok, **cfg.options())
     return out
 
@@ -188,12 +189,13 @@ def grouped_mm_bwd(*, a, grad, offs, db, short_ok=False):
     E = db.shape[0]
     if K == 0 or N == 0:
         return db
-    cfg = tuning.grouped_mm_bwd_config(a.device, E=E, K=K, N=N, M=M, dtype=a.dtype)
+    dot_f32 = _dot_f32(a, grad)
+    cfg = tuning.grouped_mm_bwd_config(a.device, E=E, K=K, N=N, M=M, dtype=torch.float32 if dot_f32 else a.dtype)
     grid = (triton.cdiv(K, cfg.block_m) * triton.cdiv(N, cfg.block_n), E)
     _grouped_mm_bwd_kernel[grid](
         a, grad, db, offs, errors.error_flag(a.device), M, K, N, E, *a.stride(), *grad.stride(), *db.stride(),
         ERR_BIT=BAD_OFFS, BLOCK_E=_block_e(E), BLOCK_M=cfg.block_k, BLOCK_K=cfg.block_m,
-        BLOCK_N=cfg.block_n, DOT_F32=_dot_f32(a, grad), SHORT_OK=short_ok, **cfg.options())
+        BLOCK_N=cfg.block_n, DOT_F32=dot_f32, SHORT_OK=short_ok, **cfg.options())
     return db
 
 
