@@ -68,7 +68,7 @@ DEFAULT_TILES: dict[str, tuple[tuple[int, GemmConfig], ...]] = {
         # 32..127 rows: 64 x 128 x 64, 4 warps: half a 128-row tile would be padding
         (32, GemmConfig(64, 128, 64, 8, 4, 0)),
         # decode: bound by reading b; 64 rows (wgmma's least), deep 128-wide K steps
-        (0, GemmConfig(64, 64, 128, 1, 4, 0)),
+        (0, GemmConfig(64, 64, 64, 1, 4, 0)),
     ),
     # the weights' gradient: block_m x block_n of (K, N), block_k of a group's rows a step
     "grouped_mm_bwd": (
@@ -79,6 +79,10 @@ DEFAULT_TILES: dict[str, tuple[tuple[int, GemmConfig], ...]] = {
 # fp32 operands multiply in fp32 (ieee, no TF32) on the FMA units: small tiles keep the product's
 # registers (a 16 x 64 x 128 one spilled 4 KiB a thread on sm90).
 FP32_TILE = GemmConfig(32, 32, 32, 1, 4, 0)
+# A reduction length that 16 does not divide masks the K steps' loads, which then do not vectorize:
+# sm90 spilled 208 bytes a thread at block_k 64 (dA of K = 72 and 24, the transposed weights'
+# contiguous dim); 32 compiles clean.
+ODD_K_BLOCK_K = 32
 MAX_STAGES = 4    # more buys nothing on a K loop of 64-wide steps (Triton's matmul tutorial, sm90)
 
 # The tuned configs: JSON files that benchmarks/tune_moe.py writes, one per (kernel, arch, dtype,
@@ -108,7 +112,7 @@ def _shared_memory(device: torch.device, arch: str) -> int:
     return SHARED_MEMORY.get(arch, SHARED_MEMORY.get(ARCH_ALIASES.get(arch, ""), SHARED_MEMORY["generic"]))
 
 
-def default_gemm_config(kernel: str, device: torch.device, arch: str, M: int, E: int,
+def default_gemm_config(kernel: str, device: torch.device, arch: str, M: int, E: int, K: int,
                         dtype: torch.dtype) -> GemmConfig:
     """The default tile for an average of M / E rows a group, with as many stages (2 to MAX_STAGES)
     as the architecture's shared memory holds (a and b tiles a stage, plus one stage's worth for
@@ -118,6 +122,8 @@ def default_gemm_config(kernel: str, device: torch.device, arch: str, M: int, E:
         tile = FP32_TILE
     else:
         tile = next(cfg for rows, cfg in DEFAULT_TILES[kernel] if average >= rows)
+        if kernel == "grouped_mm" and K % 16:
+            tile = dataclasses.replace(tile, block_k=min(tile.block_k, ODD_K_BLOCK_K))
     size = max(torch.tensor([], dtype=dtype).element_size(), 2)
     stage = (tile.block_m * tile.block_k + tile.block_k * tile.block_n) * size
     stages = max(2, min(MAX_STAGES, _shared_memory(device, arch) // stage - 1))
@@ -132,7 +138,7 @@ def _gemm_config(kernel: str, device: torch.device, *, E, K, N, M, dtype) -> Gem
         rows = key and _config_file(config_file_name(kernel, key, dtype, E, K, N))
         if rows:
             return rows[min(rows, key=lambda m: (abs(m - M), m))]
-    return default_gemm_config(kernel, device, arch, M, E, dtype)
+    return default_gemm_config(kernel, device, arch, M, E, K, dtype)
 
 
 def grouped_mm_config(device: torch.device, *, E: int, K: int, N: int, M: int, dtype: torch.dtype) -> GemmConfig:

@@ -36,6 +36,14 @@ def _max(a, b):
 
 
 @triton.jit
+def _dot(a, b, acc, DOT_F32: tl.constexpr):
+    """acc + a @ b: in fp32 (ieee, no TF32) when an operand is fp32, else in a's 16-bit type."""
+    if DOT_F32:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    return tl.dot(a, b.to(a.dtype), acc)
+
+
+@triton.jit
 def _group_bounds(OFFS, E, M, BLOCK_E: tl.constexpr, SHORT_OK: tl.constexpr):
     """(starts, ends, valid) of the groups 0..E-1 and the tail group E = [end of E-1, M), as
     [BLOCK_E] int64 vectors: the offsets made non-decreasing (a running max) and clamped to
@@ -102,10 +110,7 @@ def _grouped_mm_fwd_kernel(A, B, C, OFFS, FLAG, M, N, K, E,
             else:
                 a = tl.load(a_ptrs, mask=mask_m[:, None] & (ks[None, :] < K - k0), other=0.0)
                 b = tl.load(b_ptrs, mask=(ks[:, None] < K - k0) & mask_n[None, :], other=0.0)
-            if DOT_F32:
-                acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-            else:
-                acc = tl.dot(a, b.to(a.dtype), acc)
+            acc = _dot(a, b, acc, DOT_F32)
             a_ptrs += BLOCK_K * stride_ak
             b_ptrs += BLOCK_K * stride_bk
     c_ptrs = C + rows[:, None] * stride_cm + cols[None, :] * stride_cn
@@ -142,10 +147,7 @@ def _grouped_mm_bwd_kernel(X, G, D, OFFS, FLAG, M, K, N, E,
                      mask=mask_k[:, None] & mask_m[None, :], other=0.0)     # [BLOCK_K, BLOCK_M]
         gr = tl.load(G + rows[:, None] * stride_gm + cols[None, :] * stride_gn,
                      mask=mask_m[:, None] & mask_n[None, :], other=0.0)     # [BLOCK_M, BLOCK_N]
-        if DOT_F32:
-            acc = tl.dot(xt.to(tl.float32), gr.to(tl.float32), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(xt, gr.to(xt.dtype), acc)
+        acc = _dot(xt, gr, acc, DOT_F32)
     d_ptrs = D + group.to(tl.int64) * stride_de + ks[:, None] * stride_dk + cols[None, :] * stride_dn
     tl.store(d_ptrs, acc.to(D.dtype.element_ty), mask=mask_k[:, None] & mask_n[None, :])
 
@@ -160,18 +162,19 @@ def _block_e(E: int) -> int:
     return triton.next_power_of_2(E + 1)
 
 
-def grouped_mm_fwd(*, a, b, offs, out, short_ok=False):
+def grouped_mm_fwd(*, a, b, offs, out, short_ok=False, config=None):
     """out (M_total, N) = a (M_total, K) @ b (E, K, N) by the groups of int32 ``offs`` (E,); any
     strides (b may be the transpose of an (E, N, K) tensor); rows past the last group's end are
     written zero. Invalid offs are clamped and recorded in the device's error flag; with
     ``short_ok`` offs may end before M_total (fused_moe's backward puts the slots of experts on other
-    ranks there)."""
+    ranks there). ``config``: a tile in place of the tuned one (benchmarks/tune_moe.py)."""
     M, K = a.shape
     E, _, N = b.shape
     if M == 0 or N == 0:
         return out
     dot_f32 = _dot_f32(a, b)
-    cfg = tuning.grouped_mm_config(a.device, E=E, K=K, N=N, M=M, dtype=torch.float32 if dot_f32 else a.dtype)
+    cfg = config or tuning.grouped_mm_config(a.device, E=E, K=K, N=N, M=M,
+                                             dtype=torch.float32 if dot_f32 else a.dtype)
     grid = ((triton.cdiv(M, cfg.block_m) + E) * triton.cdiv(N, cfg.block_n),)
     _grouped_mm_fwd_kernel[grid](
         a, b, out, offs, errors.error_flag(a.device), M, N, K, E, *a.stride(), *b.stride(), *out.stride(),
@@ -181,7 +184,7 @@ def grouped_mm_fwd(*, a, b, offs, out, short_ok=False):
     return out
 
 
-def grouped_mm_bwd(*, a, grad, offs, db, short_ok=False):
+def grouped_mm_bwd(*, a, grad, offs, db, short_ok=False, config=None):
     """db (E, K, N) = for each group e, a[rows of e]^T (K, rows) @ grad[rows of e] (rows, N), for
     a (M_total, K), grad (M_total, N), any strides; a group of no rows gets zeros."""
     M, K = a.shape
@@ -190,7 +193,8 @@ def grouped_mm_bwd(*, a, grad, offs, db, short_ok=False):
     if K == 0 or N == 0:
         return db
     dot_f32 = _dot_f32(a, grad)
-    cfg = tuning.grouped_mm_bwd_config(a.device, E=E, K=K, N=N, M=M, dtype=torch.float32 if dot_f32 else a.dtype)
+    cfg = config or tuning.grouped_mm_bwd_config(a.device, E=E, K=K, N=N, M=M,
+                                                 dtype=torch.float32 if dot_f32 else a.dtype)
     grid = (triton.cdiv(K, cfg.block_m) * triton.cdiv(N, cfg.block_n), E)
     _grouped_mm_bwd_kernel[grid](
         a, grad, db, offs, errors.error_flag(a.device), M, K, N, E, *a.stride(), *grad.stride(), *db.stride(),
