@@ -185,6 +185,25 @@ def test_grouped_mm_invalid_offs_are_clamped_and_recorded(device, case):
         lanekit.check_errors()
 
 
+@pytest.mark.parametrize("case", ["decreasing", "past M_total"])
+def test_grouped_mm_gradients_with_invalid_offs_stay_in_bounds(device, case):
+    """The weights' gradient kernel clamps offs as the forward does: every group's rows inside a."""
+    errors.check_errors()
+    a = randn(10, 32, dtype=torch.bfloat16, device=device)
+    b = randn(3, 32, 16, dtype=torch.bfloat16, device=device, scale=0.2)
+    offs = torch.tensor(BAD_OFFS[case], dtype=torch.int32, device=device)
+    dout = randn(10, 16, dtype=torch.bfloat16, device=device)
+    leaves = [a.clone().requires_grad_(), b.clone().requires_grad_()]
+    with poisoned_outputs():
+        grouped_mm(*leaves, offs, lane="triton").backward(dout)
+    ends = offs.long().clamp(0, 10).cummax(0).values.to(torch.int32)
+    da, db = ref.grouped_mm_backward(f64(a), f64(b), ends, f64(dout))
+    assert_close(leaves[0].grad, da, GROUPED_MM)
+    assert_close(leaves[1].grad, db, GROUPED_MM_DB)
+    with pytest.raises(ValueError, match="grouped_mm: offs not non-decreasing"):
+        lanekit.check_errors()
+
+
 @pytest.mark.parametrize("case", list(BAD_OFFS), ids=list(BAD_OFFS))
 def test_grouped_mm_invalid_offs_raise_eagerly_with_check_indices(device, case, monkeypatch):
     monkeypatch.setenv("LANEKIT_CHECK_INDICES", "1")
@@ -209,7 +228,7 @@ def test_grouped_mm_config_comes_from_a_tuned_file_else_from_shared_memory(tmp_p
     row = dict(block_m=64, block_n=256, block_k=64, group_m=4, num_warps=8, num_stages=3)
     (tmp_path / name).write_text(json.dumps({"configs": {"16": dict(row, block_m=16), "512": row}}))
     monkeypatch.setattr(moe_tuning, "CONFIG_DIR", tmp_path)
-    moe_tuning._config_file.cache_clear()
+    moe_tuning.clear_config_cache()
     cuda = torch.device("cuda")
     with compiling_for("sm90"):
         assert moe_tuning.grouped_mm_config(cuda, E=8, K=4096, N=14336, M=600, dtype=torch.bfloat16).block_n == 256
@@ -219,7 +238,7 @@ def test_grouped_mm_config_comes_from_a_tuned_file_else_from_shared_memory(tmp_p
     with compiling_for("gfx942"):
         amd = moe_tuning.grouped_mm_config(cuda, E=8, K=4096, N=14336, M=4096, dtype=torch.bfloat16)
         assert (amd.block_m, amd.num_stages) == (128, 2)                                  # 64 KiB: 2 stages
-    moe_tuning._config_file.cache_clear()
+    moe_tuning.clear_config_cache()
 
 
 # ---- fused_moe backward ----
@@ -281,3 +300,19 @@ def test_fused_moe_backward_is_deterministic(device):
     first, _ = _train_step(kw, device)
     second, _ = _train_step(kw, device)
     assert all(torch.equal(a, b) for a, b in zip(first, second))
+
+
+def test_fused_moe_backward_compiles_with_torch_compile(device):
+    """The backward's custom op has a fake: a training step through the stand-in forward compiles
+    as one graph."""
+    kw = fused_moe_case("compiled", device, M=4, E=3, topk=2, K=32, N=16).kwargs
+    rest = (kw["topk_ids"], kw["activation"], kw["apply_router_weight_on_input"], kw["expert_map"])
+
+    def step(x, w1, w2, weights):
+        out = moe_op._fused_moe_standin_op(x, w1, w2, weights, *rest)
+        return torch.autograd.grad(out.float().square().sum(), (x, w1, w2, weights))
+
+    leaves = [kw[n].detach().clone().requires_grad_() for n in ("hidden_states", "w1", "w2", "topk_weights")]
+    compiled = torch.compile(step, backend="aot_eager")
+    for ours, eager in zip(compiled(*leaves), step(*leaves)):
+        assert torch.equal(ours, eager)

@@ -103,6 +103,12 @@ def _config_file(name: str) -> dict[int, GemmConfig] | None:
     return {int(m): GemmConfig(**row) for m, row in rows.items()}
 
 
+def clear_config_cache() -> None:
+    """Forget the config files read and the configs chosen (after the files change)."""
+    _config_file.cache_clear()
+    _arch_gemm_config.cache_clear()
+
+
 def _shared_memory(device: torch.device, arch: str) -> int:
     if compiling() is None and device.type == "cuda" and torch.cuda.is_available():
         props = torch.cuda.get_device_properties(device)
@@ -133,7 +139,11 @@ def default_gemm_config(kernel: str, device: torch.device, arch: str, M: int, E:
 def _gemm_config(kernel: str, device: torch.device, *, E, K, N, M, dtype) -> GemmConfig:
     if device.type != "cuda" and compiling() is None:
         return INTERPRETER_GEMM
-    arch = arch_id(device)
+    return _arch_gemm_config(kernel, device, arch_id(device), E, K, N, M, dtype)
+
+
+@functools.lru_cache(maxsize=4096)   # the per-call host path: one dict lookup once a shape is seen
+def _arch_gemm_config(kernel, device, arch, E, K, N, M, dtype) -> GemmConfig:
     for key in (arch, ARCH_ALIASES.get(arch)):
         rows = key and _config_file(config_file_name(kernel, key, dtype, E, K, N))
         if rows:
