@@ -58,6 +58,14 @@ def _routing(M: int, E: int, topk: int, g: torch.Generator) -> torch.Tensor:
     return counts.cumsum(0).to(torch.int32).cuda()
 
 
+def _close(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """got within 2% of torch's result (of the largest |value|), compared a slab at a time (d b of
+    DeepSeek-V3's shape is 7.5 GB in bf16)."""
+    scale = max(1.0, want.abs().max().item())
+    return all(torch.allclose(g.float(), w.float(), rtol=2e-2, atol=2e-2 * scale)
+               for g, w in zip(got.split(max(1, got.shape[0] // 16)), want.split(max(1, got.shape[0] // 16))))
+
+
 def _time(fn) -> float:
     for _ in range(2):
         fn()
@@ -78,21 +86,24 @@ def tune_shape(name: str, tokens, kernels, deadline: float, dry_run: bool) -> No
         offs = _routing(M, E, topk, g)
         a = torch.randn(rows, K, dtype=dtype, device="cuda")
         flops = 2 * rows * K * N
-        theirs = torch.nn.functional.grouped_mm(a, b, offs=offs)
-        peer_ms = _time(lambda: torch.nn.functional.grouped_mm(a, b, offs=offs))
-        print(f"{name} E{E} K{K} N{N} M{M} (rows {rows}): torch grouped_mm {flops / peer_ms / 1e9:.1f} TFLOP/s")
         for kernel in kernels:
-            if kernel == "grouped_mm":
+            if kernel == "grouped_mm":   # out = a @ b[e] by groups; the peer: torch's grouped_mm
                 out = torch.empty(rows, N, dtype=dtype, device="cuda")
                 def run(cfg):
                     return gemm.grouped_mm_fwd(a=a, b=b, offs=offs, out=out, config=cfg)
-                want = theirs
-            else:
+                def peer():
+                    return torch.nn.functional.grouped_mm(a, b, offs=offs)
+            else:                        # d b = a^T @ dout by groups; torch's 2-D x 2-D form
                 dout = torch.randn(rows, N, dtype=dtype, device="cuda")
                 db = torch.empty(E, K, N, dtype=dtype, device="cuda")
                 def run(cfg):
                     return gemm.grouped_mm_bwd(a=a, grad=dout, offs=offs, db=db, config=cfg)
-                want = None
+                def peer():
+                    return torch.nn.functional.grouped_mm(a.t(), dout, offs=offs)
+            want = peer()
+            peer_ms = _time(peer)
+            print(f"{name} E{E} K{K} N{N} M{M} (rows {rows}) {kernel}: torch grouped_mm "
+                  f"{flops / peer_ms / 1e9:.1f} TFLOP/s")
             best = None
             for cfg in _candidates(rows // E, kernel):
                 if time.monotonic() > deadline:
@@ -104,7 +115,7 @@ def tune_shape(name: str, tokens, kernels, deadline: float, dry_run: bool) -> No
                 except Exception as e:  # noqa: BLE001 (a tile that does not fit this GPU)
                     print(f"  {kernel} {cfg}: failed ({type(e).__name__}: {str(e)[:80]})")
                     continue
-                if want is not None and not torch.allclose(got.float(), want.float(), rtol=2e-2, atol=2e-2):
+                if not _close(got, want):
                     print(f"  {kernel} {cfg}: WRONG result, not timed")
                     continue
                 ms = _time(lambda: run(cfg))
