@@ -241,6 +241,25 @@ def test_grouped_mm_config_comes_from_a_tuned_file_else_from_shared_memory(tmp_p
     moe_tuning.clear_config_cache()
 
 
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="more than 2^31 elements needs GPU memory")
+def test_grouped_mm_beyond_2_to_the_31_elements(device):
+    """int64 offsets: the last rows of a 2^31 + 64 K-element a, and of its gradient d a, are right;
+    d b reduces over rows past 2^31 elements too."""
+    K, N = 1024, 16
+    rows = 2 ** 31 // K + 64
+    a = torch.empty(rows, K, dtype=torch.bfloat16, device=device).normal_()
+    b = randn(2, K, N, dtype=torch.bfloat16, device=device, scale=K ** -0.5)
+    offs = torch.tensor([rows - 100, rows], dtype=torch.int32, device=device)
+    out = grouped_mm(a, b, offs)
+    tail = slice(rows - 100, rows)
+    assert_close(out[tail], f64(a[tail]) @ f64(b[1]), GROUPED_MM)
+    dout = randn(rows, N, dtype=torch.bfloat16, device=device)
+    db = moe_op._grouped_mm_bwd_op(a, dout, offs, 2, torch.bfloat16)
+    assert_close(db[1], f64(a[tail]).t() @ f64(dout[tail]), GROUPED_MM_DB)
+    errors.check_errors()
+
+
 # ---- fused_moe backward ----
 
 FUSED_MOE_BWD_CASES = {
