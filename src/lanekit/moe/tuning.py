@@ -79,10 +79,18 @@ DEFAULT_TILES: dict[str, tuple[tuple[int, GemmConfig], ...]] = {
 # fp32 operands multiply in fp32 (ieee, no TF32) on the FMA units: small tiles keep the product's
 # registers (a 16 x 64 x 128 one spilled 4 KiB a thread on sm90).
 FP32_TILE = GemmConfig(32, 32, 32, 1, 4, 0)
-# A reduction length that 16 does not divide masks the K steps' loads, which then do not vectorize:
-# sm90 spilled 208 bytes a thread at block_k 64 (dA of K = 72 and 24, the transposed weights'
-# contiguous dim); 32 compiles clean.
+# A K that block_k does not divide masks every K step's loads: sm90 spilled 208 bytes a thread at
+# block_k 64 with K = 72 and 24 (the backward's d a, the transposed weights' contiguous dim), sm80
+# 16 bytes with K = 48. So block_k halves down to 16 until it divides K; a K that 16 does not divide
+# takes 32, which compiles clean on sm90.
 ODD_K_BLOCK_K = 32
+
+
+def _block_k_for(K: int, block_k: int) -> int:
+    bk = block_k
+    while bk > 16 and K % bk:
+        bk //= 2
+    return bk if K % bk == 0 else min(block_k, ODD_K_BLOCK_K)
 MAX_STAGES = 4    # more buys nothing on a K loop of 64-wide steps (Triton's matmul tutorial, sm90)
 
 # The tuned configs: JSON files that benchmarks/tune_moe.py writes, one per (kernel, arch, dtype,
@@ -128,8 +136,8 @@ def default_gemm_config(kernel: str, device: torch.device, arch: str, M: int, E:
         tile = FP32_TILE
     else:
         tile = next(cfg for rows, cfg in DEFAULT_TILES[kernel] if average >= rows)
-        if kernel == "grouped_mm" and K % 16:
-            tile = dataclasses.replace(tile, block_k=min(tile.block_k, ODD_K_BLOCK_K))
+        if kernel == "grouped_mm":
+            tile = dataclasses.replace(tile, block_k=_block_k_for(K, tile.block_k))
     size = max(torch.tensor([], dtype=dtype).element_size(), 2)
     stage = (tile.block_m * tile.block_k + tile.block_k * tile.block_n) * size
     stages = max(2, min(MAX_STAGES, _shared_memory(device, arch) // stage - 1))
