@@ -68,6 +68,23 @@ def test_grouped_mm_matches_the_oracle(device, lane, case):
     errors.check_errors()
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_grouped_mm_random_groups_with_small_swizzled_tiles(device, seed, monkeypatch):
+    """Random group sizes (empty ones, ones of several tiles) under 16-row tiles swizzled in pairs:
+    every program finds its group and tile on the device, and every row is written once."""
+    if device == "cpu":
+        monkeypatch.setattr(moe_tuning, "INTERPRETER_GEMM", moe_tuning.GemmConfig(16, 16, 16, 2, 1, 1))
+    g = torch.Generator().manual_seed(seed)
+    E = [1, 3, 8, 5][seed]
+    counts = torch.randint(0, 40, (E,), generator=g).tolist()
+    counts[seed % E] = 0
+    kw = grouped_mm_case(f"random {seed}", device, counts=counts, K=48, N=40).kwargs
+    with poisoned_outputs():
+        out = grouped_mm(kw["a"], kw["b"], kw["offs"], lane="triton")
+    assert_close(out, ref.grouped_mm(f64(kw["a"]), f64(kw["b"]), kw["offs"]), GROUPED_MM)
+    errors.check_errors()
+
+
 def test_grouped_mm_agrees_with_torchs_grouped_mm(device):
     kw = grouped_mm_case("torch peer", device, counts=[9, 0, 17, 11], K=64, N=48).kwargs
     theirs = torch.nn.functional.grouped_mm(kw["a"], kw["b"], offs=kw["offs"])

@@ -66,13 +66,20 @@ def _group_bounds(OFFS, E, M, BLOCK_E: tl.constexpr, SHORT_OK: tl.constexpr):
 
 
 @triton.jit
+def _row_tiles_bound(M, E, BLOCK_M: tl.constexpr):
+    """At most this many row tiles cover the E + 1 groups (the tail too): each group of r > 0 rows
+    takes floor(r / BLOCK_M) + 1 tiles at most, and at most min(E + 1, M) groups hold a row."""
+    return M // BLOCK_M + tl.minimum(E + 1, M)
+
+
+@triton.jit
 def _grouped_mm_fwd_kernel(A, B, C, OFFS, FLAG, M, N, K, E,
                            stride_am, stride_ak, stride_be, stride_bk, stride_bn, stride_cm, stride_cn,
                            ERR_BIT: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr,
                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                            DOT_F32: tl.constexpr, EVEN_K: tl.constexpr, SHORT_OK: tl.constexpr):
     pid = tl.program_id(0)
-    num_pid_m = tl.cdiv(M, BLOCK_M) + E          # bounds the row tiles of E + 1 groups
+    num_pid_m = _row_tiles_bound(M, E, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     # group-M swizzle: GROUP_M row tiles share each column tile of b while it is in L2
     width = GROUP_M * num_pid_n
@@ -175,7 +182,7 @@ def grouped_mm_fwd(*, a, b, offs, out, short_ok=False, config=None):
     dot_f32 = _dot_f32(a, b)
     cfg = config or tuning.grouped_mm_config(a.device, E=E, K=K, N=N, M=M,
                                              dtype=torch.float32 if dot_f32 else a.dtype)
-    grid = ((triton.cdiv(M, cfg.block_m) + E) * triton.cdiv(N, cfg.block_n),)
+    grid = ((M // cfg.block_m + min(E + 1, M)) * triton.cdiv(N, cfg.block_n),)   # _row_tiles_bound
     _grouped_mm_fwd_kernel[grid](
         a, b, out, offs, errors.error_flag(a.device), M, N, K, E, *a.stride(), *b.stride(), *out.stride(),
         ERR_BIT=BAD_OFFS, BLOCK_E=_block_e(E), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
