@@ -111,6 +111,19 @@ def test_grouped_mm_gradients_match_the_oracles(device, lane, case):
     assert torch.equal(b.grad[empty], torch.zeros_like(b.grad[empty]))    # a group of no rows: zeros
 
 
+def test_grouped_mm_gradients_of_a_non_contiguous_output_gradient(device):
+    """dout as a strided view (a column slice of a wider buffer): both gradient kernels take its
+    strides."""
+    kw = grouped_mm_case("strided dout", device, counts=[6, 0, 11], K=48, N=40).kwargs
+    a, b = (kw[n].detach().clone().requires_grad_() for n in ("a", "b"))
+    wide = randn(17, 80, dtype=torch.bfloat16, device=device, generator=torch.Generator().manual_seed(3))
+    dout = wide[:, 20:60]
+    grouped_mm(a, b, kw["offs"], lane="triton").backward(dout)
+    da, db = ref.grouped_mm_backward(f64(kw["a"]), f64(kw["b"]), kw["offs"], f64(dout))
+    assert_close(a.grad, da, GROUPED_MM)
+    assert_close(b.grad, db, GROUPED_MM_DB)
+
+
 def test_grouped_mm_reads_transposed_weights_in_place(device, monkeypatch):
     """b = w.transpose(1, 2) reaches the kernel as that view (its strides), not as a copy."""
     from lanekit.moe.kernels import gemm

@@ -71,6 +71,11 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, out_dtype: 
         ValueError: a not 2-D, b not 3-D, K of a and b differ, offs not (E,), tensors on different
             devices, an unknown lane; with LANEKIT_CHECK_INDICES=1, offs values invalid.
 
+    Example (the first GEMM of an expert MLP, weights stored (E, N, K))::
+
+        counts = torch.bincount(topk_ids.flatten(), minlength=E)      # rows of each expert
+        h = grouped_mm(x_sorted, w.transpose(1, 2), counts.cumsum(0).to(torch.int32))
+
     Source: ``torch.nn.functional.grouped_mm(a, b, offs=offs, out_dtype=out_dtype)`` for a 2-D a
     and a 3-D b (PyTorch leaves the rows past offs[E-1] unspecified and does not check offs'
     values; here they are zeros and invalid offs are recorded, as the MoE issue asks).
