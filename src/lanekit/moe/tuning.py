@@ -67,7 +67,8 @@ DEFAULT_TILES: dict[str, tuple[tuple[int, GemmConfig], ...]] = {
         (128, GemmConfig(128, 128, 64, 8, 8, 0)),
         # 32..127 rows: 64 x 128 x 64, 4 warps: half a 128-row tile would be padding
         (32, GemmConfig(64, 128, 64, 8, 4, 0)),
-        # decode: bound by reading b; 64 rows (wgmma's least), deep 128-wide K steps
+        # decode: bound by reading b; 64 rows (wgmma's least); 64 x 64 x 128 spilled 264 to 1192
+        # bytes a thread on sm90 at odd shapes (docs/tuning/moe.md)
         (0, GemmConfig(64, 64, 64, 1, 4, 0)),
     ),
     # the weights' gradient: block_m x block_n of (K, N), block_k of a group's rows a step
@@ -87,10 +88,13 @@ ODD_K_BLOCK_K = 32
 
 
 def _block_k_for(K: int, block_k: int) -> int:
+    """block_k, halved down to 16 until it divides K; ODD_K_BLOCK_K (at most) if none does."""
     bk = block_k
     while bk > 16 and K % bk:
         bk //= 2
     return bk if K % bk == 0 else min(block_k, ODD_K_BLOCK_K)
+
+
 MAX_STAGES = 4    # more buys nothing on a K loop of 64-wide steps (Triton's matmul tutorial, sm90)
 
 # The tuned configs: JSON files that benchmarks/tune_moe.py writes, one per (kernel, arch, dtype,
