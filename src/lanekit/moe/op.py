@@ -90,13 +90,19 @@ def _grads(forward, dout, wrt, **kwargs):
     return torch.autograd.grad(out, tuple(leaves.values()), dout)
 
 
-def grouped_mm_backward_triton(*, dout, **kwargs):
-    return _grads(grouped_mm_triton, dout, ("a", "b"), **kwargs)
+def _grouped_mm_backward_lane(forward, in_f64: bool):
+    """The backward lane of grouped_mm through ``forward`` (bound here, not looked up per call),
+    in float64 rounded back to the inputs' dtypes with ``in_f64``."""
+    def backward(*, dout, **kwargs):
+        if not in_f64:
+            return _grads(forward, dout, ("a", "b"), **kwargs)
+        da, db = _grads(forward, dout.to(torch.float64), ("a", "b"), **{**kwargs, "out_dtype": torch.float64})
+        return da.to(kwargs["a"].dtype), db.to(kwargs["b"].dtype)
+    return backward
 
 
-def grouped_mm_backward_reference(*, dout, **kwargs):
-    da, db = _grads(grouped_mm_reference, dout.to(torch.float64), ("a", "b"), **{**kwargs, "out_dtype": torch.float64})
-    return da.to(kwargs["a"].dtype), db.to(kwargs["b"].dtype)
+grouped_mm_backward_triton = _grouped_mm_backward_lane(grouped_mm_triton, in_f64=False)
+grouped_mm_backward_reference = _grouped_mm_backward_lane(grouped_mm_reference, in_f64=True)
 
 
 # ---- fused_moe backward: the gradients of fused_moe, composed of the grouped GEMM's kernels ----
