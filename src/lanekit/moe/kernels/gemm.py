@@ -44,11 +44,10 @@ def _dot(a, b, acc, DOT_F32: tl.constexpr):
 
 
 @triton.jit
-def _group_bounds(OFFS, E, M, BLOCK_E: tl.constexpr, SHORT_OK: tl.constexpr):
-    """(starts, ends, valid) of the groups 0..E-1 and the tail group E = [end of E-1, M), as
-    [BLOCK_E] int64 vectors: the offsets made non-decreasing (a running max) and clamped to
-    [0, M], so the groups are disjoint and inside the rows; ``valid``: the offsets were already
-    non-decreasing, non-negative and ended at M (at most M with SHORT_OK)."""
+def _group_bounds(OFFS, E, M, BLOCK_E: tl.constexpr):
+    """(starts, ends) of the groups 0..E-1 and the tail group E = [end of E-1, M), as [BLOCK_E]
+    int64 vectors: the offsets made non-decreasing (a running max) and clamped to [0, M], so the
+    groups are disjoint and inside the rows."""
     g = tl.arange(0, BLOCK_E)
     raw = tl.load(OFFS + g, mask=g < E, other=0).to(tl.int64)             # [BLOCK_E]
     raw_prev = tl.load(OFFS + g - 1, mask=(g >= 1) & (g <= E), other=0).to(tl.int64)
@@ -56,13 +55,22 @@ def _group_bounds(OFFS, E, M, BLOCK_E: tl.constexpr, SHORT_OK: tl.constexpr):
     starts = tl.minimum(tl.maximum(raw_prev, 0), M)
     ends = tl.associative_scan(ends, 0, _max)
     starts = tl.associative_scan(starts, 0, _max)
-    bad_step = (g < E) & ((raw < raw_prev) | (raw < 0))
+    return starts, tl.maximum(ends, starts)
+
+
+@triton.jit
+def _record_bad_offs(OFFS, FLAG, E, M, ERR_BIT: tl.constexpr, BLOCK_E: tl.constexpr, SHORT_OK: tl.constexpr):
+    """OR ERR_BIT into FLAG unless the offsets are non-decreasing, non-negative and end at M (at
+    most M with SHORT_OK). One program calls it."""
+    g = tl.arange(0, BLOCK_E)
+    raw = tl.load(OFFS + g, mask=g < E, other=0)
+    raw_prev = tl.load(OFFS + g - 1, mask=(g >= 1) & (g < E), other=0)
+    bad = (g < E) & ((raw < raw_prev) | (raw < 0))
     if SHORT_OK:
-        bad_end = (g == E - 1) & (raw > M)
+        bad = bad | ((g == E - 1) & (raw > M))
     else:
-        bad_end = (g == E - 1) & (raw != M)
-    valid = tl.max((bad_step | bad_end).to(tl.int32), 0) == 0
-    return starts, tl.maximum(ends, starts), valid
+        bad = bad | ((g == E - 1) & (raw != M))
+    tl.atomic_or(FLAG, tl.where(tl.max(bad.to(tl.int32), 0) > 0, ERR_BIT, 0))
 
 
 @triton.jit
@@ -88,9 +96,9 @@ def _grouped_mm_fwd_kernel(A, B, C, OFFS, FLAG, M, N, K, E,
     pid_m = first_m + (pid % width) % size_m
     pid_n = (pid % width) // size_m
 
-    starts, ends, valid = _group_bounds(OFFS, E, M, BLOCK_E, SHORT_OK)
     if pid == 0:
-        tl.atomic_or(FLAG, tl.where(valid, 0, ERR_BIT))
+        _record_bad_offs(OFFS, FLAG, E, M, ERR_BIT, BLOCK_E, SHORT_OK)
+    starts, ends = _group_bounds(OFFS, E, M, BLOCK_E)
     g = tl.arange(0, BLOCK_E)
     tiles = tl.where(g <= E, tl.cdiv(ends - starts, BLOCK_M), 0)          # [BLOCK_E]
     cum = tl.cumsum(tiles, 0)
@@ -135,9 +143,9 @@ def _grouped_mm_bwd_kernel(X, G, D, OFFS, FLAG, M, K, N, E,
     num_pid_n = tl.cdiv(N, BLOCK_N)
     pid_k = pid // num_pid_n
     pid_n = pid % num_pid_n
-    starts, ends, valid = _group_bounds(OFFS, E, M, BLOCK_E, SHORT_OK)
     if (pid == 0) & (group == 0):
-        tl.atomic_or(FLAG, tl.where(valid, 0, ERR_BIT))
+        _record_bad_offs(OFFS, FLAG, E, M, ERR_BIT, BLOCK_E, SHORT_OK)
+    starts, ends = _group_bounds(OFFS, E, M, BLOCK_E)
     g = tl.arange(0, BLOCK_E)
     start = tl.sum(tl.where(g == group, starts, 0), 0)
     end = tl.sum(tl.where(g == group, ends, 0), 0)
