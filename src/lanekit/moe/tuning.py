@@ -7,9 +7,15 @@ grouped GEMM's configs, keyed by shape, dtype and GPU, are data files a tuner wr
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
-from lanekit.runtime.tuning import arch_row
+import torch
+
+from lanekit.runtime.tuning import ARCH_ALIASES, arch_id, arch_row, compiling, tile_options
 
 # ---- routing: topk_softmax, grouped_topk ----
 
@@ -94,6 +100,156 @@ def cdiv(a: int, b: int) -> int:
 
 
 # ---- grouped GEMM and the fused expert MLP: grouped_mm, fused_moe ----
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """A grouped GEMM tile. Forward: block_m rows of a group by block_n columns, block_k of K a
+    step. The weights' gradient (grouped_mm_bwd): block_m rows of K by block_n columns of N, block_k
+    of a group's rows a step. group_m: row tiles that share a column tile of b in L2 (the swizzle)."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int
+    num_warps: int
+    num_stages: int
+    waves_per_eu: int = 0   # AMD: the occupancy the compiler keeps registers for (0: its choice)
+
+    def options(self) -> dict:
+        return tile_options(self)
+
+
+# Under the interpreter every program runs in Python: few, mid-sized tiles (tl.dot needs >= 16).
+INTERPRETER_GEMM = GemmConfig(32, 32, 32, 1, 1, 1)
+
+# Shared memory (LDS) a program may use, by architecture, for the stages of the default tiles when
+# no tuned file has a row (on a GPU, the driver's figure is read instead).
+SHARED_MEMORY: dict[str, int] = {
+    "generic": 65536,
+    "sm80": 166912,     # A100: 163 KiB opt-in per block
+    "sm90": 232448,     # H100/H200: 227 KiB opt-in per block
+    "gfx942": 65536,    # MI300: 64 KiB LDS
+    "gfx1201": 65536,   # RDNA 4 (and gfx1151 by alias): 64 KiB LDS
+}
+
+# Default tiles by the rows a group holds on average (M_total / E), the largest first that the
+# average reaches; stages come from shared memory (default_gemm_config). sm90's wgmma takes 64 rows
+# a warpgroup, so no tile has fewer than 64 rows per 4 warps (mma.sync would do, at the same
+# bandwidth-bound speed, but the compile record asks for the target's matrix instructions).
+DEFAULT_TILES: dict[str, tuple[tuple[int, GemmConfig], ...]] = {
+    "grouped_mm": (
+        # 128 x 128 x 64, 8 warps: the tile CUTLASS's sm90 grouped GEMM also takes for bf16;
+        # GROUP_M 8 keeps b's column tiles in L2 across row tiles
+        (128, GemmConfig(128, 128, 64, 8, 8, 0)),
+        # 32..127 rows: 64 x 128 x 64, 4 warps: half a 128-row tile would be padding
+        (32, GemmConfig(64, 128, 64, 8, 4, 0)),
+        # decode: bound by reading b; 64 rows (wgmma's least); 64 x 64 x 128 spilled 264 to 1192
+        # bytes a thread on sm90 at odd shapes (docs/tuning/moe.md)
+        (0, GemmConfig(64, 64, 64, 1, 4, 0)),
+    ),
+    # the weights' gradient: block_m x block_n of (K, N), block_k of a group's rows a step
+    "grouped_mm_bwd": (
+        (128, GemmConfig(128, 128, 64, 1, 8, 0)),
+        (0, GemmConfig(64, 64, 32, 1, 4, 0)),   # few rows a group: bound by writing d b
+    ),
+}
+# fp32 operands multiply in fp32 (ieee, no TF32) on the FMA units: small tiles keep the product's
+# registers (a 16 x 64 x 128 one spilled 4 KiB a thread on sm90).
+FP32_TILE = GemmConfig(32, 32, 32, 1, 4, 0)
+# A K that block_k does not divide masks every K step's loads: sm90 spilled 208 bytes a thread at
+# block_k 64 with K = 72 and 24 (the backward's d a, the transposed weights' contiguous dim), sm80
+# 16 bytes with K = 48. So block_k halves down to 16 until it divides K; a K that 16 does not divide
+# takes 32, which compiles clean on sm90.
+ODD_K_BLOCK_K = 32
+
+
+def _block_k_for(K: int, block_k: int) -> int:
+    """block_k, halved down to 16 until it divides K; ODD_K_BLOCK_K (at most) if none does."""
+    bk = block_k
+    while bk > 16 and K % bk:
+        bk //= 2
+    return bk if K % bk == 0 else min(block_k, ODD_K_BLOCK_K)
+
+
+MAX_STAGES = 4    # more buys nothing on a K loop of 64-wide steps (Triton's matmul tutorial, sm90)
+
+# The tuned configs: JSON files that benchmarks/tune_moe.py writes, one per (kernel, arch, dtype,
+# E, K, N), holding a config per M_total (rows); a call takes the row of the nearest M_total.
+CONFIG_DIR = Path(__file__).parent / "configs"
+
+
+def config_file_name(kernel: str, arch: str, dtype: torch.dtype, E: int, K: int, N: int) -> str:
+    return f"{kernel}-{arch}-{str(dtype).removeprefix('torch.')}-E{E}-K{K}-N{N}.json"
+
+
+@functools.lru_cache(maxsize=None)
+def _config_file(name: str) -> dict[int, GemmConfig] | None:
+    path = CONFIG_DIR / name
+    if not path.is_file():
+        return None
+    rows = json.loads(path.read_text())["configs"]
+    return {int(m): GemmConfig(**row) for m, row in rows.items()}
+
+
+def clear_config_cache() -> None:
+    """Forget the config files read and the configs chosen (after the files change)."""
+    _config_file.cache_clear()
+    _arch_gemm_config.cache_clear()
+
+
+def _shared_memory(device: torch.device, arch: str) -> int:
+    if compiling() is None and device.type == "cuda" and torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(device)
+        optin = getattr(props, "shared_memory_per_block_optin", 0)
+        if optin:
+            return int(optin)
+    return SHARED_MEMORY.get(arch, SHARED_MEMORY.get(ARCH_ALIASES.get(arch, ""), SHARED_MEMORY["generic"]))
+
+
+def default_gemm_config(kernel: str, device: torch.device, arch: str, M: int, E: int, K: int,
+                        dtype: torch.dtype) -> GemmConfig:
+    """The default tile for an average of M / E rows a group, with as many stages (2 to MAX_STAGES)
+    as the architecture's shared memory holds (a and b tiles a stage, plus one stage's worth for
+    the epilogue)."""
+    average = M // max(E, 1)
+    if dtype == torch.float32:
+        tile = FP32_TILE
+    else:
+        tile = next(cfg for rows, cfg in DEFAULT_TILES[kernel] if average >= rows)
+        if kernel == "grouped_mm":
+            tile = dataclasses.replace(tile, block_k=_block_k_for(K, tile.block_k))
+    size = max(torch.tensor([], dtype=dtype).element_size(), 2)
+    stage = (tile.block_m * tile.block_k + tile.block_k * tile.block_n) * size
+    stages = max(2, min(MAX_STAGES, _shared_memory(device, arch) // stage - 1))
+    return dataclasses.replace(tile, num_stages=stages)
+
+
+def _gemm_config(kernel: str, device: torch.device, *, E, K, N, M, dtype) -> GemmConfig:
+    if device.type != "cuda" and compiling() is None:
+        return INTERPRETER_GEMM
+    return _arch_gemm_config(kernel, device, arch_id(device), E, K, N, M, dtype)
+
+
+@functools.lru_cache(maxsize=4096)   # the per-call host path: one dict lookup once a shape is seen
+def _arch_gemm_config(kernel, device, arch, E, K, N, M, dtype) -> GemmConfig:
+    for key in (arch, ARCH_ALIASES.get(arch)):
+        rows = key and _config_file(config_file_name(kernel, key, dtype, E, K, N))
+        if rows:
+            return rows[min(rows, key=lambda m: (abs(m - M), m))]
+    return default_gemm_config(kernel, device, arch, M, E, K, dtype)
+
+
+def grouped_mm_config(device: torch.device, *, E: int, K: int, N: int, M: int, dtype: torch.dtype) -> GemmConfig:
+    """The forward's tile for (M_total, K) @ (E, K, N) multiplied in ``dtype`` (fp32 where an
+    operand is) on ``device``: the tuned file's row nearest M_total, else
+    :func:`default_gemm_config`."""
+    return _gemm_config("grouped_mm", device, E=E, K=K, N=N, M=M, dtype=dtype)
+
+
+def grouped_mm_bwd_config(device: torch.device, *, E: int, K: int, N: int, M: int, dtype: torch.dtype) -> GemmConfig:
+    """The weights' gradient's tile (block_m over K, block_n over N, block_k over a group's rows)."""
+    return _gemm_config("grouped_mm_bwd", device, E=E, K=K, N=N, M=M, dtype=dtype)
+
 
 
 # ---- compile allowances (lanekit targets): (kernel, target) -> (bytes | regular expression, reason).

@@ -180,6 +180,28 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, out_dtype: 
     return out if out_dtype is None else out.to(out_dtype)
 
 
+
+def grouped_mm_backward(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, dout: torch.Tensor,
+                        out_dtype: torch.dtype | None = None):
+    """The gradients (d a (M_total, K), d b (E, K, N)) of :func:`grouped_mm` for the output's
+    gradient ``dout`` (M_total, N), by autograd: d a = dout @ b[e]^T on each group's rows (0 past
+    offs[E-1]), d b[e] = a[rows of e]^T @ dout[rows of e] (0 for a group of no rows)."""
+    a, b = (t.detach().requires_grad_() for t in (a, b))
+    out = grouped_mm(a, b, offs)
+    return torch.autograd.grad(out, (a, b), dout.to(out.dtype))
+
+
+def fused_moe_backward(dout: torch.Tensor, hidden_states: torch.Tensor, w1: torch.Tensor,
+                       w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                       activation: str = "silu", apply_router_weight_on_input: bool = False,
+                       expert_map: torch.Tensor | None = None):
+    """The gradients (d hidden_states, d w1, d w2, d topk_weights) of :func:`fused_moe` for the
+    output's gradient ``dout`` (M, K), by autograd (an expert mapped to -1 gets zeros)."""
+    leaves = [t.detach().requires_grad_() for t in (hidden_states, w1, w2, topk_weights)]
+    out = fused_moe(*leaves, topk_ids, activation, apply_router_weight_on_input, expert_map)
+    return torch.autograd.grad(out, leaves, dout.to(out.dtype), allow_unused=True, materialize_grads=True)
+
+
 ACTIVATIONS = ("silu", "gelu")
 
 
