@@ -87,7 +87,10 @@ def _fused_moe_samples(device):
                          E=4, topk=2, dtype=torch.float16, weights_dtype=torch.float16)
     yield fused_moe_case("transposed w1 and w2 views, M 8 top-2", device, M=8, K=64, N=32, E=4, topk=2,
                          transposed_weights=True)
-    yield fused_moe_case("M 300 (the prefill tiles), E 4 top-2", device, M=300, K=64, N=32, E=4, topk=2)
+    yield fused_moe_case("M 300 (the prefill tiles), K 144, N 48, E 4 top-2", device, M=300, K=144, N=48,
+                         E=4, topk=2)
+    yield fused_moe_case("M 300, K 136, N 40 (unaligned: the smaller tiles)", device, M=300, K=136,
+                         N=40, E=4, topk=2)
     yield fused_moe_case("M 0", device, M=0, K=64, N=32, E=4, topk=2)
 
 

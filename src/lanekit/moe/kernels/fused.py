@@ -203,7 +203,7 @@ def fused_moe_fwd(*, hidden_states, w1, w2, topk_weights, topk_ids, activation,
         return out.zero_()
     device = hidden_states.device
     num_global = expert_map.shape[0] if expert_map is not None else E
-    cfg = tuning.fused_moe_config(device, M)
+    cfg = tuning.fused_moe_config(device, M, K, N)
     sorted_ids, expert_ids, num_post = _align(topk_ids, cfg.block_m, num_global, expert_map)
     EM = sorted_ids.shape[0]
     flat_w = topk_weights.reshape(-1)            # (M * topk,): a view (checked contiguous rows)
