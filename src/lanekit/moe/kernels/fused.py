@@ -52,7 +52,7 @@ def _block_rows(SORTED, EXPERT_IDS, NUM_POST, pid_m, EM, num_valid, E, BLOCK_M: 
     (t * topk + s), valid masks the padding (sentinel) rows."""
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)        # [BLOCK_M]
     num_post = tl.load(NUM_POST).to(tl.int64)
-    expert = tl.load(EXPERT_IDS + pid_m).to(tl.int64)
+    expert = tl.load(EXPERT_IDS + pid_m).to(tl.int64)               # pid_m < cdiv(EM, BLOCK_M)
     idle = (pid_m * BLOCK_M >= num_post) | (expert < 0) | (expert >= E)
     flat = tl.load(SORTED + rows, mask=rows < EM, other=num_valid).to(tl.int64)
     valid = (flat < num_valid) & (flat >= 0)
@@ -205,7 +205,7 @@ def fused_moe_fwd(*, hidden_states, w1, w2, topk_weights, topk_ids, activation,
     num_global = expert_map.shape[0] if expert_map is not None else E
     cfg = tuning.fused_moe_config(device, M, K, N)
     sorted_ids, expert_ids, num_post = _align(topk_ids, cfg.block_m, num_global, expert_map)
-    EM = sorted_ids.shape[0]
+    EM = min(sorted_ids.shape[0], expert_ids.shape[0] * cfg.block_m)   # every block has its expert id
     flat_w = topk_weights.reshape(-1)            # (M * topk,): a view (checked contiguous rows)
     on_input = bool(apply_router_weight_on_input)
     opts = cfg.options()
