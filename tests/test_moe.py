@@ -46,7 +46,8 @@ _FUSED_CASES = {
     "gelu": dict(M=13, K=80, N=40, E=4, topk=2, activation="gelu"),
     "fp16": dict(M=10, K=96, N=64, E=4, topk=2, dtype=torch.float16),
     "topk_weights in bf16": dict(M=4, K=64, N=32, E=4, topk=2, weights_dtype=torch.bfloat16),
-    "transposed weight views": dict(M=8, K=64, N=32, E=4, topk=2, transposed_weights=True),
+    "transposed weight views, strided x": dict(M=8, K=64, N=32, E=4, topk=2, transposed_weights=True,
+                                               strided_x=True),
     "prefill tiles, M 300": dict(M=300, K=64, N=32, E=4, topk=2),
 }
 
@@ -227,3 +228,28 @@ def test_fused_moe_under_torch_compile_fullgraph(device):
     eager = lanekit.moe.fused_moe(**kw)
     compiled = torch.compile(lambda **k: lanekit.moe.fused_moe(**k), fullgraph=True)(**kw)
     assert torch.equal(compiled, eager)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU with ~20 GB free")
+def test_fused_moe_offsets_past_2_31_elements(device):
+    """w1 of more than 2^31 elements (the last expert's rows past it) and per-slot rows past 2^31
+    elements: int64 offsets. Checked on the last tokens, against the oracle on their experts."""
+    from lanekit.moe.registry import FUSED_MOE
+
+    E, N, K, topk = 65, 2048, 8192, 8
+    M = 2 ** 31 // (topk * K) + 1
+    g = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(M, K, device=device, dtype=torch.bfloat16, generator=g)
+    w1 = torch.randn(E, 2 * N, K, device=device, dtype=torch.bfloat16, generator=g) * K ** -0.5
+    w2 = torch.randn(E, K, N, device=device, dtype=torch.bfloat16, generator=g) * N ** -0.5
+    ids = torch.rand(M, E, device=device, generator=g).argsort(-1)[:, :topk].int()   # distinct per token
+    ids[-1, 0] = E - 1
+    weights = torch.softmax(torch.randn(M, topk, device=device, generator=g), -1)
+    out = lanekit.moe.fused_moe(x, w1, w2, weights, ids)
+    tail = slice(M - 2, M)
+    used = torch.unique(ids[tail].long())
+    local = torch.full((E,), -1, dtype=torch.long, device=device)
+    local[used] = torch.arange(used.numel(), device=device)
+    expected = ref.fused_moe(x[tail].double(), w1[used].double(), w2[used].double(), weights[tail].double(),
+                             local[ids[tail].long()].int())
+    assert_close(out[tail], expected, FUSED_MOE)

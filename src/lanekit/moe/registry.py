@@ -13,6 +13,7 @@ import torch
 
 from lanekit.runtime.registry import Op, Sample, register
 from lanekit.testing import CODES, EXACT, Tolerance, generator, randn
+from lanekit.testing import noncontiguous
 
 # ---- routing: topk_softmax, grouped_topk ----
 
@@ -39,13 +40,16 @@ FUSED_MOE = Tolerance(
 
 def fused_moe_case(name, device, *, M, K, N, E, topk, dtype=torch.bfloat16, activation="silu",
                    on_input=False, remote_half=False, idle_expert=None, equal_weights=False,
-                   weights_dtype=torch.float32, transposed_weights=False) -> Sample:
+                   weights_dtype=torch.float32, transposed_weights=False, strided_x=False) -> Sample:
     """A ``fused_moe`` sample from readable parameters. Routing is the top-k of a softmax over
     random logits (E_global = 2E with ``remote_half``: the odd global experts live elsewhere);
     ``idle_expert`` gets no token; ``equal_weights`` gives every slot 1 / topk;
-    ``transposed_weights`` passes w1 and w2 as transposed views (strides other than packed)."""
+    ``transposed_weights`` passes w1 and w2 as transposed views (strides other than packed),
+    ``strided_x`` x as every other row of a buffer."""
     g = generator(name)
     x = randn(M, K, dtype=dtype, device=device, generator=g)
+    if strided_x:
+        x = noncontiguous(x)
     w1 = randn(E, 2 * N, K, dtype=dtype, device=device, generator=g, scale=K ** -0.5)
     w2 = randn(E, K, N, dtype=dtype, device=device, generator=g, scale=N ** -0.5)
     if transposed_weights:
@@ -85,8 +89,8 @@ def _fused_moe_samples(device):
     yield fused_moe_case("gelu, M 13 top-2", device, M=13, K=80, N=40, E=4, topk=2, activation="gelu")
     yield fused_moe_case("fp16, routing weights in fp16, M 10 top-2", device, M=10, K=96, N=64,
                          E=4, topk=2, dtype=torch.float16, weights_dtype=torch.float16)
-    yield fused_moe_case("transposed w1 and w2 views, M 8 top-2", device, M=8, K=64, N=32, E=4, topk=2,
-                         transposed_weights=True)
+    yield fused_moe_case("transposed w1 and w2 views, strided x, M 8 top-2", device, M=8, K=64, N=32,
+                         E=4, topk=2, transposed_weights=True, strided_x=True)
     yield fused_moe_case("M 300 (the prefill tiles), K 144, N 48, E 4 top-2", device, M=300, K=144, N=48,
                          E=4, topk=2)
     yield fused_moe_case("M 300, K 136, N 40 (unaligned: the smaller tiles)", device, M=300, K=136,
