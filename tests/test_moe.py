@@ -253,3 +253,21 @@ def test_fused_moe_offsets_past_2_31_elements(device):
     expected = ref.fused_moe(x[tail].double(), w1[used].double(), w2[used].double(), weights[tail].double(),
                              local[ids[tail].long()].int())
     assert_close(out[tail], expected, FUSED_MOE)
+
+
+def test_fused_moe_grid_covers_every_block_when_each_expert_just_overflows_one(device):
+    """BLOCK_M + 1 slots for each of 4 experts: two blocks each, as many as the grid's bound
+    (slots // BLOCK_M + min(E, slots)) allows; every block must be computed."""
+    from lanekit.moe import tuning
+    from lanekit.moe.registry import FUSED_MOE, fused_moe_case
+
+    block = tuning.fused_moe_config(torch.device(device), 64, 64, 32).block_m
+    M = 2 * (block + 1)                      # top-2: 4 (block + 1) slots
+    kw = fused_moe_case("every expert one slot past a block", device, M=M, K=64, N=32, E=4, topk=2).kwargs
+    assert tuning.fused_moe_config(torch.device(device), M, 64, 32).block_m == block
+    flat = torch.arange(4, dtype=torch.int32).repeat_interleave(block + 1)
+    ids = flat[torch.randperm(flat.numel(), generator=torch.Generator().manual_seed(0))].view(M, 2)
+    kw["topk_ids"] = ids.to(device)
+    with poisoned_outputs():
+        out = lanekit.moe.fused_moe(**kw, lane="triton")
+    assert_close(out, _fused_oracle(kw), FUSED_MOE)

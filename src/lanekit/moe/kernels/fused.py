@@ -52,7 +52,7 @@ def _block_rows(SORTED, EXPERT_IDS, NUM_POST, pid_m, EM, num_valid, E, BLOCK_M: 
     (t * topk + s), valid masks the padding (sentinel) rows."""
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)        # [BLOCK_M]
     num_post = tl.load(NUM_POST).to(tl.int64)
-    expert = tl.load(EXPERT_IDS + pid_m).to(tl.int64)               # pid_m < cdiv(EM, BLOCK_M)
+    expert = tl.load(EXPERT_IDS + pid_m).to(tl.int64)               # pid_m < num_blocks <= cdiv(EM, BLOCK_M)
     idle = (pid_m * BLOCK_M >= num_post) | (expert < 0) | (expert >= E)
     flat = tl.load(SORTED + rows, mask=rows < EM, other=num_valid).to(tl.int64)
     valid = (flat < num_valid) & (flat >= 0)
@@ -75,11 +75,11 @@ def _swizzle(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
 def _fused_moe_gemm1_kernel(X, W1, A, TOPK_W, SORTED, EXPERT_IDS, NUM_POST,
                             stride_xm, stride_xk, stride_we, stride_wn, stride_wk,
                             stride_am, stride_an, stride_tw,
-                            N, K, EM, num_valid, E, TOPK: tl.constexpr, ACT: tl.constexpr,
+                            N, K, EM, num_blocks, num_valid, E, TOPK: tl.constexpr, ACT: tl.constexpr,
                             MUL_WEIGHT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                             BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)
-    pid_m, pid_n = _swizzle(pid, tl.cdiv(EM, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
+    pid_m, pid_n = _swizzle(pid, num_blocks, tl.cdiv(N, BLOCK_N), GROUP_M)
     idle, expert, rows, flat, valid = _block_rows(SORTED, EXPERT_IDS, NUM_POST, pid_m, EM,
                                                   num_valid, E, BLOCK_M)
     if idle:
@@ -121,13 +121,13 @@ def _fused_moe_gemm1_kernel(X, W1, A, TOPK_W, SORTED, EXPERT_IDS, NUM_POST,
 def _fused_moe_gemm2_kernel(A, W2, Y, TOPK_W, SORTED, EXPERT_IDS, NUM_POST,
                             stride_am, stride_an, stride_we, stride_wk, stride_wn,
                             stride_ys, stride_ym, stride_yk, stride_tw,
-                            K, N, EM, num_valid, E, MUL_WEIGHT: tl.constexpr,
+                            K, N, EM, num_blocks, num_valid, E, MUL_WEIGHT: tl.constexpr,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                             GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr):
     # output columns are the hidden size K (BLOCK_N of them), the reduction is over N (BLOCK_K)
     pid = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1).to(tl.int64)
-    pid_m, pid_n = _swizzle(pid, tl.cdiv(EM, BLOCK_M), tl.cdiv(K, BLOCK_N), GROUP_M)
+    pid_m, pid_n = _swizzle(pid, num_blocks, tl.cdiv(K, BLOCK_N), GROUP_M)
     idle, expert, rows, flat, valid = _block_rows(SORTED, EXPERT_IDS, NUM_POST, pid_m, EM,
                                                   num_valid, E, BLOCK_M)
     if idle:
@@ -190,6 +190,14 @@ def _align(topk_ids, block_m, num_experts, expert_map):
     return _ref_moe.moe_align_block_size(topk_ids, block_m, num_experts, expert_map)
 
 
+def _blocks_in_use(EM, slots, num_experts, block_m):
+    """The most aligned blocks that can hold a slot, from shapes alone (no sync): an expert with
+    c slots takes ceil(c / block_m) <= floor(c / block_m) + 1 blocks, and at most min(E, slots)
+    experts have one, so slots // block_m + min(E, slots) (8 at decode with top-8, where the
+    padded length would give E). The align puts them first; the grid covers only them."""
+    return min(triton.cdiv(EM, block_m), slots // block_m + min(num_experts, slots))
+
+
 def fused_moe_block_m(hidden_states, w1, w2) -> int:
     """The align's block size (rows of one expert) that fused_moe_fwd uses for these shapes."""
     return tuning.fused_moe_config(hidden_states.device, hidden_states.shape[0], w1.shape[2],
@@ -220,18 +228,18 @@ def fused_moe_fwd(*, hidden_states, w1, w2, topk_weights, topk_ids, activation,
     on_input = bool(apply_router_weight_on_input)
     opts = cfg.options()
     inter = empty((EM, N), dtype=hidden_states.dtype, device=device)
-    blocks_m = triton.cdiv(EM, cfg.block_m)
+    blocks_m = _blocks_in_use(EM, M * topk, num_global, cfg.block_m)
     _fused_moe_gemm1_kernel[(blocks_m * triton.cdiv(N, cfg.block_n1),)](
         hidden_states, w1, inter, flat_w, sorted_ids, expert_ids, num_post,
         *hidden_states.stride(), *w1.stride(), *inter.stride(), flat_w.stride(0),
-        N, K, EM, M * topk, E, TOPK=topk, ACT=ACTIVATIONS[activation], MUL_WEIGHT=on_input,
+        N, K, EM, blocks_m, M * topk, E, TOPK=topk, ACT=ACTIVATIONS[activation], MUL_WEIGHT=on_input,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n1, BLOCK_K=cfg.block_k1, GROUP_M=cfg.group_m, **opts)
     split = cfg.split_k2
     y = empty((split, M * topk, K), dtype=torch.float32, device=device)
     _fused_moe_gemm2_kernel[(blocks_m * triton.cdiv(K, cfg.block_n2), split)](
         inter, w2, y, flat_w, sorted_ids, expert_ids, num_post,
         *inter.stride(), *w2.stride(), *y.stride(), flat_w.stride(0),
-        K, N, EM, M * topk, E, MUL_WEIGHT=not on_input,
+        K, N, EM, blocks_m, M * topk, E, MUL_WEIGHT=not on_input,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n2, BLOCK_K=cfg.block_k2, GROUP_M=cfg.group_m,
         SPLIT_K=split, **opts)
     flag = errors.error_flag(device)
