@@ -271,3 +271,13 @@ def test_fused_moe_grid_covers_every_block_when_each_expert_just_overflows_one(d
     with poisoned_outputs():
         out = lanekit.moe.fused_moe(**kw, lane="triton")
     assert_close(out, _fused_oracle(kw), FUSED_MOE)
+
+
+def test_fused_moe_traces_under_torch_compile_through_its_fake(device):
+    """fullgraph with aot_eager (no compiler needed): the custom op is traced through its fake
+    and runs as itself."""
+    kw = _fused_sample("K 200, N 72", device)
+    eager = lanekit.moe.fused_moe(**kw, lane="triton")
+    compiled = torch.compile(lambda **k: lanekit.moe.fused_moe(**k, lane="triton"), backend="aot_eager",
+                             fullgraph=True)(**kw)
+    assert torch.equal(compiled, eager)
