@@ -55,7 +55,7 @@ def fused_moe(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
     """The fused expert MLP of a mixture-of-experts layer, unquantized (vLLM's ``fused_experts``).
 
     For each token t and slot s, with e = topk_ids[t, s] (through ``expert_map`` when given):
-    ``out[t] += topk_weights[t, s] * w2[e] @ act(w1[e, :N] @ x[t]) * (w1[e, N:] @ x[t])``.
+    ``out[t] += topk_weights[t, s] * w2[e] @ (act(w1[e, :N] @ x[t]) * (w1[e, N:] @ x[t]))``.
     Tokens are aligned by expert in blocks (vLLM's ``moe_align_block_size``); the first GEMM
     gathers each block's rows of x in its loads and applies act(gate) * up in its epilogue; its
     result, the (rows, N) intermediate, is rounded to x's dtype before the second GEMM (as vLLM
