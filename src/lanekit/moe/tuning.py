@@ -67,6 +67,13 @@ FUSED_MOE: dict[str, dict[int, FusedMoeConfig]] = {
         # 3 stages of at most 32 KiB in shared memory
         1 << 62: FusedMoeConfig(128, 64, 64, 128, 64, 8, 8, 3),
     },
+    # Ampere: sm90's rows (mma.sync everywhere; 164 KiB of shared memory holds their 3 to 4
+    # stages), not yet measured on an A100
+    "sm80": {
+        16: FusedMoeConfig(16, 32, 128, 64, 128, 1, 4, 4, split_k2=2),
+        128: FusedMoeConfig(32, 64, 64, 64, 64, 4, 8, 3),
+        1 << 62: FusedMoeConfig(128, 64, 64, 128, 64, 8, 8, 3),
+    },
     "gfx942": {
         # CDNA 3, 64 KiB of LDS: two stages of 64 x 64 (x2) x 64 tiles fit in 48 KiB
         16: FusedMoeConfig(16, 32, 128, 64, 128, 1, 4, 2, split_k2=2),
