@@ -298,7 +298,7 @@ def grouped_mm_reference(*, a, b, offs, out_dtype):
     return ref.grouped_mm(a.to(torch.float64), b.to(torch.float64), offs).to(out_dtype)
 
 
-def _grads(forward, dout, wrt, **kwargs):
+def _grads_of(forward, dout, wrt, **kwargs):
     """The gradients of ``forward(**kwargs)`` with respect to the inputs named in ``wrt``."""
     leaves = {name: kwargs[name].detach().requires_grad_() for name in wrt}
     out = forward(**{**kwargs, **leaves})
@@ -310,8 +310,8 @@ def _grouped_mm_backward_lane(forward, in_f64: bool):
     in float64 rounded back to the inputs' dtypes with ``in_f64``."""
     def backward(*, dout, **kwargs):
         if not in_f64:
-            return _grads(forward, dout, ("a", "b"), **kwargs)
-        da, db = _grads(forward, dout.to(torch.float64), ("a", "b"), **{**kwargs, "out_dtype": torch.float64})
+            return _grads_of(forward, dout, ("a", "b"), **kwargs)
+        da, db = _grads_of(forward, dout.to(torch.float64), ("a", "b"), **{**kwargs, "out_dtype": torch.float64})
         return da.to(kwargs["a"].dtype), db.to(kwargs["b"].dtype)
     return backward
 
@@ -362,38 +362,64 @@ def fused_moe_backward_triton(*, dout, hidden_states, w1, w2, topk_weights, topk
 def fused_moe_backward_reference(*, dout, hidden_states, w1, w2, topk_weights, **kwargs):
     """torch.autograd of the oracle in float64, rounded to each input's dtype."""
     inputs = dict(hidden_states=hidden_states, w1=w1, w2=w2, topk_weights=topk_weights)
-    grads = _grads(ref.fused_moe, dout.to(torch.float64), _FUSED_MOE_GRADS,
+    grads = _grads_of(ref.fused_moe, dout.to(torch.float64), _FUSED_MOE_GRADS,
                    **{k: v.to(torch.float64) for k, v in inputs.items()}, **kwargs)
     return tuple(g.to(inputs[name].dtype) for g, name in zip(grads, _FUSED_MOE_GRADS))
 
 
-@_custom_op("lanekit::fused_moe_reference_standin")
-def _fused_moe_standin_op(hidden_states: Tensor, w1: Tensor, w2: Tensor, topk_weights: Tensor,
-                          topk_ids: Tensor, activation: str, apply_router_weight_on_input: bool,
-                          expert_map: Tensor | None) -> Tensor:
-    """A STAND-IN for fused_moe's forward op (helper C's kernel; the lead registers fused_moe_bwd as
-    its autograd at merge): the oracle in float64, rounded to hidden_states' dtype, with
-    fused_moe_bwd as its autograd, so that tests can train through the backward before the merge."""
-    f64 = torch.float64
-    out = ref.fused_moe(hidden_states.to(f64), w1.to(f64), w2.to(f64), topk_weights.to(f64), topk_ids,
-                        activation, apply_router_weight_on_input, expert_map)
-    return out.to(hidden_states.dtype)
+# -- fused_moe --
+
+def _fused_kernels():
+    from lanekit.moe.kernels import fused  # imported on first use: see runtime.lanes
+
+    return fused
 
 
-@_fused_moe_standin_op.register_fake
-def _(hidden_states, w1, w2, topk_weights, topk_ids, activation, apply_router_weight_on_input, expert_map):
+@_custom_op("lanekit::fused_moe")
+def _fused_moe_op(hidden_states: Tensor, w1: Tensor, w2: Tensor, topk_weights: Tensor,
+                  topk_ids: Tensor, activation: str, apply_router_weight_on_input: bool,
+                  expert_map: Tensor | None) -> Tensor:
+    from lanekit.runtime.alloc import empty
+
+    out = empty(hidden_states.shape, dtype=hidden_states.dtype, device=hidden_states.device)
+    return _fused_kernels().fused_moe_fwd(
+        hidden_states=hidden_states, w1=w1, w2=w2, topk_weights=topk_weights, topk_ids=topk_ids,
+        activation=activation, apply_router_weight_on_input=apply_router_weight_on_input,
+        expert_map=expert_map, out=out)
+
+
+@_fused_moe_op.register_fake
+def _(hidden_states, w1, w2, topk_weights, topk_ids, activation, apply_router_weight_on_input,
+      expert_map):
     return hidden_states.new_empty(hidden_states.shape)
 
 
-def _fused_moe_standin_setup(ctx, inputs, output):
-    ctx.save_for_backward(*inputs[:5], inputs[7])
-    ctx.scalars = inputs[5:7]
+def _fused_moe_setup(ctx, inputs, output):
+    hidden_states, w1, w2, topk_weights, topk_ids, activation, on_input, expert_map = inputs
+    ctx.save_for_backward(hidden_states, w1, w2, topk_weights, topk_ids, expert_map)
+    ctx.scalars = (activation, on_input)
 
 
-def _fused_moe_standin_backward(ctx, dout):
+def _fused_moe_backward(ctx, dout):
+    """d hidden_states, d w1, d w2, d topk_weights by ``fused_moe_bwd`` (the grouped GEMM's kernels;
+    the forward's intermediates recomputed)."""
     hidden_states, w1, w2, topk_weights, topk_ids, expert_map = ctx.saved_tensors
     grads = _fused_moe_bwd_op(dout, hidden_states, w1, w2, topk_weights, topk_ids, *ctx.scalars, expert_map)
     return (*grads, None, None, None, None)
 
 
-_fused_moe_standin_op.register_autograd(_fused_moe_standin_backward, setup_context=_fused_moe_standin_setup)
+_fused_moe_op.register_autograd(_fused_moe_backward, setup_context=_fused_moe_setup)
+
+
+def fused_moe_triton(*, hidden_states, w1, w2, topk_weights, topk_ids, activation="silu",
+                     apply_router_weight_on_input=False, expert_map=None):
+    return _call(_fused_moe_op, hidden_states, w1, w2, topk_weights, topk_ids, activation,
+                 apply_router_weight_on_input, expert_map,
+                 inputs=(hidden_states, w1, w2, topk_weights))
+
+
+def fused_moe_reference(*, hidden_states, **kw):
+    """The oracle in float64, rounded to hidden_states' dtype."""
+    kw = {k: v.to(torch.float64) if isinstance(v, Tensor) and v.is_floating_point() else v
+          for k, v in kw.items()}
+    return ref.fused_moe(hidden_states.to(torch.float64), **kw).to(hidden_states.dtype)
