@@ -276,8 +276,9 @@ def fused_moe_quantized(hidden_states, w1, w2, topk_weights, topk_ids, activatio
     topk = topk_ids.shape[1]
     dt = hidden_states.dtype
     scales = [s.to(dt) for s in (w1_scale, w2_scale)]
-    w1d = _dequantized_weight(w1, scales[0], per_channel_quant, block_shape)
-    w2d = _dequantized_weight(w2, scales[1], per_channel_quant, block_shape)
+    per_channel = per_channel_quant or not use_fp8_w8a8       # W8A16: per output channel
+    w1d = _dequantized_weight(w1, scales[0], per_channel, block_shape)
+    w2d = _dequantized_weight(w2, scales[1], per_channel, block_shape)
     x = hidden_states
     if use_fp8_w8a8:
         x = _quantized_activation(x, per_channel_quant, block_shape, a1_scale, dt)
