@@ -141,9 +141,9 @@ MATRIX_ALLOWANCES: dict[tuple[str, str], tuple[str, str]] = {
     (kernel, "sm90"): (r"\bmma\.sync\.aligned\.\S+", _FUSED_MOE_SMALL_BLOCKS)
     for kernel in ("_fused_moe_gemm1_kernel", "_fused_moe_gemm2_kernel")
 }
-# fused_moe's quantized GEMMs: the same small-block rows as fused_moe's, so mma.sync there (fp8
-# e4m3 mma.sync exists from sm89 on; W8A16 multiplies bf16/fp16); the prefill row takes wgmma
-# (m64n64k32 e4m3 in lanekit export)
+# fused_moe's quantized GEMMs: the same small-block rows as fused_moe's, so mma.sync there
+# (lanekit export, Triton 3.6.0: e4m3 operands widened to fp16, exactly, for mma.sync f16; W8A16
+# multiplies bf16/fp16); the prefill row takes wgmma m64n64k32 e4m3
 MATRIX_ALLOWANCES.update({
     (kernel, "sm90"): (r"\bmma\.sync\.aligned\.\S+", _FUSED_MOE_SMALL_BLOCKS)
     for kernel in ("_fused_moe_quant_gemm1_kernel", "_fused_moe_quant_gemm2_kernel")
