@@ -475,3 +475,24 @@ def test_fused_moe_quant_custom_op_has_a_working_fake(device):
             True, False, [128, 128], kw["w1_scale"], kw["w2_scale"], None, None)
     # test_schema is left out: it multiplies the inputs, which PyTorch cannot do for e4m3 on the CPU
     torch.library.opcheck(_fused_moe_quant_op, args, test_utils=("test_faketensor",))
+
+
+def test_fused_moe_quantized_traces_under_torch_compile_through_its_fake(device):
+    kw = _public(_quant_sample("fp8 128x128 blocks", "K 200, N 72", device))
+    eager = lanekit.moe.fused_moe(**kw, lane="triton")
+    compiled = torch.compile(lambda **k: lanekit.moe.fused_moe(**k, lane="triton"), backend="aot_eager",
+                             fullgraph=True)(**kw)
+    assert torch.equal(compiled, eager)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the prefill tiles at a real model's shape need a GPU")
+@pytest.mark.parametrize("scheme", _SCHEMES)
+def test_fused_moe_quantized_at_qwen3_30b_shapes(device, scheme):
+    """Qwen3-30B-A3B's experts (E 128 top-8, K 2048, N 768) at M 512: the prefill row (wgmma
+    on sm90) against the oracle."""
+    from lanekit.moe.registry import FUSED_MOE_QUANT, fused_moe_quant_case
+
+    kw = fused_moe_quant_case(f"{scheme}: Qwen3-30B-A3B, M 512", device, scheme=scheme, M=512, K=2048,
+                              N=768, E=128, topk=8).kwargs
+    out = lanekit.moe.fused_moe(**_public(kw))
+    assert_close(out, _quant_oracle(kw), FUSED_MOE_QUANT)

@@ -197,6 +197,10 @@ def _fused_moe_quant_samples(device):
                                N=64, E=4, topk=2, dtype=torch.float16)
     yield fused_moe_quant_case("fp8 128x128 blocks: M 300 (the prefill tiles), K 256, N 128", device,
                                scheme="fp8 128x128 blocks", M=300, K=256, N=128, E=4, topk=2)
+    yield fused_moe_quant_case("fp8 per tensor: M 0", device, scheme="fp8 per tensor", M=0, K=64,
+                               N=32, E=4, topk=2)
+    yield fused_moe_quant_case("fp8 128x128 blocks: M 0", device, scheme="fp8 128x128 blocks", M=0,
+                               K=64, N=32, E=4, topk=2)
 
 
 register(Op(
