@@ -224,9 +224,13 @@ def fused_moe(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
         if torch.is_grad_enabled() and any(t.requires_grad for t in (hidden_states, topk_weights)):
             raise ValueError("hidden_states: expected no requires_grad with quantized experts (inference "
                              "only: no gradient flows through fp8/int8 experts), got requires_grad=True")
-    elif any(v is not None for v in (w1_scale, w2_scale, a1_scale, a2_scale, block_shape)) or per_channel_quant:
-        raise ValueError("w1_scale: expected no scales, block_shape or per_channel_quant without "
-                         "use_fp8_w8a8 or use_int8_w8a16, got some")
+    else:
+        given = [name for name, v in (("w1_scale", w1_scale), ("w2_scale", w2_scale), ("a1_scale", a1_scale),
+                                      ("a2_scale", a2_scale), ("block_shape", block_shape)) if v is not None]
+        given += ["per_channel_quant"] if per_channel_quant else []
+        if given:
+            raise ValueError(f"{given[0]}: expected no scales, block_shape or per_channel_quant without "
+                             f"use_fp8_w8a8 or use_int8_w8a16, got {', '.join(given)}")
     chosen = _lane(hidden_states, lane, "hidden_states")
     if _check_indices_eagerly():
         _check_fused_moe_indices(topk_ids, expert_map, num_global, E)
