@@ -6,6 +6,7 @@
 #   bench-decode sanitizer).
 #   check-sanitized is lanekit check under compute-sanitizer's memcheck: every kernel on every
 #   registered sample, checked for out-of-bounds accesses as well as against its oracle.
+#   CHECK_ARGS narrows check and check-sanitized (e.g. CHECK_ARGS='--op fused_moe --op grouped_mm').
 #   ncu profiles one launch of each NCU_CASES entry, family:case:kernel-regex[:TABLE.field=value+...]
 #   (a ~ in the case stands for a space; the settings replace fields of this GPU's tuning rows, as
 #   benchmarks.run_case --set does), with Nsight Compute's throughput, memory and stall sections
@@ -38,9 +39,9 @@ for s in "${steps[@]}"; do
     sanitizer) run_step sanitizer compute-sanitizer --tool memcheck --error-exitcode 9 \
                  python3 -m pytest ${SANITIZE_TESTS:-tests/test_attention.py tests/test_attention_backward.py} -q -p no:cacheprovider \
                  -k "${SANITIZE_K:-not random and not every_head_dim and not fifty and not over_2_to_the_31 and not compile}" ;;
-    check) run_step check python3 -m lanekit check --json "$OUT/sm90.json" ;;
+    check) run_step check python3 -m lanekit check ${CHECK_ARGS:-} --json "$OUT/sm90.json" ;;
     check-sanitized) run_step check-sanitized compute-sanitizer --tool memcheck --error-exitcode 9 \
-                 python3 -m lanekit check --json "$OUT/sm90.json" ;;
+                 python3 -m lanekit check ${CHECK_ARGS:-} --json "$OUT/sm90.json" ;;
     demo) run_step demo python3 -m lanekit demo --model-dir .gpu/minilm ;;
     tune) run_step tune python3 -m benchmarks.tune_attention ;;
     profile) run_step profile python3 -m benchmarks.profile_attention --dims ${DIMS:-64 128} ;;

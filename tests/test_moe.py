@@ -1088,3 +1088,218 @@ def test_fused_moe_traces_under_torch_compile_through_its_fake(device):
     compiled = torch.compile(lambda **k: lanekit.moe.fused_moe(**k, lane="triton"), backend="aot_eager",
                              fullgraph=True)(**kw)
     assert torch.equal(compiled, eager)
+
+
+# ---- quantized experts ----
+
+_QUANT_CASES = {
+    "decode M 1, E 8 top-2": dict(M=1, K=64, N=32, E=8, topk=2),
+    "M 3, E 64 top-8": dict(M=3, K=64, N=32, E=64, topk=8),
+    "K 200, N 72": dict(M=17, K=200, N=72, E=8, topk=2),
+    "K 272, N 160: partial 128 blocks": dict(M=6, K=272, N=160, E=2, topk=2),
+    "an expert with no token": dict(M=9, K=64, N=32, E=4, topk=2, idle_expert=2),
+    "expert_map, half the experts remote": dict(M=11, K=64, N=32, E=4, topk=3, remote_half=True),
+    "E 1": dict(M=5, K=48, N=40, E=1, topk=1),
+}
+_SCHEMES = ["fp8 per tensor", "fp8 per token x channel", "fp8 128x128 blocks", "int8 W8A16"]
+
+
+def _quant_sample(scheme, case, device, **extra):
+    from lanekit.moe.registry import fused_moe_quant_case
+
+    return fused_moe_quant_case(f"{scheme}: {case}", device, scheme=scheme,
+                                **dict(_QUANT_CASES[case], **extra)).kwargs
+
+
+def _public(kw):
+    """The sample's keywords that lanekit.moe.fused_moe takes (the oracle's intermediate_dtype out)."""
+    return {k: v for k, v in kw.items() if k != "intermediate_dtype"}
+
+
+def _quant_oracle(kw):
+    return ref.fused_moe(**{k: upcast(v) for k, v in kw.items()})
+
+
+@pytest.mark.parametrize("lane", ["triton", "reference"])
+@pytest.mark.parametrize("case", list(_QUANT_CASES))
+@pytest.mark.parametrize("scheme", _SCHEMES)
+def test_fused_moe_quantized_matches_the_oracle(device, scheme, case, lane):
+    from lanekit.moe.registry import FUSED_MOE_QUANT
+
+    kw = _quant_sample(scheme, case, device)
+    before = {k: v.clone() for k, v in kw.items() if isinstance(v, torch.Tensor)}
+    with poisoned_outputs():
+        out = lanekit.moe.fused_moe(**_public(kw), lane=lane)
+    assert out.dtype == kw["hidden_states"].dtype and out.shape == kw["hidden_states"].shape
+    assert_close(out, _quant_oracle(kw), FUSED_MOE_QUANT)
+    for k, v in before.items():
+        assert torch.equal(kw[k], v), f"{k} was modified"
+
+
+@pytest.mark.parametrize("lane", ["triton", "reference"])
+def test_fused_moe_fp8_static_per_tensor_scales(device, lane):
+    from lanekit.moe.registry import FUSED_MOE_QUANT
+
+    kw = _quant_sample("fp8 per tensor", "decode M 1, E 8 top-2", device, static_scales=True)
+    assert kw["a1_scale"] is not None and kw["a2_scale"] is not None
+    with poisoned_outputs():
+        out = lanekit.moe.fused_moe(**_public(kw), lane=lane)
+    assert_close(out, _quant_oracle(kw), FUSED_MOE_QUANT)
+
+
+@pytest.mark.parametrize("scheme", _SCHEMES)
+def test_fused_moe_quantized_is_close_to_the_unquantized_result(device, scheme):
+    """A sanity bound on the quantization itself: within 10% of max |out| of the bf16 experts
+    (e4m3 has 3 mantissa bits: ~6% per code at worst, averaging out over K and N)."""
+    from lanekit.moe.registry import fused_moe_case
+
+    kw = _quant_sample(scheme, "K 200, N 72", device)
+    plain = fused_moe_case(f"{scheme}: K 200, N 72", device, **_QUANT_CASES["K 200, N 72"]).kwargs
+    out = lanekit.moe.fused_moe(**_public(kw), lane="triton").double()
+    exact = _fused_oracle(plain)
+    assert (out - exact).abs().max() <= 0.1 * exact.abs().max()
+
+
+@pytest.mark.parametrize("group", [None, 128, 200], ids=["per tensor", "per 128 columns", "per row"])
+def test_activation_codes_equal_the_oracles(device, group):
+    """The on-the-fly quantization's codes and scales, bit for bit (round half to even, saturated
+    at +-448): x with exact e4m3 ties (1.0625 -> 1.0, 1.1875 -> 1.25 at scale 1) and values past
+    448 * scale."""
+    from lanekit.moe.kernels import fused_quant as fq
+    from lanekit.reference.numerics import quantize_groups
+    from lanekit.testing import CODES
+
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(5, 200, generator=g) * 3).to(torch.bfloat16)
+    x[0, :4] = torch.tensor([1.0625, 1.1875, -1.0625, 448.0])
+    x[1] = 0.0                                          # an all-zero row: scale 1
+    x = x.to(device)
+    scheme = fq.PER_TENSOR if group is None else fq.BLOCK if group == 128 else fq.PER_CHANNEL
+    static = torch.ones(1, device=device) if group is None else None
+    codes, scale = fq._quantize_rows(x, scheme, static)
+    ref_codes, ref_scale = quantize_groups(x, group, scale=static)
+    assert_close(codes, ref_codes, CODES)
+    assert torch.equal(scale.reshape(ref_scale.shape).cpu(), ref_scale.cpu())
+    if group is None:
+        assert codes[0, :4].float().tolist() == [1.0, 1.25, -1.0, 448.0]
+        big, _ = fq._quantize_rows(x * 4, fq.PER_TENSOR, static)
+        assert big.float().abs().max().item() == 448.0  # saturated, never NaN
+
+
+def test_fused_moe_quantized_is_deterministic(device):
+    kw = _public(_quant_sample("fp8 128x128 blocks", "M 3, E 64 top-8", device))
+    assert torch.equal(lanekit.moe.fused_moe(**kw, lane="triton"), lanekit.moe.fused_moe(**kw, lane="triton"))
+
+
+def test_fused_moe_quantized_out_of_range_ids_are_masked_and_reported(device):
+    from lanekit.moe.registry import FUSED_MOE_QUANT
+
+    errors.check_errors()
+    kw = _quant_sample("fp8 128x128 blocks", "decode M 1, E 8 top-2", device)
+    kw = dict(kw, hidden_states=torch.cat([kw["hidden_states"]] * 3), topk_weights=torch.cat([kw["topk_weights"]] * 3))
+    kw["topk_ids"] = torch.tensor([[1, 8], [-3, 2], [5, 99]], dtype=torch.int32, device=device)
+    with poisoned_outputs():
+        out = lanekit.moe.fused_moe(**_public(kw), lane="triton")
+    assert not torch.isnan(out).any()
+    assert_close(out, _quant_oracle(kw), FUSED_MOE_QUANT)   # the oracle never meets the bad ids
+    with pytest.raises(ValueError, match="fused_moe: an id of topk_ids outside"):
+        lanekit.check_errors()
+    errors.check_errors()
+
+
+def test_fused_moe_quantized_checks_ids_eagerly_when_asked(device, monkeypatch):
+    monkeypatch.setenv("LANEKIT_CHECK_INDICES", "1")
+    errors.check_errors()
+    kw = _quant_sample("fp8 per tensor", "decode M 1, E 8 top-2", device)
+    kw["topk_ids"] = torch.tensor([[1, 8]], dtype=torch.int32, device=device)
+    with pytest.raises(ValueError, match=r"topk_ids: expected ids in \[0, 8\)"):
+        lanekit.moe.fused_moe(**_public(kw), lane="triton")
+    errors.check_errors()   # nothing was launched, nothing recorded
+
+
+def _quant_bad_inputs():
+    def w1s(shape):
+        return lambda kw: dict(kw, w1_scale=torch.ones(shape))
+
+    return {
+        "fp8 weights without scales": (lambda kw: dict(kw, w1_scale=None), ValueError, "w1_scale: expected the weights' scales"),
+        "block w1_scale of the wrong shape": (w1s((8, 1, 2)), ValueError, r"w1_scale: expected shape \(8, 1, 1\)"),
+        "block w2_scale of the wrong shape": (lambda kw: dict(kw, w2_scale=torch.ones(8, 2, 2)), ValueError,
+                                              r"w2_scale: expected shape \(8, 1, 1\)"),
+        "scale fp16": (lambda kw: dict(kw, w1_scale=kw["w1_scale"].half()), TypeError, "w1_scale: expected dtype"),
+        "weights bf16 with use_fp8_w8a8": (lambda kw: dict(kw, w1=kw["w1"].to(torch.bfloat16)), TypeError,
+                                           "w1: expected dtype"),
+        "weights int8 with use_fp8_w8a8": (lambda kw: dict(kw, w2=kw["w2"].view(torch.int8)), TypeError,
+                                           "w2: expected dtype"),
+        "both schemes": (lambda kw: dict(kw, use_int8_w8a16=True), ValueError, "one quantization scheme"),
+        "block_shape 64x64": (lambda kw: dict(kw, block_shape=[64, 64]), ValueError, r"block_shape: expected \[128, 128\]"),
+        "block_shape with per_channel_quant": (lambda kw: dict(kw, per_channel_quant=True), ValueError,
+                                               "block_shape: expected None with per_channel_quant"),
+        "a1_scale with block scales": (lambda kw: dict(kw, a1_scale=torch.ones(1)), ValueError,
+                                       "a1_scale: expected None"),
+        "flag not a bool": (lambda kw: dict(kw, use_fp8_w8a8=1), TypeError, "use_fp8_w8a8: expected a bool"),
+        "per-tensor w1_scale (E, 1)": (lambda kw: dict(kw, block_shape=None, w1_scale=torch.ones(8, 1),
+                                                       w2_scale=torch.ones(8)), ValueError,
+                                       r"w1_scale: expected shape \(8,\) or \(1,\)"),
+        "per-tensor a2_scale (2,)": (lambda kw: dict(kw, block_shape=None, w1_scale=torch.ones(8), w2_scale=torch.ones(1),
+                                                     a2_scale=torch.ones(2)), ValueError, r"a2_scale: expected shape \(1,\)"),
+        "int8 W8A16 per-tensor scales": (lambda kw: dict(kw, use_fp8_w8a8=False, use_int8_w8a16=True, block_shape=None,
+                                                         w1=kw["w1"].view(torch.int8), w2=kw["w2"].view(torch.int8),
+                                                         w1_scale=torch.ones(8)), ValueError,
+                                         r"w1_scale: expected shape \(8, 64, 1\)"),
+        "scales without a scheme": (lambda kw: dict(kw, use_fp8_w8a8=False, block_shape=None,
+                                                    w1=torch.zeros(8, 64, 64, dtype=torch.bfloat16),
+                                                    w2=torch.zeros(8, 64, 32, dtype=torch.bfloat16)),
+                                    ValueError, "expected no scales"),
+        "x requiring grad": (lambda kw: dict(kw, hidden_states=kw["hidden_states"].clone().requires_grad_()),
+                             ValueError, "inference only"),
+    }
+
+
+@pytest.mark.parametrize("case", list(_quant_bad_inputs()))
+def test_fused_moe_quantized_rejects_bad_input_before_any_launch(case, monkeypatch):
+    change, error, match = _quant_bad_inputs()[case]
+    kw = change(_public(_quant_sample("fp8 128x128 blocks", "decode M 1, E 8 top-2", "cpu")))
+    before = {k: v.clone() for k, v in kw.items() if isinstance(v, torch.Tensor)}
+
+    def no_launch(**_):
+        raise AssertionError("launched on bad input")
+
+    from lanekit.moe import op
+    for name in ("fused_moe_triton", "fused_moe_reference", "fused_moe_quant_triton", "fused_moe_quant_reference"):
+        monkeypatch.setattr(op, name, no_launch)
+    with pytest.raises(error, match=match):
+        lanekit.moe.fused_moe(**kw, lane="triton")
+    for k, v in before.items():
+        assert torch.equal(kw[k], v)
+
+
+def test_fused_moe_quant_custom_op_has_a_working_fake(device):
+    from lanekit.moe.op import _fused_moe_quant_op
+
+    kw = _quant_sample("fp8 128x128 blocks", "decode M 1, E 8 top-2", device)
+    args = (kw["hidden_states"], kw["w1"], kw["w2"], kw["topk_weights"], kw["topk_ids"], "silu", False, None,
+            True, False, [128, 128], kw["w1_scale"], kw["w2_scale"], None, None)
+    # test_schema is left out: it multiplies the inputs, which PyTorch cannot do for e4m3 on the CPU
+    torch.library.opcheck(_fused_moe_quant_op, args, test_utils=("test_faketensor",))
+
+
+def test_fused_moe_quantized_traces_under_torch_compile_through_its_fake(device):
+    kw = _public(_quant_sample("fp8 128x128 blocks", "K 200, N 72", device))
+    eager = lanekit.moe.fused_moe(**kw, lane="triton")
+    compiled = torch.compile(lambda **k: lanekit.moe.fused_moe(**k, lane="triton"), backend="aot_eager",
+                             fullgraph=True)(**kw)
+    assert torch.equal(compiled, eager)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the prefill tiles at a real model's shape need a GPU")
+@pytest.mark.parametrize("scheme", _SCHEMES)
+def test_fused_moe_quantized_at_qwen3_30b_shapes(device, scheme):
+    """Qwen3-30B-A3B's experts (E 128 top-8, K 2048, N 768) at M 512: the prefill row (wgmma
+    on sm90) against the oracle."""
+    from lanekit.moe.registry import FUSED_MOE_QUANT, fused_moe_quant_case
+
+    kw = fused_moe_quant_case(f"{scheme}: Qwen3-30B-A3B, M 512", device, scheme=scheme, M=512, K=2048,
+                              N=768, E=128, topk=8).kwargs
+    out = lanekit.moe.fused_moe(**_public(kw))
+    assert_close(out, _quant_oracle(kw), FUSED_MOE_QUANT)

@@ -529,3 +529,110 @@ register(Op(
     samples=_fused_moe_samples, outputs=(("out", FUSED_MOE),),
     doc="vLLM's fused_experts: act(x w1_gate) * (x w1_up) w2 per routed expert, weighted sum per token",
 ))
+
+
+# -- fused_moe, quantized experts (fp8 W8A8, int8 W8A16) --
+
+FUSED_MOE_QUANT = Tolerance(
+    name="fused_moe_quant",
+    ulps=2.0,
+    reason=(
+        "against the oracle of the same quantization (fused_moe_quantized: the same e4m3/int8 "
+        "codes of x, the weights and the bf16-rounded intermediate, dequantized exactly): the "
+        "kernels differ only by their fp32 accumulation, which can move the intermediate's bf16 "
+        "rounding, and with it an e4m3 code, in rare cases. Measured 0.50 steps (the output's own "
+        "rounding; the reference lane too) on every "
+        "registered sample interpreted (all four schemes, K 200 N 72, top-8, remote experts, "
+        "static scales, M 300); two steps as fused_moe's, for the GPU's other summation order"
+    ),
+)
+
+_QUANT_SCHEMES = {
+    # scheme: (fused_moe keywords)
+    "fp8 per tensor": dict(use_fp8_w8a8=True),
+    "fp8 per token x channel": dict(use_fp8_w8a8=True, per_channel_quant=True),
+    "fp8 128x128 blocks": dict(use_fp8_w8a8=True, block_shape=[128, 128]),
+    "int8 W8A16": dict(use_int8_w8a16=True),
+}
+
+
+def quantize_weight(w: torch.Tensor, scheme: str):
+    """Codes and scales of expert weights w (E, rows, cols) for a scheme of _QUANT_SCHEMES (as a
+    checkpoint stores them: scale = amax / qmax per expert, output channel or 128 x 128 block)."""
+    from lanekit.reference.numerics import QUANT_MAX, to_codes
+
+    E, R, C = w.shape
+    dtype = torch.int8 if scheme == "int8 W8A16" else torch.float8_e4m3fn
+    wf = w.float()
+    if scheme == "fp8 128x128 blocks":
+        rb, cb = -(-R // 128), -(-C // 128)
+        p = torch.nn.functional.pad(wf, (0, cb * 128 - C, 0, rb * 128 - R)).view(E, rb, 128, cb, 128)
+        scale = p.abs().amax((2, 4)) / QUANT_MAX[dtype]
+        codes = to_codes(p / scale[:, :, None, :, None], dtype).view(E, rb * 128, cb * 128)[:, :R, :C]
+        return codes.contiguous(), scale
+    if scheme == "fp8 per tensor":
+        scale = wf.abs().amax((1, 2)) / QUANT_MAX[dtype]
+        return to_codes(wf / scale[:, None, None], dtype), scale
+    scale = wf.abs().amax(2, keepdim=True) / QUANT_MAX[dtype]
+    return to_codes(wf / scale, dtype), scale
+
+
+def fused_moe_quant_case(name, device, *, scheme, static_scales=False, **case) -> Sample:
+    """A quantized ``fused_moe`` sample: :func:`fused_moe_case`'s (bf16 unless told), its weights
+    quantized per ``scheme`` (a key of _QUANT_SCHEMES); ``static_scales`` (per tensor): a1_scale
+    and a2_scale given (x's amax / 448, and 0.01: some intermediate values saturate)."""
+    kw = dict(fused_moe_case(name, device, **case).kwargs)
+    w1, s1 = quantize_weight(kw["w1"], scheme)
+    w2, s2 = quantize_weight(kw["w2"], scheme)
+    kw.update(w1=w1, w2=w2, w1_scale=s1, w2_scale=s2, use_fp8_w8a8=False, use_int8_w8a16=False,
+              per_channel_quant=False, block_shape=None, a1_scale=None, a2_scale=None,
+              intermediate_dtype=kw["hidden_states"].dtype)
+    kw.update(_QUANT_SCHEMES[scheme])
+    if static_scales:
+        x = kw["hidden_states"].float()
+        kw["a1_scale"] = (x.abs().amax() / 448).reshape(1)
+        kw["a2_scale"] = torch.full((1,), 0.01, dtype=torch.float32, device=device)
+    return Sample(name, kw)
+
+
+def _fused_moe_quant_samples(device):
+    for scheme in _QUANT_SCHEMES:
+        yield fused_moe_quant_case(f"{scheme}: M 1 (decode), E 8 top-2", device, scheme=scheme, M=1,
+                                   K=64, N=32, E=8, topk=2)
+        yield fused_moe_quant_case(f"{scheme}: M 3, E 64 top-8", device, scheme=scheme, M=3, K=64,
+                                   N=32, E=64, topk=8)
+        yield fused_moe_quant_case(f"{scheme}: K 200, N 72, M 17 top-2", device, scheme=scheme, M=17,
+                                   K=200, N=72, E=8, topk=2)
+        yield fused_moe_quant_case(f"{scheme}: K 272, N 160 (partial 128 blocks), M 6", device,
+                                   scheme=scheme, M=6, K=272, N=160, E=2, topk=2)
+        yield fused_moe_quant_case(f"{scheme}: expert 2 of 4 gets no token, M 9", device, scheme=scheme,
+                                   M=9, K=64, N=32, E=4, topk=2, idle_expert=2)
+        yield fused_moe_quant_case(f"{scheme}: expert_map, half remote, M 11 top-3", device,
+                                   scheme=scheme, M=11, K=64, N=32, E=4, topk=3, remote_half=True)
+        yield fused_moe_quant_case(f"{scheme}: E 1 top-1, M 5", device, scheme=scheme, M=5, K=48,
+                                   N=40, E=1, topk=1)
+    yield fused_moe_quant_case("fp8 per tensor: static a1/a2 scales, M 8", device,
+                               scheme="fp8 per tensor", static_scales=True, M=8, K=64, N=32, E=4, topk=2)
+    yield fused_moe_quant_case("fp8 128x128 blocks: router weight on the input, gelu, M 7", device,
+                               scheme="fp8 128x128 blocks", M=7, K=64, N=48, E=4, topk=1, on_input=True,
+                               activation="gelu")
+    yield fused_moe_quant_case("fp8 128x128 blocks: fp16, M 10", device, scheme="fp8 128x128 blocks",
+                               M=10, K=96, N=64, E=4, topk=2, dtype=torch.float16)
+    yield fused_moe_quant_case("int8 W8A16: fp16, M 10", device, scheme="int8 W8A16", M=10, K=96,
+                               N=64, E=4, topk=2, dtype=torch.float16)
+    yield fused_moe_quant_case("fp8 128x128 blocks: M 300 (the prefill tiles), K 256, N 128", device,
+                               scheme="fp8 128x128 blocks", M=300, K=256, N=128, E=4, topk=2)
+    yield fused_moe_quant_case("fp8 per tensor: M 0", device, scheme="fp8 per tensor", M=0, K=64,
+                               N=32, E=4, topk=2)
+    yield fused_moe_quant_case("fp8 128x128 blocks: M 0", device, scheme="fp8 128x128 blocks", M=0,
+                               K=64, N=32, E=4, topk=2)
+
+
+register(Op(
+    name="fused_moe_quant", family="moe", oracle="lanekit.reference.moe:fused_moe",
+    lanes={"triton": "lanekit.moe.op:fused_moe_quant_triton",
+           "reference": "lanekit.moe.op:fused_moe_quant_reference"},
+    samples=_fused_moe_quant_samples, outputs=(("out", FUSED_MOE_QUANT),),
+    doc="fused_moe with quantized experts: fp8 e4m3 W8A8 (per tensor, per token x channel, 128x128 "
+        "blocks; activations quantized on the fly) and int8 W8A16 (per-channel)",
+))

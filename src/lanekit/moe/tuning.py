@@ -333,6 +333,33 @@ def fused_moe_sum_block(device: torch.device, K: int) -> int:
     return min(arch_row(FUSED_MOE_SUM_BLOCK, device), block16(K))
 
 
+# -- fused_moe, quantized experts (fp8 W8A8, int8 W8A16) --
+
+# Rows that differ from fused_moe's for the quantized kernels; every block_k must divide 128 (the
+# block scheme applies one 128 x 128 scale per K step). Others take FUSED_MOE's row (all of whose
+# block_k are 32, 64 or 128).
+FUSED_MOE_QUANT: dict[str, dict[int, FusedMoeConfig]] = {
+    "sm90": {
+        # prefill: fp8 halves the bytes of a tile, so a K step of 128 (one block scale, four
+        # wgmma k-steps of 32) takes the shared memory bf16's 64 did: 32 KiB a stage, 3 stages.
+        # Not yet measured on the H200.
+        1 << 62: FusedMoeConfig(128, 64, 128, 128, 128, 8, 8, 3),
+    },
+}
+# The activation quantization pass: columns of one row a program reads at a time
+FUSED_MOE_QUANT_BLOCK = 1024
+
+
+def fused_moe_quant_config(device: torch.device, M: int, K: int, N: int) -> FusedMoeConfig:
+    cfg = fused_moe_config(device, M, K, N)
+    rows = FUSED_MOE_QUANT.get(arch_id(device), {})
+    if rows and not (K % 16 or N % 16):
+        own = rows[min((k for k in rows if k >= M), default=max(rows))]
+        if own.block_m == cfg.block_m:    # the same M bucket as fused_moe's row
+            cfg = own
+    assert 128 % cfg.block_k1 == 0 and 128 % cfg.block_k2 == 0, cfg
+    return cfg
+
 
 # ---- compile allowances (lanekit targets): (kernel, target) -> (bytes | regular expression, reason).
 SPILL_ALLOWANCES: dict[tuple[str, str], tuple[int, str]] = {}
@@ -344,3 +371,10 @@ MATRIX_ALLOWANCES: dict[tuple[str, str], tuple[str, str]] = {
     (kernel, "sm90"): (r"\bmma\.sync\.aligned\.\S+", _FUSED_MOE_SMALL_BLOCKS)
     for kernel in ("_fused_moe_gemm1_kernel", "_fused_moe_gemm2_kernel")
 }
+# fused_moe's quantized GEMMs: the same small-block rows as fused_moe's, so mma.sync there
+# (lanekit export, Triton 3.6.0: e4m3 operands widened to fp16, exactly, for mma.sync f16; W8A16
+# multiplies bf16/fp16); the prefill row takes wgmma m64n64k32 e4m3
+MATRIX_ALLOWANCES.update({
+    (kernel, "sm90"): (r"\bmma\.sync\.aligned\.\S+", _FUSED_MOE_SMALL_BLOCKS)
+    for kernel in ("_fused_moe_quant_gemm1_kernel", "_fused_moe_quant_gemm2_kernel")
+})

@@ -23,6 +23,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from lanekit.reference.numerics import quantize_groups
+
 I32 = torch.int32
 
 
@@ -214,8 +216,12 @@ def _activation(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.
 
 def fused_moe(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
               topk_weights: torch.Tensor, topk_ids: torch.Tensor, activation: str = "silu",
-              apply_router_weight_on_input: bool = False, expert_map: torch.Tensor | None = None):
-    """vLLM's ``fused_experts`` for unquantized weights.
+              apply_router_weight_on_input: bool = False, expert_map: torch.Tensor | None = None,
+              *, use_fp8_w8a8: bool = False, use_int8_w8a16: bool = False,
+              per_channel_quant: bool = False, block_shape=None, w1_scale=None, w2_scale=None,
+              a1_scale=None, a2_scale=None, intermediate_dtype=None):
+    """vLLM's ``fused_experts``; unquantized weights unless ``use_fp8_w8a8`` or
+    ``use_int8_w8a16`` (then :func:`fused_moe_quantized`, which these keywords are passed to).
 
     For each token t (of hidden_states (M, K)) and slot s: e = topk_ids[t, s] (mapped through
     ``expert_map`` when given; an expert mapped to -1 contributes nothing);
@@ -223,6 +229,12 @@ def fused_moe(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
     out[t] += topk_weights[t, s] * (w2[e] @ a) (w2 (E, K, N)). With
     ``apply_router_weight_on_input`` the weight scales x instead of the expert's output
     (vLLM allows it with topk = 1). Returns (M, K) in hidden_states' dtype."""
+    if use_fp8_w8a8 or use_int8_w8a16:
+        return fused_moe_quantized(
+            hidden_states, w1, w2, topk_weights, topk_ids, activation, apply_router_weight_on_input,
+            expert_map, use_fp8_w8a8=use_fp8_w8a8, per_channel_quant=per_channel_quant,
+            block_shape=block_shape, w1_scale=w1_scale, w2_scale=w2_scale, a1_scale=a1_scale,
+            a2_scale=a2_scale, intermediate_dtype=intermediate_dtype)
     M, K = hidden_states.shape
     N = w2.shape[2]
     ids = topk_ids.long()
@@ -241,4 +253,98 @@ def fused_moe(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
         h = x @ w1[e].t()
         y = _activation(h[:, :N], h[:, N:], activation) @ w2[e].t()
         out.index_add_(0, token, y if apply_router_weight_on_input else y * w)
+    return out
+
+
+def _expand(scale: torch.Tensor, block, rows: int, cols: int) -> torch.Tensor:
+    """Block scales (..., ceil(rows / b0), ceil(cols / b1)) repeated over their blocks and cut to
+    (..., rows, cols)."""
+    return scale.repeat_interleave(block[0], -2).repeat_interleave(block[1], -1)[..., :rows, :cols]
+
+
+def _dequantized_weight(w, scale, per_channel_quant, block_shape):
+    """codes * scale (in the compute dtype) of an expert weight (E, rows, cols): per tensor scale
+    (E,) (or (1,)), per output channel (E, rows, 1), per block (E, ceil(rows / b0), ceil(cols / b1))."""
+    w = w.to(scale.dtype)
+    if block_shape is not None:
+        return w * _expand(scale, block_shape, w.shape[1], w.shape[2])
+    if per_channel_quant:
+        return w * scale.reshape(w.shape[0], w.shape[1], 1)
+    return w * scale.reshape(-1, 1, 1)
+
+
+def _quantized_activation(a, per_channel_quant, block_shape, static_scale, dtype):
+    """a (R, C) quantized to e4m3 on the fly and dequantized (codes * scale, in ``dtype``): per
+    1 x block_shape[1] group of C with block scales, per row (token) with per-channel weights,
+    else per tensor (dynamic, or the ``static_scale`` given)."""
+    R, C = a.shape
+    if block_shape is not None:
+        codes, scale = quantize_groups(a, block_shape[1])
+        return codes.to(dtype) * _expand(scale.to(dtype), (1, block_shape[1]), R, C)
+    if per_channel_quant:
+        codes, scale = quantize_groups(a, max(C, 1))
+        return codes.to(dtype) * scale.to(dtype)
+    codes, scale = quantize_groups(a, None, scale=static_scale)
+    return codes.to(dtype) * scale.to(dtype)
+
+
+def fused_moe_quantized(hidden_states, w1, w2, topk_weights, topk_ids, activation="silu",
+                        apply_router_weight_on_input=False, expert_map=None, *, use_fp8_w8a8=False,
+                        per_channel_quant=False, block_shape=None, w1_scale=None, w2_scale=None,
+                        a1_scale=None, a2_scale=None, intermediate_dtype=None):
+    """vLLM's ``fused_experts`` with quantized expert weights (``use_fp8_w8a8`` or else
+    ``use_int8_w8a16``), step by step where the kernels round:
+
+    1. The weights are codes times scales: fp8 e4m3 w1 (E, 2N, K) and w2 (E, K, N) with scales
+       per tensor (E,), per output channel (``per_channel_quant``: (E, 2N, 1), (E, K, 1)) or per
+       128 x 128 block (``block_shape`` [128, 128]: (E, ceil(2N/128), ceil(K/128)),
+       (E, ceil(K/128), ceil(N/128))); int8 W8A16: int8 codes with per-channel scales.
+    2. fp8 only: x is quantized on the fly (vLLM's ``per_token_group_quant_fp8`` /
+       ``scaled_fp8_quant``; :func:`lanekit.reference.numerics.quantize_groups`): per 1 x 128
+       group of K with block scales, per token with per-channel weights, per tensor otherwise
+       (``a1_scale`` (1,): static; None: amax / 448 of the whole x). scale = amax / 448 in fp32,
+       not a power of two; codes round half to even and saturate at +-448. W8A16 keeps x.
+    3. h = x_dequantized @ w1_dequantized^T, exactly (the compute dtype: float64 in the checks);
+       times the router weight here with ``apply_router_weight_on_input``; a = act(gate) * up,
+       rounded to ``intermediate_dtype`` (the activation dtype, where the kernels round it;
+       None: not rounded).
+    4. fp8 only: a, over every routed slot of this rank's experts (remote slots count zero),
+       quantized the same way as x (``a2_scale`` the static per-tensor scale).
+    5. out[t] = sum over slots of topk_weights[t, s] * (a_dequantized @ w2_dequantized^T).
+    Returns (M, K) in the compute dtype (hidden_states')."""
+    M, K = hidden_states.shape
+    N = w2.shape[2]
+    topk = topk_ids.shape[1]
+    dt = hidden_states.dtype
+    scales = [s.to(dt) for s in (w1_scale, w2_scale)]
+    per_channel = per_channel_quant or not use_fp8_w8a8       # W8A16: per output channel
+    w1d = _dequantized_weight(w1, scales[0], per_channel, block_shape)
+    w2d = _dequantized_weight(w2, scales[1], per_channel, block_shape)
+    x = hidden_states
+    if use_fp8_w8a8:
+        x = _quantized_activation(x, per_channel_quant, block_shape, a1_scale, dt)
+    ids = topk_ids.long()
+    if expert_map is not None:
+        ids = expert_map.long()[ids]
+    weights = topk_weights.to(dt)
+    a = hidden_states.new_zeros((M, topk, N))          # each slot's intermediate; remote: 0
+    for e in range(w1.shape[0]):
+        token, slot = (ids == e).nonzero(as_tuple=True)
+        h = x[token] @ w1d[e].t()
+        if apply_router_weight_on_input:
+            h = h * weights[token, slot].unsqueeze(-1)
+        a[token, slot] = _activation(h[:, :N], h[:, N:], activation)
+    if intermediate_dtype is not None:
+        a = a.to(intermediate_dtype).to(dt)
+    a = a.reshape(M * topk, N)
+    if use_fp8_w8a8:
+        local = ((ids >= 0) & (ids < w1.shape[0])).reshape(-1)
+        a_local = _quantized_activation(a[local], per_channel_quant, block_shape, a2_scale, dt)
+        a = a.new_zeros(a.shape).index_put_((local.nonzero().reshape(-1),), a_local)
+    a = a.reshape(M, topk, N)
+    out = hidden_states.new_zeros((M, K))
+    for e in range(w1.shape[0]):
+        token, slot = (ids == e).nonzero(as_tuple=True)
+        y = a[token, slot] @ w2d[e].t()
+        out.index_add_(0, token, y if apply_router_weight_on_input else y * weights[token, slot].unsqueeze(-1))
     return out

@@ -40,3 +40,29 @@ def unit_exponent(m: torch.Tensor) -> torch.Tensor:
 def power_of_two(k: torch.Tensor) -> torch.Tensor:
     """2^k in fp32 for int32 k in [-126, 127], from its exponent bits (exact)."""
     return ((k + 127) << 23).to(torch.int32).view(torch.float32)
+
+
+def quantize_groups(x: torch.Tensor, group: int | None, dtype: torch.dtype = torch.float8_e4m3fn,
+                    scale: torch.Tensor | None = None):
+    """Dynamic symmetric quantization of the rows of x (R, C), every step one correctly rounded
+    fp32 operation (vLLM's ``per_token_group_quant_fp8`` and ``scaled_fp8_quant``): the columns
+    of each row in groups of ``group`` (the last one partial; ``group`` = C: per row), or the
+    whole tensor (``group`` None). scale = amax / qmax of the group (fp32 amax of x's values; 1
+    when the group is all zero; not rounded to a power of two), codes = :func:`to_codes` of
+    x / scale. A given ``scale`` (1,) is used as it is (static per-tensor). Returns (codes in
+    ``dtype`` (R, C), scale fp32: (1,) per tensor, (R, ceil(C / group)) per group)."""
+    x = x.to(torch.float32)
+    R, C = x.shape
+    qmax = QUANT_MAX[dtype]
+    if scale is not None:
+        return to_codes(x / scale.to(torch.float32).reshape(1, 1), dtype), scale.to(torch.float32).reshape(1)
+    if group is None:
+        amax = x.abs().amax().reshape(1) if x.numel() else torch.zeros(1, device=x.device)
+        s = torch.where(amax > 0, amax / torch.full_like(amax, qmax), torch.ones_like(amax))
+        return to_codes(x / s.reshape(1, 1), dtype), s
+    groups = -(-C // group)
+    padded = torch.nn.functional.pad(x, (0, groups * group - C)).view(R, groups, group)
+    amax = padded.abs().amax(-1)                                        # (R, groups)
+    s = torch.where(amax > 0, amax / torch.full_like(amax, qmax), torch.ones_like(amax))
+    codes = to_codes(padded / s.unsqueeze(-1), dtype).view(R, groups * group)[:, :C]
+    return codes, s

@@ -2,7 +2,7 @@
 
 Triton's interpreter (3.6.0 through 3.9.0 at least) gets two things wrong that the GPU gets right:
 - It stores bf16 tensors as their uint16 bit patterns and multiplies those integers in ``tl.dot``:
-  every bf16 matrix product it computes is garbage. :func:`fix_bf16_dot` wraps ``create_dot`` so
+  every bf16 matrix product it computes is garbage (fp8 operands likewise, as uint8 patterns). :func:`fix_bf16_dot` wraps ``create_dot`` so
   bf16 operands are widened to fp32 first, which is exact, and what the GPU's bf16 tensor-core
   product accumulating in fp32 computes too.
 - Its casts to bf16 and to fp8 truncate the mantissa (or round half up without carrying into the
@@ -28,10 +28,18 @@ def fix_bf16_dot() -> None:
         return
     original = builder.create_dot
 
+    import torch
+
+    fp8 = {tl.float8e4nv: torch.float8_e4m3fn, tl.float8e5: torch.float8_e5m2}
+
     def _widen(handle):
         if handle.dtype.scalar == tl.bfloat16:
             bits = handle.data.astype(np.uint32) << 16
             return interpreter.TensorHandle(bits.view(np.float32), tl.float32)
+        if handle.dtype.scalar in fp8:    # fp8 bit patterns: decoded exactly (fused_moe's W8A8)
+            codes = torch.from_numpy(np.ascontiguousarray(handle.data).view(np.uint8))
+            values = codes.view(fp8[handle.dtype.scalar]).float().numpy().reshape(np.shape(handle.data))
+            return interpreter.TensorHandle(values, tl.float32)
         return handle
 
     def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
