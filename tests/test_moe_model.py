@@ -1,0 +1,234 @@
+"""transformers MoE models with ``experts_implementation="lanekit"``, against transformers' eager experts.
+
+Tiny random-weight models built locally (``lanekit.integrations.transformers_moe.tiny_moe``: 2
+layers, hidden 64, 8 experts of intermediate size 72, top-2; Mixtral, Qwen3-MoE, Qwen2-MoE with its
+shared expert, OLMoE). Whole-model logits are judged by FlashAttention's fallback rule (DESIGN.md):
+lanekit's largest error against the same model run in float64 is at most twice the error of the
+eager model in the model's own precision, or one step of that precision at the logits' magnitude.
+Why not closer: both runs round every layer's activations to fp32 (bf16 on the GPU), and where they
+round differs (fused_moe sums a token's topk expert outputs in fp32 and rounds once, eager adds them
+one at a time in the model's dtype), so neither is the other's oracle; the float64 run is.
+Greedy generation with ``model.generate`` must give the same tokens (the models' weights have std
+0.3, so the two best logits are far apart compared with the rounding).
+"""
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+import lanekit.integrations.transformers_moe as lanekit_moe  # noqa: E402
+from lanekit.integrations.transformers_moe import tiny_moe  # noqa: E402
+from lanekit.testing import ulp  # noqa: E402
+
+LANES = ("reference", "triton")
+FAMILIES = ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe")
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA or ROCm device")
+
+
+@pytest.fixture(autouse=True)
+def _registered():
+    lanekit_moe.register()
+    yield
+    lanekit_moe.LANE = None
+
+
+def prompt(n=9, batch=2, seed=1, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(1, 128, (batch, n), generator=g).to(device)
+
+
+def lanekit_model(family, lane, dtype=torch.float32, device="cpu", routing=True, **kw):
+    model = tiny_moe(family, dtype=dtype, device=device, **kw)
+    return lanekit_moe.enable(model, lane=lane, routing=routing)
+
+
+def assert_within_eager_error(ours, eager, exact, dtype=torch.float32, factor=2):
+    """lanekit's largest error against the float64 run is at most ``factor`` times eager's, or one
+    step of ``dtype`` at max |exact| (the project's rule), whichever is larger."""
+    ours, eager, exact = ours.double().cpu(), eager.double().cpu(), exact.double().cpu()
+    assert torch.isfinite(ours).all()
+    err = (ours - exact).abs().max().item()
+    eager_err = (eager - exact).abs().max().item()
+    allowed = max(factor * eager_err, ulp(dtype, exact.abs().max().item()))
+    assert err <= allowed, f"lanekit error {err:.3g}, eager's {eager_err:.3g}, allowed {allowed:.3g}"
+
+
+def logits(model, ids):
+    with torch.no_grad():
+        return model(ids).logits
+
+
+class FusedMoeCalls:
+    """Records the arguments of every fused_moe call the experts make (and still makes the call)."""
+
+    def __init__(self, monkeypatch):
+        import lanekit.moe
+
+        self.calls, real = [], lanekit.moe.fused_moe
+
+        def spy(*args, **kw):
+            self.calls.append((args, kw))
+            return real(*args, **kw)
+
+        monkeypatch.setattr(lanekit.moe, "fused_moe", spy)
+
+
+# ---------------------------------------------------------------------------------------------
+# logits and generation
+
+
+@pytest.mark.parametrize("lane", LANES)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_tiny_moe_logits_match_eager(family, lane, monkeypatch):
+    calls = FusedMoeCalls(monkeypatch)
+    ids = prompt()
+    ours = logits(lanekit_model(family, lane), ids)
+    assert len(calls.calls) == 2                                          # one call per MoE layer
+    eager = logits(tiny_moe(family), ids)
+    exact = logits(tiny_moe(family, dtype=torch.float64), ids)
+    assert ours.abs().max() > 1.0
+    assert_within_eager_error(ours, eager, exact)
+
+
+@pytest.mark.parametrize("norm_topk_prob", [True, False], ids=["renormalized", "not-renormalized"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "olmoe"])
+def test_norm_topk_prob_is_followed(family, norm_topk_prob):
+    ids = prompt()
+    ours = logits(lanekit_model(family, "reference", norm_topk_prob=norm_topk_prob), ids)
+    eager = logits(tiny_moe(family, norm_topk_prob=norm_topk_prob), ids)
+    exact = logits(tiny_moe(family, dtype=torch.float64, norm_topk_prob=norm_topk_prob), ids)
+    other = logits(tiny_moe(family, norm_topk_prob=not norm_topk_prob), ids)
+    assert_within_eager_error(ours, eager, exact)
+    assert (ours - other).abs().max() > 0.1                               # the flag matters here
+
+
+@pytest.mark.parametrize("lane", LANES)
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_greedy_generation_matches_eager(family, lane):
+    ids = prompt(n=5, batch=1)
+    kw = dict(max_new_tokens=12, min_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)
+    with torch.no_grad():
+        ours = lanekit_model(family, lane).generate(ids, **kw)
+        eager = tiny_moe(family).generate(ids, **kw)
+    assert ours.shape == (1, 5 + 12)
+    assert ours[0, 5:].unique().numel() > 1                               # not one token repeated
+    assert torch.equal(ours, eager)
+
+
+# ---------------------------------------------------------------------------------------------
+# the pieces: weights as views, routing, what falls back
+
+
+def test_experts_pass_the_models_own_weights_without_copies(monkeypatch):
+    calls = FusedMoeCalls(monkeypatch)
+    model = lanekit_model("mixtral", "reference")
+    logits(model, prompt())
+    for (args, kw), layer in zip(calls.calls, model.model.layers):
+        experts = layer.mlp.experts
+        x, w1, w2, weights, topk_ids = args
+        assert w1 is experts.gate_up_proj and w2 is experts.down_proj   # (E, 2N, K) and (E, K, N)
+        assert weights.dtype == torch.float32 and topk_ids.dtype == torch.int32
+        assert topk_ids.shape == (18, 2) and kw["activation"] == "silu"
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_patched_router_reproduces_the_models_routing(family):
+    model = tiny_moe(family)
+    x = torch.randn(40, 64, generator=torch.Generator().manual_seed(3))
+    for layer in model.model.layers:
+        router = layer.mlp.gate
+        expected = router(x)
+        assert lanekit_moe.patch_routers(layer) == 1
+        got = router(x)
+        lanekit_moe.unpatch_routers(layer)
+        assert torch.equal(got[0], expected[0])                           # the logits, untouched
+        assert torch.equal(got[2], expected[2]) and got[2].dtype == torch.int64
+        assert got[1].dtype == expected[1].dtype
+        torch.testing.assert_close(got[1], expected[1], rtol=0, atol=ulp(torch.float32, 1.0))
+        assert torch.equal(router(x)[1], expected[1])                     # unpatched: the model's own again
+
+
+def test_routing_patch_is_per_instance_and_idempotent():
+    model, other = tiny_moe("olmoe"), tiny_moe("olmoe")
+    assert lanekit_moe.patch_routers(model) == 2
+    assert lanekit_moe.patch_routers(model) == 2
+    assert all("forward" in vars(layer.mlp.gate) for layer in model.model.layers)
+    assert not any("forward" in vars(layer.mlp.gate) for layer in other.model.layers)
+    assert lanekit_moe.patch_routers(torch.nn.Linear(2, 2)) == 0
+
+
+def test_unsupported_activation_runs_the_models_own_experts(monkeypatch):
+    calls = FusedMoeCalls(monkeypatch)
+    ids = prompt()
+    model = tiny_moe("mixtral")
+    model.config.hidden_act = "gelu_pytorch_tanh"
+    from transformers.activations import ACT2FN
+
+    for layer in model.model.layers:
+        layer.mlp.experts.act_fn = ACT2FN["gelu_pytorch_tanh"]
+    eager = logits(model, ids)
+    assert not lanekit_moe.supported(model.model.layers[0].mlp.experts)
+    lanekit_moe.enable(model, lane="reference", routing=False)
+    assert torch.equal(logits(model, ids), eager)
+    assert calls.calls == []
+
+
+def test_gelu_experts_run_on_lanekit(monkeypatch):
+    calls = FusedMoeCalls(monkeypatch)
+    ids = prompt()
+    runs = {}
+    for name, dtype, impl in (("ours", torch.float32, "lanekit"), ("eager", torch.float32, "eager"),
+                              ("exact", torch.float64, "eager")):
+        model = tiny_moe("mixtral", dtype=dtype)
+        from transformers.activations import ACT2FN
+
+        for layer in model.model.layers:
+            layer.mlp.experts.act_fn = ACT2FN["gelu"]
+        model.set_experts_implementation(impl)
+        runs[name] = logits(model, ids)
+    assert [kw["activation"] for _, kw in calls.calls] == ["gelu", "gelu"]
+    assert_within_eager_error(runs["ours"], runs["eager"], runs["exact"])
+
+
+def test_register_checks_the_lane():
+    with pytest.raises(ValueError, match="lane: expected one of"):
+        lanekit_moe.register(lane="cuda")
+    lanekit_moe.register(lane="reference")
+    lanekit_moe.register(lane="reference")                                # again: harmless
+    assert lanekit_moe.LANE == "reference"
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    assert ALL_EXPERTS_FUNCTIONS["lanekit"] is lanekit_moe.experts_forward
+
+
+def test_tiny_moe_checks_the_family():
+    with pytest.raises(ValueError, match="family: expected one of"):
+        tiny_moe("deepseek")
+
+
+# ---------------------------------------------------------------------------------------------
+# the GPU: bf16, the Triton lane natively
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.gpu
+@needs_gpu
+def test_tiny_moe_bf16_logits_match_eager_on_the_gpu(family):
+    ids = prompt(device="cuda")
+    ours = logits(lanekit_model(family, "triton", torch.bfloat16, "cuda"), ids)
+    eager = logits(tiny_moe(family, dtype=torch.bfloat16, device="cuda"), ids)
+    exact = logits(tiny_moe(family, dtype=torch.float64, device="cuda"), ids)
+    assert_within_eager_error(ours, eager, exact, dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+@pytest.mark.gpu
+@needs_gpu
+def test_greedy_generation_matches_eager_on_the_gpu(family):
+    ids = prompt(n=5, batch=1, device="cuda")
+    kw = dict(max_new_tokens=24, min_new_tokens=24, do_sample=False, eos_token_id=None, pad_token_id=0)
+    with torch.no_grad():
+        ours = lanekit_model(family, "triton", device="cuda").generate(ids, **kw)
+        eager = tiny_moe(family, device="cuda").generate(ids, **kw)
+    assert torch.equal(ours, eager)
