@@ -106,7 +106,7 @@ def test_norm_topk_prob_is_followed(family, norm_topk_prob):
 @pytest.mark.parametrize("lane", LANES)
 @pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
 def test_greedy_generation_matches_eager(family, lane):
-    ids = prompt(n=5, batch=1)
+    ids = prompt(n=5, batch=1, seed=8)        # its best two logits stay >= 0.12 apart in fp32
     kw = dict(max_new_tokens=12, min_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)
     with torch.no_grad():
         ours = lanekit_model(family, lane).generate(ids, **kw)
@@ -222,13 +222,42 @@ def test_tiny_moe_bf16_logits_match_eager_on_the_gpu(family):
     assert_within_eager_error(ours, eager, exact, dtype=torch.bfloat16)
 
 
+def assert_same_greedy_tokens(ours, eager, prompt_len, dtype):
+    """ours and eager (``generate`` outputs with ``output_logits``) pick the same tokens, up to the
+    first step where eager's two candidates are a near tie: their logits within 4 steps of ``dtype``
+    at the logits' magnitude. In bf16 (a step of 0.0625 at these logits' magnitude of about 10) the
+    best two logits of these models are often equal within 12 tokens, whatever the prompt, and
+    which one wins is then rounding's choice, not a defect; after a divergence the sequences differ."""
+    a, b = ours.sequences[0, prompt_len:], eager.sequences[0, prompt_len:]
+    for step, (x, y) in enumerate(zip(a.tolist(), b.tolist())):
+        if x != y:
+            step_logits = eager.logits[step][0].double()
+            gap = (step_logits[y] - step_logits[x]).abs().item()
+            assert gap <= 4 * ulp(dtype, step_logits.abs().max().item()), f"step {step}: {x} vs {y}, gap {gap:.3g}"
+            return
+    assert torch.equal(ours.sequences, eager.sequences)
+
+
 @pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
 @pytest.mark.gpu
 @needs_gpu
 def test_greedy_generation_matches_eager_on_the_gpu(family):
-    ids = prompt(n=5, batch=1, device="cuda")
-    kw = dict(max_new_tokens=24, min_new_tokens=24, do_sample=False, eos_token_id=None, pad_token_id=0)
+    ids = prompt(n=5, batch=1, seed=8, device="cuda")
+    kw = dict(max_new_tokens=12, min_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)
     with torch.no_grad():
         ours = lanekit_model(family, "triton", device="cuda").generate(ids, **kw)
         eager = tiny_moe(family, device="cuda").generate(ids, **kw)
     assert torch.equal(ours, eager)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+@pytest.mark.gpu
+@needs_gpu
+def test_bf16_greedy_generation_matches_eager_up_to_a_near_tie_on_the_gpu(family):
+    ids = prompt(n=5, batch=1, seed=8, device="cuda")
+    kw = dict(max_new_tokens=24, min_new_tokens=24, do_sample=False, eos_token_id=None, pad_token_id=0,
+              output_logits=True, return_dict_in_generate=True)
+    with torch.no_grad():
+        ours = lanekit_model(family, "triton", torch.bfloat16, "cuda").generate(ids, **kw)
+        eager = tiny_moe(family, dtype=torch.bfloat16, device="cuda").generate(ids, **kw)
+    assert_same_greedy_tokens(ours, eager, 5, torch.bfloat16)
