@@ -2,14 +2,16 @@
 
 Tiny random-weight models built locally (``lanekit.integrations.transformers_moe.tiny_moe``: 2
 layers, hidden 64, 8 experts of intermediate size 72, top-2; Mixtral, Qwen3-MoE, Qwen2-MoE with its
-shared expert, OLMoE). Whole-model logits are judged by FlashAttention's fallback rule (DESIGN.md):
+shared expert, OLMoE). Whole-model bf16 logits are judged by FlashAttention's fallback rule (DESIGN.md):
 lanekit's largest error against the same model run in float64 is at most twice the error of the
-eager model in the model's own precision, or one step of that precision at the logits' magnitude.
-Why not closer: both runs round every layer's activations to fp32 (bf16 on the GPU), and where they
-round differs (fused_moe sums a token's topk expert outputs in fp32 and rounds once, eager adds them
-one at a time in the model's dtype), so neither is the other's oracle; the float64 run is.
-Greedy generation with ``model.generate`` must give the same tokens (the models' weights have std
-0.3, so the two best logits are far apart compared with the rounding).
+eager model in bf16, or one step of bf16 at the logits' magnitude. Why not closer: both runs round
+every layer's activations to bf16, and where they round differs (fused_moe rounds the expert MLP's
+intermediate once and sums a token's topk expert outputs in fp32, eager adds them one at a time in
+bf16), so neither is the other's oracle; the float64 run is. In float64 the reference lane agrees
+with eager to float64 rounding (a check of the semantics alone). fp32 models run their own experts
+(fused_moe takes 16-bit activations). Greedy generation with ``model.generate`` gives the same
+tokens: in float64 exactly; in bf16 up to the first near tie (see assert_same_greedy_tokens). The
+models' weights have std 0.3, so that their logits are not flat.
 """
 
 import pytest
@@ -54,9 +56,40 @@ def assert_within_eager_error(ours, eager, exact, dtype=torch.float32, factor=2)
     assert err <= allowed, f"lanekit error {err:.3g}, eager's {eager_err:.3g}, allowed {allowed:.3g}"
 
 
-def logits(model, ids):
-    with torch.no_grad():
-        return model(ids).logits
+def logits(model, ids, routes=None):
+    """The logits (B, S, vocab); with ``routes`` (a list), each layer's router outputs
+    (router_logits (B*S, E), ids (B*S, topk)) appended to it in layer order."""
+    hooks = [] if routes is None else [
+        layer.mlp.gate.register_forward_hook(lambda m, args, out: routes.append((out[0], out[2])))
+        for layer in model.model.layers]
+    try:
+        with torch.no_grad():
+            return model(ids).logits
+    finally:
+        for h in hooks:
+            h.remove()
+
+
+def same_routing(routes, exact_routes, shape, dtype):
+    """(B, S) bool: the positions that come before the first token of their sequence that
+    ``routes`` sent to other experts than the float64 run did, in any layer (past it, attention
+    carries the difference on). Each such first difference must be a near tie of the float64
+    router: its topk-th and topk+1-th logits within 4 steps of ``dtype`` at the router logits'
+    magnitude (a bf16 run's activations differ from float64's by that much after a layer or two,
+    and then either choice is rounding's, in eager as in lanekit)."""
+    B, S = shape
+    keep = torch.ones(B, S, dtype=torch.bool)
+    for (_, ids), (exact_logits, exact_ids) in zip(routes, exact_routes, strict=True):
+        topk = ids.shape[1]
+        differs = (ids.sort(-1).values != exact_ids.sort(-1).values).any(-1).view(B, S).cpu()
+        ranked = exact_logits.double().sort(-1, descending=True).values.view(B, S, -1).cpu()
+        for b, t in differs.nonzero().tolist():
+            if keep[b, t]:
+                gap = (ranked[b, t, topk - 1] - ranked[b, t, topk]).item()
+                step = ulp(dtype, exact_logits.abs().max().item())
+                assert gap <= 4 * step, f"token {t} of sequence {b} routed apart from float64 at a gap of {gap:.3g}"
+                keep[b, t:] = False
+    return keep
 
 
 class FusedMoeCalls:
@@ -78,42 +111,97 @@ class FusedMoeCalls:
 # logits and generation
 
 
+def assert_same_greedy_tokens(ours, eager, prompt_len, dtype):
+    """ours and eager (``generate`` outputs with ``output_logits``) pick the same tokens, up to the
+    first step where eager's two candidates are a near tie: their logits within 4 steps of ``dtype``
+    at the logits' magnitude. In bf16 (a step of 0.0625 at these logits' magnitude of about 10) the
+    best two logits of these models are often equal within 12 tokens, whatever the prompt, and
+    which one wins is then rounding's choice, not a defect; after a divergence the sequences differ."""
+    a, b = ours.sequences[0, prompt_len:], eager.sequences[0, prompt_len:]
+    for step, (x, y) in enumerate(zip(a.tolist(), b.tolist())):
+        if x != y:
+            step_logits = eager.logits[step][0].double()
+            gap = (step_logits[y] - step_logits[x]).abs().item()
+            assert gap <= 4 * ulp(dtype, step_logits.abs().max().item()), f"step {step}: {x} vs {y}, gap {gap:.3g}"
+            return
+    assert torch.equal(ours.sequences, eager.sequences)
+
+
+GENERATE = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
+
+
 @pytest.mark.parametrize("lane", LANES)
 @pytest.mark.parametrize("family", FAMILIES)
-def test_tiny_moe_logits_match_eager(family, lane, monkeypatch):
+def test_tiny_moe_bf16_logits_match_eager(family, lane, monkeypatch):
     calls = FusedMoeCalls(monkeypatch)
     ids = prompt()
-    ours = logits(lanekit_model(family, lane), ids)
+    routes, exact_routes = [], []
+    ours = logits(lanekit_model(family, lane, torch.bfloat16), ids, routes)
     assert len(calls.calls) == 2                                          # one call per MoE layer
-    eager = logits(tiny_moe(family), ids)
-    exact = logits(tiny_moe(family, dtype=torch.float64), ids)
+    eager = logits(tiny_moe(family, dtype=torch.bfloat16), ids)
+    exact = logits(tiny_moe(family, dtype=torch.float64), ids, exact_routes)
+    keep = same_routing(routes, exact_routes, ids.shape, torch.bfloat16)
+    assert keep.sum() >= keep.numel() // 2
     assert ours.abs().max() > 1.0
-    assert_within_eager_error(ours, eager, exact)
+    assert_within_eager_error(ours[keep], eager[keep], exact[keep], dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_float64_model_on_the_reference_lane_matches_eager_to_float64_rounding(family, monkeypatch):
+    # the reference lane in float64 computes what eager computes, in another order: a check of
+    # the semantics (weights' layout, gate before up, routing weights, the shared expert) alone
+    calls = FusedMoeCalls(monkeypatch)
+    ids = prompt()
+    ours = logits(lanekit_model(family, "reference", torch.float64), ids)
+    eager = logits(tiny_moe(family, dtype=torch.float64), ids)
+    assert len(calls.calls) == 2
+    torch.testing.assert_close(ours, eager, rtol=0, atol=1e-10 * eager.abs().max().item())
 
 
 @pytest.mark.parametrize("norm_topk_prob", [True, False], ids=["renormalized", "not-renormalized"])
 @pytest.mark.parametrize("family", ["qwen3_moe", "olmoe"])
 def test_norm_topk_prob_is_followed(family, norm_topk_prob):
     ids = prompt()
-    ours = logits(lanekit_model(family, "reference", norm_topk_prob=norm_topk_prob), ids)
-    eager = logits(tiny_moe(family, norm_topk_prob=norm_topk_prob), ids)
-    exact = logits(tiny_moe(family, dtype=torch.float64, norm_topk_prob=norm_topk_prob), ids)
-    other = logits(tiny_moe(family, norm_topk_prob=not norm_topk_prob), ids)
-    assert_within_eager_error(ours, eager, exact)
+    f64 = dict(dtype=torch.float64, norm_topk_prob=norm_topk_prob)
+    ours = logits(lanekit_model(family, "reference", **f64), ids)
+    eager = logits(tiny_moe(family, **f64), ids)
+    other = logits(tiny_moe(family, dtype=torch.float64, norm_topk_prob=not norm_topk_prob), ids)
+    torch.testing.assert_close(ours, eager, rtol=0, atol=1e-10 * eager.abs().max().item())
     assert (ours - other).abs().max() > 0.1                               # the flag matters here
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_float64_greedy_generation_matches_eager(family):
+    ids = prompt(n=5, batch=1, seed=8)        # its best two logits stay >= 0.12 apart
+    kw = dict(GENERATE, max_new_tokens=12, min_new_tokens=12)
+    with torch.no_grad():
+        ours = lanekit_model(family, "reference", torch.float64).generate(ids, **kw)
+        eager = tiny_moe(family, dtype=torch.float64).generate(ids, **kw)
+    assert ours.shape == (1, 5 + 12)
+    assert ours[0, 5:].unique().numel() > 1                               # not one token repeated
+    assert torch.equal(ours, eager)
 
 
 @pytest.mark.parametrize("lane", LANES)
 @pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
-def test_greedy_generation_matches_eager(family, lane):
-    ids = prompt(n=5, batch=1, seed=8)        # its best two logits stay >= 0.12 apart in fp32
-    kw = dict(max_new_tokens=12, min_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)
+def test_bf16_greedy_generation_matches_eager_up_to_a_near_tie(family, lane):
+    ids = prompt(n=5, batch=1, seed=8)
+    kw = dict(GENERATE, max_new_tokens=12, min_new_tokens=12, output_logits=True, return_dict_in_generate=True)
     with torch.no_grad():
-        ours = lanekit_model(family, lane).generate(ids, **kw)
-        eager = tiny_moe(family).generate(ids, **kw)
-    assert ours.shape == (1, 5 + 12)
-    assert ours[0, 5:].unique().numel() > 1                               # not one token repeated
-    assert torch.equal(ours, eager)
+        ours = lanekit_model(family, lane, torch.bfloat16).generate(ids, **kw)
+        eager = tiny_moe(family, dtype=torch.bfloat16).generate(ids, **kw)
+    assert ours.sequences.shape == (1, 5 + 12)
+    assert_same_greedy_tokens(ours, eager, 5, torch.bfloat16)
+
+
+def test_fp32_model_runs_its_own_experts(monkeypatch):
+    # fused_moe takes 16-bit activations (and fp64 on the reference lane): an fp32 model's
+    # experts run transformers' eager loop, bit for bit
+    calls = FusedMoeCalls(monkeypatch)
+    ids = prompt()
+    eager = logits(tiny_moe("mixtral"), ids)
+    assert torch.equal(logits(lanekit_model("mixtral", "reference", routing=False), ids), eager)
+    assert calls.calls == []
 
 
 # ---------------------------------------------------------------------------------------------
@@ -122,7 +210,7 @@ def test_greedy_generation_matches_eager(family, lane):
 
 def test_experts_pass_the_models_own_weights_without_copies(monkeypatch):
     calls = FusedMoeCalls(monkeypatch)
-    model = lanekit_model("mixtral", "reference")
+    model = lanekit_model("mixtral", "reference", torch.bfloat16)
     logits(model, prompt())
     for (args, kw), layer in zip(calls.calls, model.model.layers):
         experts = layer.mlp.experts
@@ -161,7 +249,7 @@ def test_routing_patch_is_per_instance_and_idempotent():
 def test_unsupported_activation_runs_the_models_own_experts(monkeypatch):
     calls = FusedMoeCalls(monkeypatch)
     ids = prompt()
-    model = tiny_moe("mixtral")
+    model = tiny_moe("mixtral", dtype=torch.bfloat16)
     model.config.hidden_act = "gelu_pytorch_tanh"
     from transformers.activations import ACT2FN
 
@@ -178,7 +266,7 @@ def test_gelu_experts_run_on_lanekit(monkeypatch):
     calls = FusedMoeCalls(monkeypatch)
     ids = prompt()
     runs = {}
-    for name, dtype, impl in (("ours", torch.float32, "lanekit"), ("eager", torch.float32, "eager"),
+    for name, dtype, impl in (("ours", torch.bfloat16, "lanekit"), ("eager", torch.bfloat16, "eager"),
                               ("exact", torch.float64, "eager")):
         model = tiny_moe("mixtral", dtype=dtype)
         from transformers.activations import ACT2FN
@@ -188,7 +276,7 @@ def test_gelu_experts_run_on_lanekit(monkeypatch):
         model.set_experts_implementation(impl)
         runs[name] = logits(model, ids)
     assert [kw["activation"] for _, kw in calls.calls] == ["gelu", "gelu"]
-    assert_within_eager_error(runs["ours"], runs["eager"], runs["exact"])
+    assert_within_eager_error(runs["ours"], runs["eager"], runs["exact"], dtype=torch.bfloat16)
 
 
 def test_register_checks_the_lane():
@@ -208,56 +296,33 @@ def test_tiny_moe_checks_the_family():
 
 
 # ---------------------------------------------------------------------------------------------
-# the GPU: bf16, the Triton lane natively
+# the GPU: the Triton lane natively
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.gpu
 @needs_gpu
-def test_tiny_moe_bf16_logits_match_eager_on_the_gpu(family):
+def test_tiny_moe_logits_match_eager_on_the_gpu(family, dtype):
     ids = prompt(device="cuda")
-    ours = logits(lanekit_model(family, "triton", torch.bfloat16, "cuda"), ids)
-    eager = logits(tiny_moe(family, dtype=torch.bfloat16, device="cuda"), ids)
-    exact = logits(tiny_moe(family, dtype=torch.float64, device="cuda"), ids)
-    assert_within_eager_error(ours, eager, exact, dtype=torch.bfloat16)
-
-
-def assert_same_greedy_tokens(ours, eager, prompt_len, dtype):
-    """ours and eager (``generate`` outputs with ``output_logits``) pick the same tokens, up to the
-    first step where eager's two candidates are a near tie: their logits within 4 steps of ``dtype``
-    at the logits' magnitude. In bf16 (a step of 0.0625 at these logits' magnitude of about 10) the
-    best two logits of these models are often equal within 12 tokens, whatever the prompt, and
-    which one wins is then rounding's choice, not a defect; after a divergence the sequences differ."""
-    a, b = ours.sequences[0, prompt_len:], eager.sequences[0, prompt_len:]
-    for step, (x, y) in enumerate(zip(a.tolist(), b.tolist())):
-        if x != y:
-            step_logits = eager.logits[step][0].double()
-            gap = (step_logits[y] - step_logits[x]).abs().item()
-            assert gap <= 4 * ulp(dtype, step_logits.abs().max().item()), f"step {step}: {x} vs {y}, gap {gap:.3g}"
-            return
-    assert torch.equal(ours.sequences, eager.sequences)
+    routes, exact_routes = [], []
+    ours = logits(lanekit_model(family, "triton", dtype, "cuda"), ids, routes)
+    eager = logits(tiny_moe(family, dtype=dtype, device="cuda"), ids)
+    exact = logits(tiny_moe(family, dtype=torch.float64, device="cuda"), ids, exact_routes)
+    keep = same_routing(routes, exact_routes, ids.shape, dtype).to("cuda")
+    assert keep.sum() >= keep.numel() // 2
+    assert_within_eager_error(ours[keep], eager[keep], exact[keep], dtype=dtype)
 
 
 @pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
 @pytest.mark.gpu
 @needs_gpu
-def test_greedy_generation_matches_eager_on_the_gpu(family):
+def test_fp16_greedy_generation_matches_eager_up_to_a_near_tie_on_the_gpu(family):
+    # fp16 rather than bf16: 8 times finer, so that a near tie (of the logits, or of a router,
+    # which the final logits' rule does not see) is rare within 24 tokens
     ids = prompt(n=5, batch=1, seed=8, device="cuda")
-    kw = dict(max_new_tokens=12, min_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)
+    kw = dict(GENERATE, max_new_tokens=24, min_new_tokens=24, output_logits=True, return_dict_in_generate=True)
     with torch.no_grad():
-        ours = lanekit_model(family, "triton", device="cuda").generate(ids, **kw)
-        eager = tiny_moe(family, device="cuda").generate(ids, **kw)
-    assert torch.equal(ours, eager)
-
-
-@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
-@pytest.mark.gpu
-@needs_gpu
-def test_bf16_greedy_generation_matches_eager_up_to_a_near_tie_on_the_gpu(family):
-    ids = prompt(n=5, batch=1, seed=8, device="cuda")
-    kw = dict(max_new_tokens=24, min_new_tokens=24, do_sample=False, eos_token_id=None, pad_token_id=0,
-              output_logits=True, return_dict_in_generate=True)
-    with torch.no_grad():
-        ours = lanekit_model(family, "triton", torch.bfloat16, "cuda").generate(ids, **kw)
-        eager = tiny_moe(family, dtype=torch.bfloat16, device="cuda").generate(ids, **kw)
-    assert_same_greedy_tokens(ours, eager, 5, torch.bfloat16)
+        ours = lanekit_model(family, "triton", torch.float16, "cuda").generate(ids, **kw)
+        eager = tiny_moe(family, dtype=torch.float16, device="cuda").generate(ids, **kw)
+    assert_same_greedy_tokens(ours, eager, 5, torch.float16)

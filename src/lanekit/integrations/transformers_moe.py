@@ -26,8 +26,9 @@ or :func:`enable` on a model already built. The two pieces:
   logits' dtype for the others).
 
 Experts modules that fused_moe does not cover (biases, transposed or interleaved weights, a post
-expert norm, no gate, an activation other than SiLU or exact GELU, expert parallelism) run their
-model's own eager forward: ``experts_implementation="lanekit"`` is safe to ask of any model.
+expert norm, no gate, an activation other than SiLU or exact GELU, expert parallelism, fp32
+activations: fused_moe takes fp16 and bf16, and fp64 on the reference lane) run their model's own
+eager forward: ``experts_implementation="lanekit"`` is safe to ask of any model.
 
 The lane: as :mod:`lanekit.integrations.transformers`, by device unless :func:`register`'s
 ``lane`` or :data:`LANE` says otherwise. Checked with transformers 5.24.
@@ -46,6 +47,10 @@ NAME = "lanekit"
 #: The lane every ``experts_implementation="lanekit"`` call (and every patched router) runs on:
 #: ``"triton"``, ``"reference"``, or None to let lanekit pick by device. Set by :func:`register`.
 LANE: str | None = None
+
+#: The activation dtypes fused_moe takes (fp64 only on the reference lane, to check a model in
+#: float64); experts of another dtype (an fp32 model) run their model's own eager forward.
+DTYPES = (torch.float16, torch.bfloat16, torch.float64)
 
 #: Router classes whose forward :func:`patch_routers` replaces, by class name: whether the chosen
 #: weights are renormalized (a function of the router), and whether the router returns them in
@@ -91,7 +96,8 @@ def experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, top_k_in
         self: the experts module. Read: ``gate_up_proj`` (E, 2N, K), the gate rows then the up
             rows (fused_moe's w1, used as it is), ``down_proj`` (E, K, N) (w2), ``act_fn``, and
             the layout flags of ``use_experts_implementation`` (see :func:`supported`).
-        hidden_states: (M, K) tokens, fp16, bf16 or fp32 (fp64 on the reference lane).
+        hidden_states: (M, K) tokens, fp16 or bf16 (fp64 on the reference lane); of another dtype
+            (fp32), the module's own eager forward runs instead.
         top_k_index: (M, topk) int64 (or int32) expert ids, as the router chose them.
         top_k_weights: (M, topk) router weights, fp32 (Mixtral) or the model's dtype (Qwen,
             OLMoE); converted to fp32 exactly.
@@ -110,7 +116,7 @@ def experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, top_k_in
     each token's topk contributions are summed in fp32 and rounded once (eager adds them one by one
     in the model's dtype with ``index_add_``).
     """
-    if not supported(self):
+    if not supported(self) or hidden_states.dtype not in DTYPES:
         return type(self).forward.__wrapped__(self, hidden_states, top_k_index, top_k_weights)
     from lanekit.moe import fused_moe
 
