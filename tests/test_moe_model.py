@@ -326,3 +326,27 @@ def test_fp16_greedy_generation_matches_eager_up_to_a_near_tie_on_the_gpu(family
         ours = lanekit_model(family, "triton", torch.float16, "cuda").generate(ids, **kw)
         eager = tiny_moe(family, dtype=torch.float16, device="cuda").generate(ids, **kw)
     assert_same_greedy_tokens(ours, eager, 5, torch.float16)
+
+
+# ---------------------------------------------------------------------------------------------
+# lanekit demo's MoE part
+
+
+@pytest.mark.parametrize("lane", LANES)
+def test_moe_demo_passes_and_prints_logits_and_tokens(lane, capsys):
+    import io
+
+    from rich.console import Console
+
+    from lanekit import demo
+
+    out = io.StringIO()
+    result = demo.run_moe_demo(lane=lane, device="cpu", console=Console(file=out, width=200))
+    assert result.ok and result.lane == lane and result.parted_at is None
+    assert len(result.tokens) == demo.MOE_NEW_TOKENS and result.tokens == result.eager_tokens
+    assert 0 < result.max_abs_diff and result.error <= 2 * result.eager_error
+    text = out.getvalue()
+    assert "PASS" in text and "largest |lanekit - eager|" in text and str(list(result.tokens)) in text
+    assert lanekit_moe.LANE is None                                       # restored
+    assert demo.main(["--only", "moe", "--lane", lane, "--device", "cpu"]) == 0
+    assert "PASS: tokens match" in capsys.readouterr().out
