@@ -3,7 +3,6 @@ tiny shapes on the CPU with lanekit's reference lane (inputs, the check against 
 each peer once and agreeing with lanekit, the work counts). Nothing is timed but a few calls of
 the align family's host timer."""
 
-import pytest
 import torch
 
 from benchmarks import moe, run
