@@ -358,3 +358,37 @@ def test_moe_demo_passes_and_prints_logits_and_tokens(lane, capsys):
     assert lanekit_moe.LANE is None                                       # restored
     assert demo.main(["--only", "moe", "--lane", lane, "--device", "cpu"]) == 0
     assert "PASS: tokens match" in capsys.readouterr().out
+
+
+class _Routed(torch.nn.Module):
+    """A stand-in model for the demo's router check: one layer whose router returns the given
+    (router_logits (S, E), ids (S, topk)) whatever the tokens."""
+
+    def __init__(self, router_logits, ids):
+        super().__init__()
+        gate = torch.nn.Module()
+        gate.forward = lambda x: (router_logits, None, ids)
+        mlp = torch.nn.Module()
+        mlp.gate = gate
+        layer = torch.nn.Module()
+        layer.mlp = mlp
+        self.model = torch.nn.Module()
+        self.model.layers = torch.nn.ModuleList([layer])
+
+    def forward(self, ids):
+        return self.model.layers[0].mlp.gate(ids)
+
+
+def test_moe_demo_tells_a_router_near_tie_from_a_routing_error():
+    from lanekit import demo
+
+    prefix = torch.zeros(1, 3, dtype=torch.long)
+    logits = torch.tensor([[4.0, 3.0, 1.0, 0.0], [4.0, 2.0, 1.99, 0.0], [4.0, 3.0, 1.0, 0.0]])
+    eager = _Routed(logits, torch.tensor([[0, 1], [0, 1], [0, 1]]))
+    tie = _Routed(logits, torch.tensor([[0, 1], [0, 2], [0, 1]]))       # 2.0 vs 1.99: a tie in bf16
+    wrong = _Routed(logits, torch.tensor([[0, 2], [0, 1], [0, 1]]))     # 3.0 vs 1.0: not a tie
+    assert not demo._router_near_tie(eager, eager, prefix, torch.bfloat16)
+    assert demo._router_near_tie(tie, eager, prefix, torch.bfloat16)
+    assert not demo._router_near_tie(wrong, eager, prefix, torch.bfloat16)
+    both = _Routed(logits, torch.tensor([[0, 2], [0, 2], [0, 1]]))      # the first one decides
+    assert not demo._router_near_tie(both, eager, prefix, torch.bfloat16)

@@ -20,8 +20,9 @@ top-2; :func:`lanekit.integrations.transformers_moe.tiny_moe`) in bf16, once wit
 eager experts and once with ``experts_implementation="lanekit"`` (each layer's experts one
 :func:`lanekit.moe.fused_moe` call, the routers on :func:`lanekit.moe.topk_softmax`): it prints the
 logits' largest difference, each run's error against the same model in float64, and the greedy
-tokens of both; the bar: the same tokens, or tokens that part only where eager's two best logits
-are a near tie (within 4 bf16 steps).
+tokens of both; the bar: the same tokens, or tokens that part only at a near tie (within 4 bf16
+steps), of eager's two best logits or of a router's choice between two experts (in bf16 either
+choice is rounding's, in eager as in lanekit: both differ from the float64 model by that much).
 """
 
 from __future__ import annotations
@@ -277,7 +278,7 @@ class MoeResult:
     """The outcome of :func:`run_moe_demo`: the largest |logit| difference lanekit - eager on the
     prompt, each run's largest error against the float64 model, both runs' greedy tokens, the step
     where they part (None when they do not) and whether that is a near tie; ``ok`` when the tokens
-    are equal or part at a near tie."""
+    are equal or part at a near tie (of eager's logits, or of a router on the same prefix)."""
 
     max_abs_diff: float
     error: float
@@ -289,6 +290,39 @@ class MoeResult:
     ok: bool
     lane: str
     device: str
+
+
+def _routes(model, ids) -> list:
+    """Each layer's router outputs (router_logits (S, E), ids (S, topk)) of a forward on ids (1, S)."""
+    routes = []
+    hooks = [layer.mlp.gate.register_forward_hook(lambda m, args, out: routes.append((out[0], out[2])))
+             for layer in model.model.layers]
+    try:
+        with torch.no_grad():
+            model(ids)
+    finally:
+        for h in hooks:
+            h.remove()
+    return routes
+
+
+def _router_near_tie(ours, eager, prefix, dtype) -> bool:
+    """Whether the two models route the tokens of ``prefix`` (1, S) apart, and the first token
+    routed apart (in any layer) is a near tie of eager's router: its topk-th and topk+1-th router
+    logits within MOE_TIE_STEPS steps of ``dtype`` at the router logits' magnitude."""
+    from lanekit.testing import ulp
+
+    first = None
+    for (_, a), (logits, b) in zip(_routes(ours, prefix), _routes(eager, prefix)):
+        apart = (a.sort(-1).values != b.sort(-1).values).any(-1).nonzero().flatten().tolist()
+        if apart and (first is None or apart[0] < first[0]):
+            first = (apart[0], logits, a.shape[1])
+    if first is None:
+        return False
+    t, logits, topk = first
+    ranked = logits[t].double().sort(descending=True).values
+    step = ulp(dtype, logits.abs().max().item())
+    return (ranked[topk - 1] - ranked[topk]).item() <= MOE_TIE_STEPS * step
 
 
 def run_moe_demo(lane: str | None = None, device: str | torch.device | None = None,
@@ -332,11 +366,19 @@ def run_moe_demo(lane: str | None = None, device: str | torch.device | None = No
     ours = runs["lanekit"].sequences[0, MOE_PROMPT_LENGTH:].tolist()
     eager = runs["eager"].sequences[0, MOE_PROMPT_LENGTH:].tolist()
     parted = next((i for i, (a, b) in enumerate(zip(ours, eager)) if a != b), None)
-    near_tie = False
+    near_tie = router_tie = False
     if parted is not None:
         step_logits = runs["eager"].logits[parted][0].double()
         gap = (step_logits[eager[parted]] - step_logits[ours[parted]]).abs().item()
         near_tie = gap <= MOE_TIE_STEPS * ulp(torch.bfloat16, step_logits.abs().max().item())
+        if not near_tie:    # the same prefix, routed apart at a router's near tie?
+            prefix = runs["eager"].sequences[:, :MOE_PROMPT_LENGTH + parted]
+            lanekit_moe.LANE = chosen
+            try:
+                router_tie = _router_near_tie(models["lanekit"], models["eager"], prefix, torch.bfloat16)
+            finally:
+                lanekit_moe.LANE = previous
+            near_tie = router_tie
     result = MoeResult(
         max_abs_diff=(logits["lanekit"] - logits["eager"]).abs().max().item(),
         error=(logits["lanekit"] - logits["exact"]).abs().max().item(),
@@ -354,7 +396,8 @@ def run_moe_demo(lane: str | None = None, device: str | torch.device | None = No
     if parted is None:
         verdict = "tokens match"
     else:
-        verdict = f"tokens part at step {parted}" + (" (a near tie of eager's logits)" if near_tie else "")
+        tie = " (a near tie of a router's experts)" if router_tie else " (a near tie of eager's logits)"
+        verdict = f"tokens part at step {parted}" + (tie if near_tie else "")
     style = "bold green" if result.ok else "bold red"
     console.print(f"[{style}]{'PASS' if result.ok else 'FAIL'}[/{style}]: {verdict}")
     return result
