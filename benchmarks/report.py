@@ -71,15 +71,39 @@ NOTES = {
         "2.5 forwards' worth of matrix products, as FlashAttention's benchmark counts it), halved "
         "when causal."
     ),
+    "moe_graphs": (
+        "MoE at Mixtral-8x7B (E=8, top-2, K=4096, N=14336), Qwen3-30B-A3B (E=128, top-8, K=2048, N=768) "
+        "and DeepSeek-V3 (E=256, top-8, K=7168, N=2048) shapes, bf16, random routing (top-k softmax of "
+        "random logits). `grouped_mm`: the expert MLP's first GEMM, FLOPs 2 * M * topk * K * 2N, beside "
+        "`torch.nn.functional.grouped_mm`; `fused_moe`: the whole MLP, FLOPs 6 * M * topk * K * N, beside "
+        "the grouped_mm pipeline (torch.sort dispatch, grouped_mm, SiLU-and-mul, grouped_mm, weighted "
+        "combine: transformers' `grouped_mm` experts). Replayed from CUDA graphs."
+    ),
+    "moe_eager": (
+        "fused_moe at the same shapes called eagerly (host time included), beside the grouped_mm "
+        "pipeline, transformers' per-expert loop (its eager experts) and that loop under torch.compile."
+    ),
+    "moe_decode": (
+        "fused_moe at decode sizes (M = 1, 16), GB/s of the expert weights actually read (distinct experts "
+        "routed x 3 * N * K * 2 bytes) and the tokens; `of copy` is the fraction of the HBM bound. CUDA graphs."
+    ),
+    "moe_align": (
+        "moe_align_block_size (block 16) + moe_dispatch at M = 1, E = 256, top-8, K = 7168: microseconds per "
+        "call, wall clock with the host's time, beside the same transport in torch (sort, gather, histc, "
+        "cumsum); the ratio is peer / lanekit (above 1.00x lanekit is faster)."
+    ),
 }
 
 
 def _rates(row: dict) -> dict:
-    """A row's figures by name: TFLOP/s (compute-bound families) or GB/s (memory-bound)."""
-    return row.get("tflops", row.get("gbps", {}))
+    """A row's figures by name: TFLOP/s (compute-bound families), GB/s (memory-bound) or
+    microseconds per call (host-timed families)."""
+    return row.get("tflops", row.get("gbps", row.get("us", {})))
 
 
 def _unit(rows: list[dict]) -> str:
+    if any("us" in r for r in rows):
+        return "us"
     return "GB/s" if any("gbps" in r for r in rows) else "TFLOP/s"
 
 
@@ -102,10 +126,13 @@ def row_cells(row: dict, peers: list[str], copy_gbps: float | None = None) -> li
     if row["error"]:
         return [row["case"], f"wrong: {row['error']}"] + [""] * (2 * len(peers) + copy)
     ours = _rates(row)["lanekit"]
-    cells = [row["case"], f"{ours:.0f}"] + ([f"{ours / copy_gbps:.0%}"] if copy else [])
+    timed = "us" in row                      # microseconds: lower is better, the ratio is peer / lanekit
+    figure = "{:.1f}" if timed else "{:.0f}"
+    cells = [row["case"], figure.format(ours)] + ([f"{ours / copy_gbps:.0%}"] if copy else [])
     for p in peers:
         theirs = _rates(row).get(p)
-        cells += ["n/a", ""] if theirs is None else [f"{theirs:.0f}", f"{ours / theirs:.2f}x"]
+        ratio = None if theirs is None else (theirs / ours if timed else ours / theirs)
+        cells += ["n/a", ""] if theirs is None else [figure.format(theirs), f"{ratio:.2f}x"]
     return cells
 
 

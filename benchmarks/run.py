@@ -17,10 +17,12 @@ import triton
 from rich.console import Console
 from rich.table import Table
 
-from benchmarks import attention, attention_fp32, attention_train, decode, layers, prefill, report
+from benchmarks import attention, attention_fp32, attention_train, decode, layers, moe, prefill, report
 
 FAMILIES = {"attention": attention, "attention_train": attention_train, "attention_fp32": attention_fp32,
-            "layers": layers, "decode": decode, "prefill": prefill}
+            "layers": layers, "decode": decode, "prefill": prefill, **moe.FAMILIES}
+#: Names that stand for several families: ``python -m benchmarks.run moe``.
+GROUPS = {"moe": tuple(moe.FAMILIES)}
 
 
 def machine() -> dict:
@@ -70,6 +72,11 @@ def case_named(module, name: str) -> dict:
     raise ValueError(f"case: expected one of {sorted(cases)}, got {name!r}")
 
 
+def is_timed(module) -> bool:
+    """Families whose figure is microseconds per call on the host's clock (lower is better)."""
+    return getattr(module, "UNIT", "TFLOP/s") == "us"
+
+
 def is_memory_bound(module) -> bool:
     """GB/s for memory-bound families (bytes_moved), TFLOP/s for compute-bound ones (flops)."""
     return getattr(module, "UNIT", "TFLOP/s") == "GB/s"
@@ -81,7 +88,10 @@ def work(module, case) -> float:
 
 
 def measure(module, case, fn) -> float:
-    """fn's GB/s or TFLOP/s on the case, timed from a CUDA graph where the family asks for it."""
+    """fn's GB/s or TFLOP/s on the case, timed from a CUDA graph where the family asks for it; or,
+    for a family in microseconds, fn's wall-clock time per call, the host's included."""
+    if is_timed(module):
+        return moe.host_us(fn)
     timer = bench_graph if getattr(module, "CUDA_GRAPHS", False) else bench
     return work(module, case) / timer(fn) / (1e6 if is_memory_bound(module) else 1e9)
 
@@ -95,9 +105,13 @@ def run_family(module, quick: bool, console: Console) -> list[dict]:
         except Exception as exc:  # a case that cannot run is reported, and the others still run
             error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
         gbps = is_memory_bound(module)
-        key = "gbps" if gbps else "tflops"
-        row = {"case": module.name(case), ("bytes" if gbps else "flops"): work(module, case), "error": error,
-               key: {}}
+        if is_timed(module):
+            row = {"case": module.name(case), "error": error, "us": {}}
+            key = "us"
+        else:
+            key = "gbps" if gbps else "tflops"
+            row = {"case": module.name(case), ("bytes" if gbps else "flops"): work(module, case), "error": error,
+                   key: {}}
         if error is None:
             for peer, fn in module.runners(case, *inputs).items():
                 try:
@@ -105,6 +119,8 @@ def run_family(module, quick: bool, console: Console) -> list[dict]:
                 except Exception as exc:  # a peer without a kernel for this shape
                     row[key][peer] = None
                     console.print(f"[yellow]{row['case']}: {peer} did not run: {str(exc).splitlines()[0][:120]}")
+            if row[key].get("lanekit") is None:  # no figure of ours: the row says why
+                row["error"] = "lanekit did not run"
         rows.append(row)
         del inputs
         torch.cuda.empty_cache()
@@ -127,6 +143,10 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="fewer, smaller cases")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)
+    args.families = [f for name in args.families for f in GROUPS.get(name, (name,))]
+    unknown = [f for f in args.families if f not in FAMILIES]
+    if unknown:
+        parser.error(f"families: expected names from {sorted(FAMILIES) + sorted(GROUPS)}, got {unknown}")
     if not torch.cuda.is_available():
         print("benchmarks need a GPU; none is visible", file=sys.stderr)
         return 2

@@ -14,6 +14,15 @@ Second part, generation (:func:`run_generation_demo`): a tiny random-weight Llam
 each of three prompts of different lengths, prefill through ``flash_attn_varlen_func`` and decode
 through ``flash_attn_with_kvcache`` on a paged cache; it prints whether the tokens match
 transformers' eager ``generate`` for every prompt, and the tokens per second of both.
+
+Third part, mixture of experts (:func:`run_moe_demo`): a tiny random-weight Mixtral (8 experts,
+top-2; :func:`lanekit.integrations.transformers_moe.tiny_moe`) in bf16, once with transformers'
+eager experts and once with ``experts_implementation="lanekit"`` (each layer's experts one
+:func:`lanekit.moe.fused_moe` call, the routers on :func:`lanekit.moe.topk_softmax`): it prints the
+logits' largest difference, each run's error against the same model in float64, and the greedy
+tokens of both; the bar: the same tokens, or tokens that part only at a near tie (within 4 bf16
+steps), of eager's two best logits or of a router's choice between two experts (in bf16 either
+choice is rounding's, in eager as in lanekit: both differ from the float64 model by that much).
 """
 
 from __future__ import annotations
@@ -258,12 +267,149 @@ def run_generation_demo(lane: str | None = None, device: str | torch.device | No
     return result
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``lanekit demo [--lane L] [--model-dir DIR] [--dtype T] [--device D]``.
+MOE_PROMPT_SEED = 8
+MOE_PROMPT_LENGTH = 5
+MOE_NEW_TOKENS = 12
+MOE_TIE_STEPS = 4
 
-    Runs both parts: the embeddings (:func:`run_demo`), then generation (:func:`run_generation_demo`,
-    float32 whatever ``--dtype`` says). Returns 0 when every sentence's cosine meets the bar and
-    every prompt's tokens match, 1 when one does not, 2 on a usage error
+
+@dataclass(frozen=True)
+class MoeResult:
+    """The outcome of :func:`run_moe_demo`: the largest |logit| difference lanekit - eager on the
+    prompt, each run's largest error against the float64 model, both runs' greedy tokens, the step
+    where they part (None when they do not) and whether that is a near tie; ``ok`` when the tokens
+    are equal or part at a near tie (of eager's logits, or of a router on the same prefix)."""
+
+    max_abs_diff: float
+    error: float
+    eager_error: float
+    tokens: tuple[int, ...]
+    eager_tokens: tuple[int, ...]
+    parted_at: int | None
+    near_tie: bool
+    ok: bool
+    lane: str
+    device: str
+
+
+def _routes(model, ids) -> list:
+    """Each layer's router outputs (router_logits (S, E), ids (S, topk)) of a forward on ids (1, S)."""
+    routes = []
+    hooks = [layer.mlp.gate.register_forward_hook(lambda m, args, out: routes.append((out[0], out[2])))
+             for layer in model.model.layers]
+    try:
+        with torch.no_grad():
+            model(ids)
+    finally:
+        for h in hooks:
+            h.remove()
+    return routes
+
+
+def _router_near_tie(ours, eager, prefix, dtype) -> bool:
+    """Whether the two models route the tokens of ``prefix`` (1, S) apart, and the first token
+    routed apart (in any layer) is a near tie of eager's router: its topk-th and topk+1-th router
+    logits within MOE_TIE_STEPS steps of ``dtype`` at the router logits' magnitude."""
+    from lanekit.testing import ulp
+
+    first = None
+    for (_, a), (logits, b) in zip(_routes(ours, prefix), _routes(eager, prefix)):
+        apart = (a.sort(-1).values != b.sort(-1).values).any(-1).nonzero().flatten().tolist()
+        if apart and (first is None or apart[0] < first[0]):
+            first = (apart[0], logits, a.shape[1])
+    if first is None:
+        return False
+    t, logits, topk = first
+    ranked = logits[t].double().sort(descending=True).values
+    step = ulp(dtype, logits.abs().max().item())
+    return (ranked[topk - 1] - ranked[topk]).item() <= MOE_TIE_STEPS * step
+
+
+def run_moe_demo(lane: str | None = None, device: str | torch.device | None = None,
+                 console=None) -> MoeResult:
+    """A tiny random-weight Mixtral in bf16 with lanekit's experts and routers against
+    transformers' eager experts: logits on a prompt and greedy generation; prints the verdict.
+
+    Arguments:
+        lane, device, console: as :func:`run_demo`.
+
+    Returns:
+        a :class:`MoeResult`.
+
+    Raises:
+        ValueError: unknown lane, or lane "triton" on CPU without Triton's interpreter.
+    """
+    from rich.console import Console
+
+    import lanekit.integrations.transformers_moe as lanekit_moe
+    from lanekit.runtime.lanes import select_lane
+    from lanekit.testing import ulp
+
+    device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+    chosen = select_lane(device, lane)
+    console = console if console is not None else Console()
+    g = torch.Generator().manual_seed(MOE_PROMPT_SEED)
+    ids = torch.randint(1, 128, (1, MOE_PROMPT_LENGTH), generator=g).to(device)
+    previous = lanekit_moe.LANE
+    models = {"eager": lanekit_moe.tiny_moe("mixtral", dtype=torch.bfloat16, device=device),
+              "exact": lanekit_moe.tiny_moe("mixtral", dtype=torch.float64, device=device)}
+    try:
+        models["lanekit"] = lanekit_moe.enable(
+            lanekit_moe.tiny_moe("mixtral", dtype=torch.bfloat16, device=device), lane=chosen)
+        kw = dict(max_new_tokens=MOE_NEW_TOKENS, min_new_tokens=MOE_NEW_TOKENS, do_sample=False,
+                  eos_token_id=None, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+        with torch.no_grad():
+            logits = {k: m(ids).logits.double() for k, m in models.items()}
+            runs = {k: models[k].generate(ids, **kw) for k in ("lanekit", "eager")}
+    finally:
+        lanekit_moe.LANE = previous
+    ours = runs["lanekit"].sequences[0, MOE_PROMPT_LENGTH:].tolist()
+    eager = runs["eager"].sequences[0, MOE_PROMPT_LENGTH:].tolist()
+    parted = next((i for i, (a, b) in enumerate(zip(ours, eager)) if a != b), None)
+    near_tie = router_tie = False
+    if parted is not None:
+        step_logits = runs["eager"].logits[parted][0].double()
+        gap = (step_logits[eager[parted]] - step_logits[ours[parted]]).abs().item()
+        near_tie = gap <= MOE_TIE_STEPS * ulp(torch.bfloat16, step_logits.abs().max().item())
+        if not near_tie:    # the same prefix, routed apart at a router's near tie?
+            prefix = runs["eager"].sequences[:, :MOE_PROMPT_LENGTH + parted]
+            lanekit_moe.LANE = chosen
+            try:
+                router_tie = _router_near_tie(models["lanekit"], models["eager"], prefix, torch.bfloat16)
+            finally:
+                lanekit_moe.LANE = previous
+            near_tie = router_tie
+    result = MoeResult(
+        max_abs_diff=(logits["lanekit"] - logits["eager"]).abs().max().item(),
+        error=(logits["lanekit"] - logits["exact"]).abs().max().item(),
+        eager_error=(logits["eager"] - logits["exact"]).abs().max().item(),
+        tokens=tuple(ours), eager_tokens=tuple(eager), parted_at=parted, near_tie=near_tie,
+        ok=parted is None or near_tie, lane=chosen, device=str(device))
+
+    console.print(f"tiny Mixtral (8 experts, top-2, random weights, bf16, {device}): lanekit ({chosen}) "
+                  "fused_moe experts and topk_softmax routers vs transformers' eager experts")
+    console.print(f"  logits on a prompt of {MOE_PROMPT_LENGTH} tokens: largest |lanekit - eager| "
+                  f"{result.max_abs_diff:.3g}; error against float64: lanekit {result.error:.3g}, "
+                  f"eager {result.eager_error:.3g}")
+    console.print(f"  greedy tokens, lanekit: {list(result.tokens)}")
+    console.print(f"  greedy tokens, eager:   {list(result.eager_tokens)}")
+    if parted is None:
+        verdict = "tokens match"
+    else:
+        tie = " (a near tie of a router's experts)" if router_tie else " (a near tie of eager's logits)"
+        verdict = f"tokens part at step {parted}" + (tie if near_tie else "")
+    style = "bold green" if result.ok else "bold red"
+    console.print(f"[{style}]{'PASS' if result.ok else 'FAIL'}[/{style}]: {verdict}")
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``lanekit demo [--lane L] [--model-dir DIR] [--dtype T] [--device D] [--only PART]``.
+
+    Runs the three parts: the embeddings (:func:`run_demo`), generation
+    (:func:`run_generation_demo`, float32 whatever ``--dtype`` says) and the mixture of experts
+    (:func:`run_moe_demo`, bf16 whatever ``--dtype`` says), or only the one ``--only`` names.
+    Returns 0 when every part that ran passed, 1 when one did not, 2 on a usage error
     that argparse cannot see (e.g. ``--lane triton`` on a CPU without Triton's interpreter).
     """
     parser = argparse.ArgumentParser(
@@ -271,7 +417,8 @@ def main(argv: list[str] | None = None) -> int:
         description="Embed a padded batch of sentences with all-MiniLM-L6-v2, once with lanekit "
                     f"attention and once with eager attention; pass when every cosine is >= {COSINE_BAR}. "
                     "Then generate greedily with a tiny Llama on lanekit's varlen prefill and paged "
-                    "decode; pass when the tokens equal eager generate's.")
+                    "decode; pass when the tokens equal eager generate's. Then a tiny Mixtral with "
+                    "lanekit's fused_moe experts; pass when its greedy tokens equal eager's.")
     parser.add_argument("--lane", choices=("triton", "reference"), default=None,
                         help="default: triton on CUDA, reference on CPU")
     parser.add_argument("--model-dir", default=None,
@@ -279,16 +426,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", choices=sorted(_DTYPES), default=None,
                         help="default: float16 on CUDA, float32 on CPU")
     parser.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    parser.add_argument("--only", choices=("embeddings", "generation", "moe"), default=None,
+                        help="run only this part (default: all three)")
     args = parser.parse_args(argv)
+    parts = {
+        "embeddings": lambda: run_demo(lane=args.lane, model_dir=args.model_dir, device=args.device,
+                                       dtype=args.dtype),
+        "generation": lambda: run_generation_demo(lane=args.lane, device=args.device),
+        "moe": lambda: run_moe_demo(lane=args.lane, device=args.device),
+    }
     try:
-        result = run_demo(lane=args.lane, model_dir=args.model_dir, device=args.device, dtype=args.dtype)
-        generation = run_generation_demo(lane=args.lane, device=args.device)
+        results = [run() for name, run in parts.items() if args.only in (None, name)]
     except (ValueError, ImportError) as e:
         from rich.console import Console
 
         Console(stderr=True).print(f"[bold red]error:[/bold red] {e}")
         return 2
-    return 0 if result.ok and generation.ok else 1
+    return 0 if all(r.ok for r in results) else 1
 
 
 if __name__ == "__main__":
