@@ -8,7 +8,7 @@ drawn at scale K^-1/2 (N^-1/2 for w2) so the activations stay O(1); the routing 
 of ``ROUTING_SETS`` routings (and token batches) in turn, so that at small M consecutive calls read
 different experts and the L2 cache (50 MB) does not serve a decode step's expert weights.
 
-Four families (``python -m benchmarks.run moe`` runs all four):
+Five families (``python -m benchmarks.run moe`` runs all five):
 
 - ``moe_graphs`` (this module, TFLOP/s, CUDA graphs: the GPU's time): ``grouped_mm`` (the MLP's
   first GEMM, (M*topk, K) rows sorted by expert times w1 as (E, K, 2N), the transposed view of the
@@ -25,6 +25,10 @@ Four families (``python -m benchmarks.run moe`` runs all four):
 - ``moe_align`` (:data:`ALIGN`, microseconds per call, eager, host time included):
   ``moe_align_block_size`` + ``moe_dispatch`` at M = 1, E = 256, top-8, K = 7168, beside the same
   transport done with torch (sort, gather, histc, cumsum).
+- ``moe_fp8`` (:data:`FP8`, TFLOP/s of the bf16 MLP's FLOPs, CUDA graphs): fused_moe with fp8 e4m3
+  experts in 128 x 128 blocks (activations quantized on the fly, both passes timed) beside
+  lanekit's bf16 fused_moe on the same routing, at Qwen3-30B-A3B and DeepSeek-V3 shapes, M = 256
+  and 4096: the issue's bar is 1.6x at M = 4096.
 
 ``python -m benchmarks.moe`` (no GPU needed) runs every case's inputs, check and peers once at
 tiny shapes on the CPU with lanekit's reference lane, to catch a broken path before the GPU run.
@@ -335,7 +339,60 @@ ALIGN = SimpleNamespace(
     UNIT="us", CUDA_GRAPHS=False, cases=_align_cases, name=lambda c: f"{c['op']} {c['model']} M={c['M']}",
     make_inputs=_align_inputs, check=_align_check, runners=_align_runners)
 
-FAMILIES = {"moe_graphs": sys.modules[__name__], "moe_eager": EAGER, "moe_decode": DECODE, "moe_align": ALIGN}
+FP8_BLOCK = "fp8 128x128 blocks"
+
+
+def _fp8_cases(quick: bool = False, shapes=MODELS):
+    models = ("Qwen3-30B-A3B", "DeepSeek-V3") if shapes is MODELS else tuple(shapes)[:1]
+    for model in models:
+        for M in (((4096,) if quick else (256, 4096)) if shapes is MODELS else (40,)):
+            yield _case("fused_moe fp8", model, M, shapes)
+
+
+def _fp8_inputs(c, device="cuda"):
+    """make_inputs' bf16 tensors, plus w1 and w2 as DeepSeek-V3's checkpoints store them: e4m3
+    codes with a scale per 128 x 128 block (lanekit.moe.registry.quantize_weight)."""
+    from lanekit.moe.registry import quantize_weight
+
+    xs, w1, w2, routings, grouped = make_inputs(c, device)
+    return [xs, w1, w2, routings, (*quantize_weight(w1, FP8_BLOCK), *quantize_weight(w2, FP8_BLOCK))]
+
+
+def _fp8_call(x, quant, topk_weights, topk_ids):
+    w1q, w1s, w2q, w2s = quant
+    return lk.fused_moe(x, w1q, w2q, topk_weights, topk_ids, use_fp8_w8a8=True, block_shape=[128, 128],
+                        w1_scale=w1s, w2_scale=w2s)
+
+
+def _fp8_check(c, xs, w1, w2, routings, quant) -> str | None:
+    """fp8 fused_moe against the quantized oracle (the codes and block scales, x quantized per
+    1 x 128 group on the fly, the intermediate rounded to bf16 and quantized) on the first tokens."""
+    x, (weights, ids) = xs[0], routings[0]
+    t = slice(0, _check_tokens(ids))
+    out = _fp8_call(x, quant, weights, ids)
+    used, local = torch.unique(ids[t].long(), return_inverse=True)
+    w1q, w1s, w2q, w2s = (q[used] for q in quant)
+    expected = ref.fused_moe(x[t].double(), w1q, w2q, weights[t].double(), local.to(torch.int32),
+                             use_fp8_w8a8=True, block_shape=[128, 128], w1_scale=w1s, w2_scale=w2s,
+                             intermediate_dtype=x.dtype)
+    result = compare(out[t], expected, _tolerance("fused_moe_quant"))
+    return None if result.ok else result.detail
+
+
+def _fp8_runners(c, xs, w1, w2, routings, quant):
+    return {"lanekit": _cycle(lambda i: _fp8_call(xs[i], quant, *routings[i])),
+            "lanekit bf16": _cycle(lambda i: lk.fused_moe(xs[i], w1, w2, *routings[i]))}
+
+
+FP8 = SimpleNamespace(
+    __doc__="fused_moe with fp8 e4m3 W8A8 experts in 128 x 128 blocks (DeepSeek-V3's layout; "
+            "activations quantized per 1 x 128 group on the fly) beside lanekit's own bf16 "
+            "fused_moe on the same routing; TFLOP/s of the bf16 MLP's FLOPs (see benchmarks.moe).",
+    UNIT="TFLOP/s", CUDA_GRAPHS=True, cases=_fp8_cases, name=name, flops=flops,
+    make_inputs=_fp8_inputs, check=_fp8_check, runners=_fp8_runners)
+
+FAMILIES = {"moe_graphs": sys.modules[__name__], "moe_eager": EAGER, "moe_decode": DECODE, "moe_align": ALIGN,
+            "moe_fp8": FP8}
 
 
 # ---------------------------------------------------------------------------------------------

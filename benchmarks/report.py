@@ -92,6 +92,12 @@ NOTES = {
         "call, wall clock with the host's time, beside the same transport in torch (sort, gather, histc, "
         "cumsum); the ratio is peer / lanekit (above 1.00x lanekit is faster)."
     ),
+    "moe_fp8": (
+        "fused_moe with fp8 e4m3 W8A8 experts in 128 x 128 blocks (DeepSeek-V3's layout; activations "
+        "quantized per 1 x 128 group on the fly, both quantize passes timed) beside lanekit's own bf16 "
+        "fused_moe on the same routing; TFLOP/s of the bf16 MLP's FLOPs, so the ratio is the speed-up. "
+        "CUDA graphs."
+    ),
 }
 
 
