@@ -80,11 +80,14 @@ def supported(experts: torch.nn.Module) -> bool:
     """Whether :func:`experts_forward` runs ``experts`` (a transformers experts module, decorated
     by ``use_experts_implementation``) on lanekit; otherwise it runs the module's own eager
     forward. Needed: gated experts with concatenated [gate; up] weights (E, 2N, K) and (E, K, N),
-    not transposed, no biases, no post-expert norm, no expert parallelism, SiLU or exact GELU."""
+    not transposed, no biases, no post-expert norm, no expert parallelism, SiLU or exact GELU.
+    The layout flags every version of the decorator sets are required; the two that later versions
+    added (a post-expert norm, expert parallelism) count as absent where the module has no such
+    attribute (transformers 5.17 has neither feature)."""
     return (getattr(experts, "has_gate", False) and getattr(experts, "is_concatenated", False)
             and not getattr(experts, "is_transposed", True) and not getattr(experts, "has_bias", True)
-            and not getattr(experts, "has_post_expert_norm", True)
-            and not getattr(experts, "_is_expert_parallel", True)
+            and not getattr(experts, "has_post_expert_norm", False)
+            and not getattr(experts, "_is_expert_parallel", False)
             and activation_of(experts) is not None)
 
 

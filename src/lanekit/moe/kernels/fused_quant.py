@@ -148,11 +148,11 @@ def _fused_moe_quant_gemm1_kernel(X, XS, W1, W1S, A, TOPK_W, SORTED, EXPERT_IDS,
             xs = tl.load(XS + token * stride_xsm + kb * stride_xsk, mask=valid, other=0.0)
             sg = tl.load(s_base + (offs_n // 128) * stride_sn + kb * stride_sk, mask=n_mask, other=0.0)
             su = tl.load(s_base + ((offs_n + N) // 128) * stride_sn + kb * stride_sk, mask=n_mask, other=0.0)
-            acc_g += tl.dot(x, wg) * (xs[:, None] * sg[None, :])
-            acc_u += tl.dot(x, wu) * (xs[:, None] * su[None, :])
+            acc_g += tl.dot(x, wg, max_num_imprecise_acc=0) * (xs[:, None] * sg[None, :])
+            acc_u += tl.dot(x, wu, max_num_imprecise_acc=0) * (xs[:, None] * su[None, :])
         else:
-            acc_g = tl.dot(x, wg, acc_g)
-            acc_u = tl.dot(x, wu, acc_u)
+            acc_g = tl.dot(x, wg, acc_g, max_num_imprecise_acc=0)
+            acc_u = tl.dot(x, wu, acc_u, max_num_imprecise_acc=0)
         x_ptrs += BLOCK_K * stride_xk
         g_ptrs += BLOCK_K * stride_wk
         u_ptrs += BLOCK_K * stride_wk
@@ -221,9 +221,9 @@ def _fused_moe_quant_gemm2_kernel(A, AS, W2, W2S, Y, TOPK_W, SORTED, EXPERT_IDS,
             nb = n0 // 128
             as_ = tl.load(AS + rows * stride_asm + nb * stride_asn, mask=row_ok, other=0.0)
             ws = tl.load(s_base + (offs_k // 128) * stride_sk + nb * stride_sn, mask=k_mask, other=0.0)
-            acc += tl.dot(a, w) * (as_[:, None] * ws[None, :])
+            acc += tl.dot(a, w, max_num_imprecise_acc=0) * (as_[:, None] * ws[None, :])
         else:
-            acc = tl.dot(a, w, acc)
+            acc = tl.dot(a, w, acc, max_num_imprecise_acc=0)
         a_ptrs += BLOCK_K * stride_an
         w_ptrs += BLOCK_K * stride_wn
     if SCHEME == 0:
