@@ -136,6 +136,29 @@ def test_grouped_topk_equal_group_scores_keep_the_lower_group(device, lane):
 
 
 @pytest.mark.parametrize("lane", ROUTE_LANES)
+@pytest.mark.parametrize("routing", ["topk_softmax", "grouped_topk softmax", "grouped_topk sigmoid bias"])
+def test_routing_of_nan_logits_gives_the_oracles_in_range_ids(device, lane, routing):
+    # NaN never equals a row's max: the kernels' argmax returned the id E (out of range) for it
+    x = _logits(4, 16, torch.float32, device, seed="nan logits")
+    x[0, 3], x[1, :], x[2, 5] = float("nan"), float("nan"), float("inf")
+    if routing == "topk_softmax":
+        kw = dict(topk=3, renormalize=True)
+        weights, ids = lanekit.moe.topk_softmax(x, **kw, lane=lane)
+        r_weights, r_ids = ref.topk_softmax(x.double(), 3, True)
+    else:
+        sigmoid = routing.endswith("bias")
+        bias = torch.zeros(16, device=device) if sigmoid else None
+        kw = dict(scoring_func="sigmoid" if sigmoid else "softmax", e_score_correction_bias=bias)
+        weights, ids = lanekit.moe.grouped_topk(x, 4, 4, 2, **kw, lane=lane)
+        r_weights, r_ids = ref.grouped_topk(x.double(), 4, 4, 2, False, kw["scoring_func"],
+                                            None if bias is None else bias.double())
+    assert bool(((ids >= 0) & (ids < 16)).all())
+    assert all(len(set(row)) == ids.shape[1] for row in ids.tolist())
+    assert torch.equal(ids.cpu(), r_ids.cpu())
+    assert torch.equal(weights.isnan().cpu(), r_weights.isnan().cpu())
+
+
+@pytest.mark.parametrize("lane", ROUTE_LANES)
 def test_routing_rejects_bad_input_before_any_launch(device, lane):
     x = _logits(3, 8, torch.float32, device)
     topk_softmax, grouped = lanekit.moe.topk_softmax, lanekit.moe.grouped_topk

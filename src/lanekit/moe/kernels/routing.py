@@ -51,9 +51,12 @@ def _scores(X, stride_xm, stride_xe, M, E, SIGMOID: tl.constexpr, BLOCK_M: tl.co
 
 @triton.jit
 def _arg_max(v, cols, BIG: tl.constexpr):
-    """(max, index) of each row of v, equal values to the lower index."""
-    best = tl.max(v, axis=1)
-    idx = tl.min(tl.where(v == best[:, None], cols[None, :], BIG), axis=1)
+    """(max, index) of each row of v, equal values to the lower index. NaN ranks above every
+    number, as in torch.sort (the oracle's): NaN never equals the max, so without this the index
+    would be BIG, out of [0, E)."""
+    key = tl.where(v != v, float("inf"), v)
+    idx = tl.min(tl.where(key == tl.max(key, axis=1)[:, None], cols[None, :], BIG), axis=1)
+    best = tl.sum(tl.where(cols[None, :] == idx[:, None], v, 0.0), axis=1)    # v at idx, NaN kept
     return best, idx
 
 
