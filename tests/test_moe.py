@@ -269,7 +269,7 @@ def test_align_chunked_sort_gives_the_one_programs_order(device, chunked):
         lanekit.check_errors()
 
 
-@pytest.mark.parametrize("path", ["one program", "chunked"])
+@pytest.mark.parametrize("path", ["one program", "chunked", "reference lane"])
 def test_align_ids_out_of_range_are_dropped_and_recorded(device, path, request):
     if path == "chunked":
         request.getfixturevalue("chunked")
@@ -277,7 +277,7 @@ def test_align_ids_out_of_range_are_dropped_and_recorded(device, path, request):
     ids = _ids(9, 2, 6, "bad ids", device=device)
     ids[0, 1], ids[4, 0], ids[8, 1] = 6, -1, 1 << 30
     with poisoned_outputs():
-        out = lanekit.moe.moe_align_block_size(ids, 4, 6, lane="triton")
+        out = lanekit.moe.moe_align_block_size(ids, 4, 6, lane="reference" if path == "reference lane" else "triton")
     # dropped: the result is the oracle's, which takes an id outside [0, E) into no expert
     for o, r in zip(out, ref.moe_align_block_size(ids, 4, 6)):
         assert_close(o, r, CODES)
@@ -435,15 +435,16 @@ def test_dispatch_and_combine_compile_with_torch_compile(device):
     assert torch.equal(compiled(x, ids, w), moe(x, ids, w))
 
 
-@pytest.mark.parametrize("path", ["one program", "chunked"])
+@pytest.mark.parametrize("path", ["one program", "chunked", "reference lane"])
 def test_dispatch_ids_out_of_range_go_last_and_are_recorded(device, path, request):
+    # the reference lane raised bincount's RuntimeError on the -3 (and sorted it first)
     if path == "chunked":
         request.getfixturevalue("chunked")
     errors.check_errors()
     x, ids, _ = _routed(6, 2, 5, 16, device=device, seed="bad dispatch")
     ids[1, 0], ids[4, 1] = 5, -3
     with poisoned_outputs():
-        permuted, offs, inv = lanekit.moe.moe_dispatch(x, ids, 5, lane="triton")
+        permuted, offs, inv = lanekit.moe.moe_dispatch(x, ids, 5, lane="reference" if path == "reference lane" else "triton")
     assert int(offs[-1]) == 10 and inv[1, 0] == 10 and inv[4, 1] == 11     # after every expert
     assert sorted(inv.reshape(-1).tolist()) == list(range(12))                # every row written once
     order = torch.empty(12, dtype=torch.long, device=device)
@@ -458,14 +459,16 @@ def test_dispatch_ids_out_of_range_go_last_and_are_recorded(device, path, reques
         lanekit.check_errors()
 
 
-def test_combine_rows_out_of_range_contribute_nothing_and_are_recorded(device):
+@pytest.mark.parametrize("lane", LANES)
+def test_combine_rows_out_of_range_contribute_nothing_and_are_recorded(device, lane):
+    # the reference lane raised an IndexError on the 6 and read the last row for the -1
     errors.check_errors()
     g = generator("bad rows")
     y = randn(6, 40, dtype=torch.float32, device=device, generator=g).requires_grad_()
     w = torch.rand(2, 3, generator=g).to(device).requires_grad_()
     inv = torch.tensor([[0, 6, 2], [-1, 4, 5]], dtype=torch.int32, device=device)
     with poisoned_outputs():
-        out = lanekit.moe.moe_combine(y, w, inv, lane="triton")
+        out = lanekit.moe.moe_combine(y, w, inv, lane=lane)
     ok = torch.tensor([[1, 0, 1], [0, 1, 1]], dtype=torch.float32, device=device)
     expected = ref.moe_combine(y.double(), (w * ok).double(), inv.clamp(0, 5))
     assert_close(out, expected, moe_registry.COMBINE)
@@ -473,8 +476,9 @@ def test_combine_rows_out_of_range_contribute_nothing_and_are_recorded(device):
         lanekit.check_errors()
     out.sum().backward()
     assert w.grad[0, 1] == 0 and w.grad[1, 0] == 0
-    with pytest.raises(ValueError, match="inv_permuted_idx entry outside"):
-        lanekit.check_errors()
+    if lane == "triton":            # the backward kernel reads inv again (the reference: autograd)
+        with pytest.raises(ValueError, match="inv_permuted_idx entry outside"):
+            lanekit.check_errors()
 
 
 @pytest.mark.parametrize("lane", LANES)
@@ -682,23 +686,27 @@ BAD_OFFS = {"decreasing": [6, 3, 10], "past M_total": [4, 8, 25], "short of M_to
             "negative": [-3, 4, 10]}
 
 
+@pytest.mark.parametrize("lane", LANES)
 @pytest.mark.parametrize("case", list(BAD_OFFS), ids=list(BAD_OFFS))
-def test_grouped_mm_invalid_offs_are_clamped_and_recorded(device, case):
+def test_grouped_mm_invalid_offs_are_clamped_and_recorded(device, case, lane):
+    # the reference lane sliced a[start:end] with the raw offs (a negative end counted from the
+    # back, a decreasing one overwrote rows) and recorded nothing
     errors.check_errors()
     a = randn(10, 32, dtype=torch.bfloat16, device=device)
     b = randn(3, 32, 16, dtype=torch.bfloat16, device=device, scale=0.2)
     offs = torch.tensor(BAD_OFFS[case], dtype=torch.int32, device=device)
     a_guarded = torch.cat([a, torch.full((16, 32), float("nan"), dtype=a.dtype, device=device)])[:10]
     with poisoned_outputs():
-        out = grouped_mm(a_guarded, b, offs, lane="triton")
+        out = grouped_mm(a_guarded, b, offs, lane=lane)
     assert torch.isfinite(out).all()              # no row read past a (NaN there), every row written
     assert_close(out, _clamped_oracle(a, b, offs), GROUPED_MM)
     with pytest.raises(ValueError, match="grouped_mm: offs not non-decreasing"):
         lanekit.check_errors()
 
 
+@pytest.mark.parametrize("lane", LANES)
 @pytest.mark.parametrize("case", ["decreasing", "past M_total"])
-def test_grouped_mm_gradients_with_invalid_offs_stay_in_bounds(device, case):
+def test_grouped_mm_gradients_with_invalid_offs_stay_in_bounds(device, case, lane):
     """The weights' gradient kernel clamps offs as the forward does: every group's rows inside a."""
     errors.check_errors()
     a = randn(10, 32, dtype=torch.bfloat16, device=device)
@@ -707,7 +715,7 @@ def test_grouped_mm_gradients_with_invalid_offs_stay_in_bounds(device, case):
     dout = randn(10, 16, dtype=torch.bfloat16, device=device)
     leaves = [a.clone().requires_grad_(), b.clone().requires_grad_()]
     with poisoned_outputs():
-        grouped_mm(*leaves, offs, lane="triton").backward(dout)
+        grouped_mm(*leaves, offs, lane=lane).backward(dout)
     ends = offs.long().clamp(0, 10).cummax(0).values.to(torch.int32)
     da, db = ref.grouped_mm_backward(f64(a), f64(b), ends, f64(dout))
     assert_close(leaves[0].grad, da, GROUPED_MM)
@@ -952,13 +960,14 @@ def _bad_ids(device):
     return kw
 
 
-def test_fused_moe_out_of_range_ids_are_masked_and_reported(device):
+@pytest.mark.parametrize("lane", LANES)
+def test_fused_moe_out_of_range_ids_are_masked_and_reported(device, lane):
     from lanekit.moe.registry import FUSED_MOE
 
     errors.check_errors()
     kw = _bad_ids(device)
     with poisoned_outputs():
-        out = lanekit.moe.fused_moe(**kw, lane="triton")
+        out = lanekit.moe.fused_moe(**kw, lane=lane)
     # the oracle's loop over experts 0..E-1 never meets the bad ids: their slots count zero
     assert_close(out, _fused_oracle(kw), FUSED_MOE)
     with pytest.raises(ValueError, match="fused_moe: an id of topk_ids outside"):
@@ -966,20 +975,55 @@ def test_fused_moe_out_of_range_ids_are_masked_and_reported(device):
     errors.check_errors()   # cleared
 
 
-def test_fused_moe_expert_map_entries_out_of_range_are_masked_and_reported(device):
+@pytest.mark.parametrize("lane", LANES)
+def test_fused_moe_expert_map_entries_out_of_range_are_masked_and_reported(device, lane):
     errors.check_errors()
     kw = _fused_sample("expert_map, half the experts remote", device)
     emap = kw["expert_map"].clone()
     emap[kw["topk_ids"][0, 0].long()] = 7          # w1 holds 4 local experts
     kw["expert_map"] = emap
     with poisoned_outputs():
-        out = lanekit.moe.fused_moe(**kw, lane="triton")
+        out = lanekit.moe.fused_moe(**kw, lane=lane)
     assert not torch.isnan(out).any()
     expected = _fused_oracle(dict(kw, expert_map=torch.where(emap == 7, -1, emap)))
     from lanekit.moe.registry import FUSED_MOE
     assert_close(out, expected, FUSED_MOE)
     with pytest.raises(ValueError, match="expert_map entry outside"):
         lanekit.check_errors()
+
+
+@pytest.mark.parametrize("lane", LANES)
+@pytest.mark.parametrize("quantized", [False, True], ids=["bf16", "fp8 blocks"])
+def test_fused_moe_ids_outside_expert_map_are_masked_and_reported(device, lane, quantized):
+    # the reference lane indexed expert_map with them: an IndexError for 8, expert_map[-1] for -1
+    from lanekit.moe.registry import FUSED_MOE, FUSED_MOE_QUANT
+
+    errors.check_errors()
+    if quantized:
+        kw = _quant_sample("fp8 128x128 blocks", "expert_map, half the experts remote", device)
+    else:
+        kw = _fused_sample("expert_map, half the experts remote", device)
+    E_global = kw["expert_map"].shape[0]
+    ids = kw["topk_ids"].clone()
+    ids[0, 0], ids[-1, -1] = E_global, -1
+    kw["topk_ids"] = ids
+    with poisoned_outputs():
+        out = lanekit.moe.fused_moe(**(_public(kw) if quantized else kw), lane=lane)
+    assert not torch.isnan(out).any()
+    remote = dict(kw, expert_map=torch.cat([kw["expert_map"], kw["expert_map"].new_full((1,), -1)]),
+                  topk_ids=torch.where((ids < 0) | (ids >= E_global), E_global, ids))
+    expected = _quant_oracle(remote) if quantized else _fused_oracle(remote)
+    assert_close(out, expected, FUSED_MOE_QUANT if quantized else FUSED_MOE)
+    with pytest.raises(ValueError, match="fused_moe: an id of topk_ids outside"):
+        lanekit.check_errors()
+
+
+def test_reference_lanes_record_the_kernels_error_bits():
+    from lanekit.moe import op
+    from lanekit.moe.kernels import align, fused, gemm, transport
+
+    assert (op._BAD_EXPERT, op._BAD_ROW, op._BAD_OFFS, op._BAD_EXPERT_ID) == (
+        align.BAD_EXPERT, transport.BAD_ROW, gemm.BAD_OFFS, fused.BAD_EXPERT_ID)
 
 
 def test_fused_moe_checks_ids_eagerly_when_asked(device, monkeypatch):
@@ -1214,7 +1258,8 @@ def test_fused_moe_quantized_is_deterministic(device):
     assert torch.equal(lanekit.moe.fused_moe(**kw, lane="triton"), lanekit.moe.fused_moe(**kw, lane="triton"))
 
 
-def test_fused_moe_quantized_out_of_range_ids_are_masked_and_reported(device):
+@pytest.mark.parametrize("lane", LANES)
+def test_fused_moe_quantized_out_of_range_ids_are_masked_and_reported(device, lane):
     from lanekit.moe.registry import FUSED_MOE_QUANT
 
     errors.check_errors()
@@ -1222,7 +1267,7 @@ def test_fused_moe_quantized_out_of_range_ids_are_masked_and_reported(device):
     kw = dict(kw, hidden_states=torch.cat([kw["hidden_states"]] * 3), topk_weights=torch.cat([kw["topk_weights"]] * 3))
     kw["topk_ids"] = torch.tensor([[1, 8], [-3, 2], [5, 99]], dtype=torch.int32, device=device)
     with poisoned_outputs():
-        out = lanekit.moe.fused_moe(**_public(kw), lane="triton")
+        out = lanekit.moe.fused_moe(**_public(kw), lane=lane)
     assert not torch.isnan(out).any()
     assert_close(out, _quant_oracle(kw), FUSED_MOE_QUANT)   # the oracle never meets the bad ids
     with pytest.raises(ValueError, match="fused_moe: an id of topk_ids outside"):
