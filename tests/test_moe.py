@@ -1067,6 +1067,9 @@ def _fused_bad_inputs():
                                       "E_global >= E = 8"),
         "expert_map int64": (lambda kw: dict(kw, expert_map=torch.arange(8)), TypeError, "expert_map: expected dtype"),
         "x 3-d": (lambda kw: dict(kw, hidden_states=kw["hidden_states"][None]), ValueError, "hidden_states: expected 2"),
+        # was "topk_ids: expected 1 <= topk <= 0", naming the wrong argument
+        "no experts": (lambda kw: dict(kw, w1=kw["w1"][:0], w2=kw["w2"][:0]), ValueError,
+                       r"w1: expected .* at least one expert \(E >= 1\), got shape \(0, 64, 64\)"),
     }
 
 
@@ -1321,6 +1324,14 @@ def _quant_bad_inputs():
                                     ValueError, "expected no scales"),
         "x requiring grad": (lambda kw: dict(kw, hidden_states=kw["hidden_states"].clone().requires_grad_()),
                              ValueError, "inference only"),
+        # these named hidden_states, or (the scales) were accepted and silently got no gradient
+        "topk_weights requiring grad": (lambda kw: dict(kw, topk_weights=kw["topk_weights"].clone().requires_grad_()),
+                                        ValueError, "topk_weights: expected no requires_grad"),
+        "a weight scale requiring grad": (lambda kw: dict(kw, w2_scale=kw["w2_scale"].clone().requires_grad_()),
+                                          ValueError, "w2_scale: expected no requires_grad"),
+        # a float block shape was accepted (128.0 == 128)
+        "block_shape of floats": (lambda kw: dict(kw, block_shape=[128.0, 128.0]), ValueError,
+                                  r"block_shape: expected \[128, 128\]"),
     }
 
 

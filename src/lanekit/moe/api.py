@@ -19,6 +19,7 @@ from lanekit.runtime import errors as _errors
 from lanekit.runtime.errors import check_indices_eagerly as _check_indices_eagerly
 from lanekit.runtime.lanes import select_lane as _select_lane
 from lanekit.runtime.validate import int_at_least as _int_at_least
+from lanekit.runtime.validate import is_int as _is_int
 from lanekit.runtime.validate import is_real as _is_real
 from lanekit.runtime.validate import lane_for as _lane
 from lanekit.runtime.validate import lane_for as _lane_for
@@ -449,7 +450,8 @@ def _fused_moe_quant_flags(use_fp8_w8a8, use_int8_w8a16, per_channel_quant, bloc
             raise ValueError(f"block_shape: expected None without use_fp8_w8a8, got {block_shape!r}")
         if per_channel_quant:
             raise ValueError(f"block_shape: expected None with per_channel_quant, got {block_shape!r}")
-        if not isinstance(block_shape, (list, tuple)) or [b for b in block_shape] != [128, 128]:
+        if (not isinstance(block_shape, (list, tuple)) or not all(map(_is_int, block_shape))
+                or list(block_shape) != [128, 128]):
             raise ValueError(f"block_shape: expected [128, 128] (DeepSeek-V3's blocks), got {block_shape!r}")
     return use_fp8_w8a8 or use_int8_w8a16
 
@@ -558,7 +560,7 @@ def fused_moe(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
             wrong shape for the scheme; block_shape other than [128, 128], or with W8A16 or
             per_channel_quant; a1/a2_scale given with a dynamic-only scheme or not (1,); inputs
             that require grad.
-        ValueError: wrong ranks; w1 and w2 of different E; 2N odd; K of w1 or w2 not x's; N of
+        ValueError: wrong ranks; w1 with no expert; w1 and w2 of different E; 2N odd; K of w1 or w2 not x's; N of
             w2 not half of w1's 2N; topk_weights not topk_ids' shape, or M not x's; topk < 1 or
             topk > E_global; expert_map not 1-d or shorter than E; apply_router_weight_on_input
             with topk > 1; an unknown activation; tensors on different devices; an unknown lane.
@@ -576,6 +578,8 @@ def fused_moe(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
         else:
             _tensor(name, w, like=hidden_states, like_name="hidden_states", like_dtype=True)
     E, two_n, _ = w1.shape
+    if E == 0:
+        raise ValueError(f"w1: expected (E, 2N, K) with at least one expert (E >= 1), got shape {tuple(w1.shape)}")
     if w2.shape[0] != E:
         raise ValueError(f"w2: expected E = {E} experts (w1's), got shape {tuple(w2.shape)}")
     if two_n % 2:
@@ -609,9 +613,12 @@ def fused_moe(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
     if quantized:
         _check_fused_moe_scales(hidden_states, E, N, K, use_fp8_w8a8, per_channel_quant, block_shape,
                                 w1_scale, w2_scale, a1_scale, a2_scale)
-        if torch.is_grad_enabled() and any(t.requires_grad for t in (hidden_states, topk_weights)):
-            raise ValueError("hidden_states: expected no requires_grad with quantized experts (inference "
-                             "only: no gradient flows through fp8/int8 experts), got requires_grad=True")
+        grads = [name for name, t in (("hidden_states", hidden_states), ("topk_weights", topk_weights),
+                                      ("w1_scale", w1_scale), ("w2_scale", w2_scale), ("a1_scale", a1_scale),
+                                      ("a2_scale", a2_scale)) if t is not None and t.requires_grad]
+        if torch.is_grad_enabled() and grads:
+            raise ValueError(f"{grads[0]}: expected no requires_grad with quantized experts (inference "
+                             f"only: no gradient flows through fp8/int8 experts), got requires_grad=True")
     else:
         given = [name for name, v in (("w1_scale", w1_scale), ("w2_scale", w2_scale), ("a1_scale", a1_scale),
                                       ("a2_scale", a2_scale), ("block_shape", block_shape)) if v is not None]
