@@ -135,6 +135,24 @@ def test_grouped_topk_equal_group_scores_keep_the_lower_group(device, lane):
     assert ids.tolist() == [[1, 5]]
 
 
+@pytest.mark.parametrize("routing", ["topk_softmax", "topk_softmax renormalize", "grouped_topk sigmoid bias"])
+def test_routing_weights_have_the_same_gradient_on_both_lanes(device, routing):
+    # the Triton lane's weights had no grad_fn: a router trained on the GPU got no gradient, on
+    # the CPU (the reference lane, plain torch) it did
+    grads = []
+    for lane in ROUTE_LANES:
+        x = _logits(5, 16, torch.bfloat16, device, seed="router grad").requires_grad_()
+        if routing.startswith("topk_softmax"):
+            weights, _ = lanekit.moe.topk_softmax(x, 4, renormalize=routing.endswith("renormalize"), lane=lane)
+        else:
+            bias = torch.zeros(16, device=device)
+            weights, _ = lanekit.moe.grouped_topk(x, 4, 4, 2, True, "sigmoid", bias, 2.5, lane=lane)
+        (weights * torch.arange(20.0, device=device).view(5, 4)).sum().backward()
+        grads.append(x.grad)
+    assert grads[0] is not None and bool(grads[0].abs().sum() > 0)
+    assert_close(grads[0], grads[1].double(), moe_registry.ROUTING)
+
+
 @pytest.mark.parametrize("lane", ROUTE_LANES)
 @pytest.mark.parametrize("routing", ["topk_softmax", "grouped_topk softmax", "grouped_topk sigmoid bias"])
 def test_routing_of_nan_logits_gives_the_oracles_in_range_ids(device, lane, routing):

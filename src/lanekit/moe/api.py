@@ -71,8 +71,10 @@ def topk_softmax(gating_output: torch.Tensor, topk: int, renormalize: bool = Fal
 
     Returns:
         topk_weights: (M, topk) fp32.
-        topk_ids: (M, topk) int32, in [0, E), distinct per token.
-        Not differentiable (as vLLM's).
+        topk_ids: (M, topk) int32, in [0, E), distinct per token (NaN scores rank first, as in
+            torch.sort).
+        topk_weights is differentiable in gating_output on every lane (the ids held fixed; vLLM's
+        is not differentiable), so a router trains through it.
 
     Raises:
         TypeError: a non-tensor or an unsupported dtype; topk not an int; renormalize not a bool.
@@ -116,7 +118,8 @@ def grouped_topk(gating_output: torch.Tensor, topk: int, num_expert_group: int, 
 
     Returns:
         topk_weights (M, topk) fp32 and topk_ids (M, topk) int32, highest choice score first.
-        Not differentiable.
+        topk_weights is differentiable in gating_output (the ids held fixed; the bias gets no
+        gradient: it chooses, it does not weigh).
 
     Raises:
         TypeError: a non-tensor or an unsupported dtype; an int or bool argument of another type.

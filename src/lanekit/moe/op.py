@@ -79,8 +79,48 @@ def _(gating_output, topk, num_expert_group, topk_group, renormalize, scoring_fu
             gating_output.new_empty((M, topk), dtype=torch.int32))
 
 
+def _routing_weights_grad(gating_output, ids, dweights, sigmoid, renormalize, scale):
+    """d gating_output of the weights (M, topk) = scale * (renormalized) scores[ids], the ids held
+    fixed: autograd of those few torch ops, recomputed in fp32 (the kernels' compute dtype)."""
+    with torch.enable_grad():
+        x = gating_output.detach().float().requires_grad_()
+        scores = torch.sigmoid(x) if sigmoid else torch.softmax(x, dim=-1)
+        weights = scores.gather(1, ids.long())
+        if renormalize:
+            weights = weights / weights.sum(-1, keepdim=True)
+        (dx,) = torch.autograd.grad(weights * scale, x, dweights.float())
+    return dx.to(gating_output.dtype)
+
+
+def _topk_softmax_setup(ctx, inputs, output):
+    ctx.save_for_backward(inputs[0], output[1])
+    ctx.renormalize = inputs[2]
+
+
+def _topk_softmax_backward(ctx, dweights, dids):
+    x, ids = ctx.saved_tensors
+    return _routing_weights_grad(x, ids, dweights, False, ctx.renormalize, 1.0), None, None
+
+
+_topk_softmax_op.register_autograd(_topk_softmax_backward, setup_context=_topk_softmax_setup)
+
+
+def _grouped_topk_setup(ctx, inputs, output):
+    ctx.save_for_backward(inputs[0], output[1])
+    ctx.sigmoid, ctx.renormalize, ctx.scale = inputs[5] == "sigmoid", inputs[4], inputs[7]
+
+
+def _grouped_topk_backward(ctx, dweights, dids):
+    x, ids = ctx.saved_tensors
+    dx = _routing_weights_grad(x, ids, dweights, ctx.sigmoid, ctx.renormalize, ctx.scale)
+    return dx, None, None, None, None, None, None, None     # the bias chooses, it does not weigh
+
+
+_grouped_topk_op.register_autograd(_grouped_topk_backward, setup_context=_grouped_topk_setup)
+
+
 def topk_softmax_triton(*, gating_output, topk, renormalize=False):
-    return _call(_topk_softmax_op, gating_output, topk, renormalize)
+    return _call(_topk_softmax_op, gating_output, topk, renormalize, inputs=(gating_output,))
 
 
 def topk_softmax_reference(*, gating_output, topk, renormalize=False):
@@ -92,7 +132,7 @@ def topk_softmax_reference(*, gating_output, topk, renormalize=False):
 def grouped_topk_triton(*, gating_output, topk, num_expert_group, topk_group, renormalize=False,
                         scoring_func="softmax", e_score_correction_bias=None, routed_scaling_factor=1.0):
     return _call(_grouped_topk_op, gating_output, topk, num_expert_group, topk_group, renormalize,
-                 scoring_func, e_score_correction_bias, float(routed_scaling_factor))
+                 scoring_func, e_score_correction_bias, float(routed_scaling_factor), inputs=(gating_output,))
 
 
 def grouped_topk_reference(*, gating_output, topk, num_expert_group, topk_group, renormalize=False,
