@@ -135,6 +135,21 @@ def test_grouped_topk_equal_group_scores_keep_the_lower_group(device, lane):
     assert ids.tolist() == [[1, 5]]
 
 
+@pytest.mark.parametrize("lane", ROUTE_LANES)
+@pytest.mark.parametrize("topk_group, topk", [(2, 3), (3, 5), (4, 8)])
+def test_grouped_topk_with_minus_inf_choice_scores_takes_no_expert_or_group_twice(device, lane, topk_group, topk):
+    # the kernel marked what it took with -inf, which a -inf biased score ties: it took expert 0
+    # twice ([1, 0, 0]) and could keep one group twice
+    x = _logits(3, 8, torch.float32, device, seed="minus inf bias")
+    bias = torch.full((8,), float("-inf"), device=device)
+    bias[1] = 0.0
+    weights, ids = lanekit.moe.grouped_topk(x, topk, 4, topk_group, False, "sigmoid", bias, lane=lane)
+    r_weights, r_ids = ref.grouped_topk(x.double(), topk, 4, topk_group, False, "sigmoid", bias.double())
+    assert all(len(set(row)) == topk for row in ids.tolist())
+    assert torch.equal(ids.cpu(), r_ids.cpu())
+    assert_close(weights, r_weights, moe_registry.ROUTING)
+
+
 @pytest.mark.parametrize("routing", ["topk_softmax", "topk_softmax renormalize", "grouped_topk sigmoid bias"])
 def test_routing_weights_have_the_same_gradient_on_both_lanes(device, routing):
     # the Triton lane's weights had no grad_fn: a router trained on the GPU got no gradient, on
