@@ -548,7 +548,8 @@ def fused_moe(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
             fp8 W8A8 on the Triton lane needs e4m3 (sm89+ or AMD); on sm80 it does not compile.
 
     Returns:
-        (M, K) in x's dtype. Not differentiable yet on the Triton lane (the backward is its own op).
+        (M, K) in x's dtype. Unquantized, differentiable on every lane in hidden_states, w1, w2
+        and topk_weights (the Triton lane's backward is its own op, ``lanekit::fused_moe_bwd``).
 
     Ids that live on the device are not read back: a topk_ids entry outside [0, E_global), or an
     expert_map entry outside [-1, E), makes that slot count zero (nothing is read for it) and is
