@@ -1360,6 +1360,8 @@ def _quant_bad_inputs():
         # these named hidden_states, or (the scales) were accepted and silently got no gradient
         "topk_weights requiring grad": (lambda kw: dict(kw, topk_weights=kw["topk_weights"].clone().requires_grad_()),
                                         ValueError, "topk_weights: expected no requires_grad"),
+        "fp8 codes requiring grad": (lambda kw: dict(kw, w1=kw["w1"].clone().requires_grad_()), ValueError,
+                                     "w1: expected no requires_grad"),
         "a weight scale requiring grad": (lambda kw: dict(kw, w2_scale=kw["w2_scale"].clone().requires_grad_()),
                                           ValueError, "w2_scale: expected no requires_grad"),
         # a float block shape was accepted (128.0 == 128)

@@ -618,7 +618,7 @@ def fused_moe(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
         _check_fused_moe_scales(hidden_states, E, N, K, use_fp8_w8a8, per_channel_quant, block_shape,
                                 w1_scale, w2_scale, a1_scale, a2_scale)
         grads = [name for name, t in (("hidden_states", hidden_states), ("topk_weights", topk_weights),
-                                      ("w1_scale", w1_scale), ("w2_scale", w2_scale), ("a1_scale", a1_scale),
+                                      ("w1", w1), ("w2", w2), ("w1_scale", w1_scale), ("w2_scale", w2_scale), ("a1_scale", a1_scale),
                                       ("a2_scale", a2_scale)) if t is not None and t.requires_grad]
         if torch.is_grad_enabled() and grads:
             raise ValueError(f"{grads[0]}: expected no requires_grad with quantized experts (inference "
