@@ -173,7 +173,8 @@ def test_routing_weights_have_the_same_gradient_on_both_lanes(device, routing):
 def test_routing_of_nan_logits_gives_the_oracles_in_range_ids(device, lane, routing):
     # NaN never equals a row's max: the kernels' argmax returned the id E (out of range) for it
     x = _logits(4, 16, torch.float32, device, seed="nan logits")
-    x[0, 3], x[1, :], x[2, 5] = float("nan"), float("nan"), float("inf")
+    x[0, 3], x[1, :], x[2, 5], x[3, :] = float("nan"), float("nan"), float("inf"), float("-inf")
+    # a row of -inf: torch.softmax (the oracle's) gives NaN scores; the kernel gave weights 0
     if routing == "topk_softmax":
         kw = dict(topk=3, renormalize=True)
         weights, ids = lanekit.moe.topk_softmax(x, **kw, lane=lane)

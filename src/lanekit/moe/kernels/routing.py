@@ -42,7 +42,7 @@ def _scores(X, stride_xm, stride_xe, M, E, SIGMOID: tl.constexpr, BLOCK_M: tl.co
         s = tl.where(m, tl.sigmoid(x), 0.0)
     else:
         top = tl.max(x, axis=1)
-        top = tl.where(top == -float("inf"), 0.0, top)            # a row of padding only
+        top = tl.where(rmask, top, 0.0)     # a row past M (padding only); a real row of -inf gives NaN, as torch
         p = tl.where(m, tl.exp(x - top[:, None]), 0.0)
         total = tl.sum(p, axis=1)
         s = p / tl.where(total == 0.0, 1.0, total)[:, None]
