@@ -350,6 +350,9 @@ def test_align_rejects_bad_input_before_any_launch(device, lane):
     _assert_rejected(lambda: align(ids, 16.0, 4, lane=lane), TypeError, "block_size", ids)
     _assert_rejected(lambda: align(ids, True, 4, lane=lane), TypeError, "block_size", ids)
     _assert_rejected(lambda: align(ids, 16, 0, lane=lane), ValueError, "num_experts", ids)
+    # an int32 position would wrap (and the output would need 8 GiB): refused before allocating
+    _assert_rejected(lambda: align(ids, 1 << 30, 4, lane=lane), ValueError,
+                     r"block_size: expected max_num_tokens_padded .* below 2\^31", ids)
     _assert_rejected(lambda: align(ids, 16, 1025, lane=lane), ValueError, r"num_experts: expected an int in \[1, 1024\]", ids)
     emap = torch.zeros(5, dtype=torch.int32, device=device)
     _assert_rejected(lambda: align(ids, 16, 4, emap, lane=lane), ValueError, r"expert_map: expected shape \(4,\)", ids, emap)

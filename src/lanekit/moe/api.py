@@ -224,7 +224,7 @@ def moe_align_block_size(topk_ids: torch.Tensor, block_size: int, num_experts: i
     Raises:
         TypeError: topk_ids or expert_map not an int32 tensor; block_size or num_experts not an int.
         ValueError: topk_ids not 2-d or topk outside [1, num_experts]; block_size below 1 or
-            num_experts outside [1, 1024]; expert_map not (E,) or on another device; an unknown lane; with
+            max_num_tokens_padded (below) not below 2^31; num_experts outside [1, 1024]; expert_map not (E,) or on another device; an unknown lane; with
             LANEKIT_CHECK_INDICES=1, an expert id outside [0, num_experts).
 
     Source: vLLM's ``moe_align_block_size`` (``vllm.model_executor.layers.fused_moe``), with the
@@ -233,6 +233,12 @@ def moe_align_block_size(topk_ids: torch.Tensor, block_size: int, num_experts: i
     block_size = _int_at_least("block_size", block_size, 1)
     num_experts = _num_experts(num_experts)
     _topk_ids(topk_ids, num_experts)
+    numel = topk_ids.numel()
+    padded = numel + num_experts * (block_size - 1)
+    padded = min(numel * block_size, padded) if numel < num_experts else padded
+    if padded >= 2 ** 31:
+        raise ValueError(f"block_size: expected max_num_tokens_padded = M * topk + num_experts * (block_size - 1) "
+                         f"below 2^31 (int32 positions), got {padded} for block_size = {block_size}")
     if expert_map is not None:
         _tensor("expert_map", expert_map, dtypes=(torch.int32,), ndim=1, like=topk_ids, like_name="topk_ids")
         if expert_map.shape[0] != num_experts:
