@@ -136,6 +136,63 @@ def test_grouped_topk_equal_group_scores_keep_the_lower_group(device, lane):
 
 
 @pytest.mark.parametrize("lane", ROUTE_LANES)
+@pytest.mark.parametrize("topk_group, topk", [(2, 3), (3, 5), (4, 8)])
+def test_grouped_topk_with_minus_inf_choice_scores_takes_no_expert_or_group_twice(device, lane, topk_group, topk):
+    # the kernel marked what it took with -inf, which a -inf biased score ties: it took expert 0
+    # twice ([1, 0, 0]) and could keep one group twice
+    x = _logits(3, 8, torch.float32, device, seed="minus inf bias")
+    bias = torch.full((8,), float("-inf"), device=device)
+    bias[1] = 0.0
+    weights, ids = lanekit.moe.grouped_topk(x, topk, 4, topk_group, False, "sigmoid", bias, lane=lane)
+    r_weights, r_ids = ref.grouped_topk(x.double(), topk, 4, topk_group, False, "sigmoid", bias.double())
+    assert all(len(set(row)) == topk for row in ids.tolist())
+    assert torch.equal(ids.cpu(), r_ids.cpu())
+    assert_close(weights, r_weights, moe_registry.ROUTING)
+
+
+@pytest.mark.parametrize("routing", ["topk_softmax", "topk_softmax renormalize", "grouped_topk sigmoid bias"])
+def test_routing_weights_have_the_same_gradient_on_both_lanes(device, routing):
+    # the Triton lane's weights had no grad_fn: a router trained on the GPU got no gradient, on
+    # the CPU (the reference lane, plain torch) it did
+    grads = []
+    for lane in ROUTE_LANES:
+        x = _logits(5, 16, torch.bfloat16, device, seed="router grad").requires_grad_()
+        if routing.startswith("topk_softmax"):
+            weights, _ = lanekit.moe.topk_softmax(x, 4, renormalize=routing.endswith("renormalize"), lane=lane)
+        else:
+            bias = torch.zeros(16, device=device)
+            weights, _ = lanekit.moe.grouped_topk(x, 4, 4, 2, True, "sigmoid", bias, 2.5, lane=lane)
+        (weights * torch.arange(20.0, device=device).view(5, 4)).sum().backward()
+        grads.append(x.grad)
+    assert grads[0] is not None and bool(grads[0].abs().sum() > 0)
+    assert_close(grads[0], grads[1].double(), moe_registry.ROUTING)
+
+
+@pytest.mark.parametrize("lane", ROUTE_LANES)
+@pytest.mark.parametrize("routing", ["topk_softmax", "grouped_topk softmax", "grouped_topk sigmoid bias"])
+def test_routing_of_nan_logits_gives_the_oracles_in_range_ids(device, lane, routing):
+    # NaN never equals a row's max: the kernels' argmax returned the id E (out of range) for it
+    x = _logits(4, 16, torch.float32, device, seed="nan logits")
+    x[0, 3], x[1, :], x[2, 5], x[3, :] = float("nan"), float("nan"), float("inf"), float("-inf")
+    # a row of -inf: torch.softmax (the oracle's) gives NaN scores; the kernel gave weights 0
+    if routing == "topk_softmax":
+        kw = dict(topk=3, renormalize=True)
+        weights, ids = lanekit.moe.topk_softmax(x, **kw, lane=lane)
+        r_weights, r_ids = ref.topk_softmax(x.double(), 3, True)
+    else:
+        sigmoid = routing.endswith("bias")
+        bias = torch.zeros(16, device=device) if sigmoid else None
+        kw = dict(scoring_func="sigmoid" if sigmoid else "softmax", e_score_correction_bias=bias)
+        weights, ids = lanekit.moe.grouped_topk(x, 4, 4, 2, **kw, lane=lane)
+        r_weights, r_ids = ref.grouped_topk(x.double(), 4, 4, 2, False, kw["scoring_func"],
+                                            None if bias is None else bias.double())
+    assert bool(((ids >= 0) & (ids < 16)).all())
+    assert all(len(set(row)) == ids.shape[1] for row in ids.tolist())
+    assert torch.equal(ids.cpu(), r_ids.cpu())
+    assert torch.equal(weights.isnan().cpu(), r_weights.isnan().cpu())
+
+
+@pytest.mark.parametrize("lane", ROUTE_LANES)
 def test_routing_rejects_bad_input_before_any_launch(device, lane):
     x = _logits(3, 8, torch.float32, device)
     topk_softmax, grouped = lanekit.moe.topk_softmax, lanekit.moe.grouped_topk
@@ -246,7 +303,7 @@ def test_align_chunked_sort_gives_the_one_programs_order(device, chunked):
         lanekit.check_errors()
 
 
-@pytest.mark.parametrize("path", ["one program", "chunked"])
+@pytest.mark.parametrize("path", ["one program", "chunked", "reference lane"])
 def test_align_ids_out_of_range_are_dropped_and_recorded(device, path, request):
     if path == "chunked":
         request.getfixturevalue("chunked")
@@ -254,7 +311,7 @@ def test_align_ids_out_of_range_are_dropped_and_recorded(device, path, request):
     ids = _ids(9, 2, 6, "bad ids", device=device)
     ids[0, 1], ids[4, 0], ids[8, 1] = 6, -1, 1 << 30
     with poisoned_outputs():
-        out = lanekit.moe.moe_align_block_size(ids, 4, 6, lane="triton")
+        out = lanekit.moe.moe_align_block_size(ids, 4, 6, lane="reference" if path == "reference lane" else "triton")
     # dropped: the result is the oracle's, which takes an id outside [0, E) into no expert
     for o, r in zip(out, ref.moe_align_block_size(ids, 4, 6)):
         assert_close(o, r, CODES)
@@ -293,6 +350,9 @@ def test_align_rejects_bad_input_before_any_launch(device, lane):
     _assert_rejected(lambda: align(ids, 16.0, 4, lane=lane), TypeError, "block_size", ids)
     _assert_rejected(lambda: align(ids, True, 4, lane=lane), TypeError, "block_size", ids)
     _assert_rejected(lambda: align(ids, 16, 0, lane=lane), ValueError, "num_experts", ids)
+    # an int32 position would wrap (and the output would need 8 GiB): refused before allocating
+    _assert_rejected(lambda: align(ids, 1 << 30, 4, lane=lane), ValueError,
+                     r"block_size: expected max_num_tokens_padded .* below 2\^31", ids)
     _assert_rejected(lambda: align(ids, 16, 1025, lane=lane), ValueError, r"num_experts: expected an int in \[1, 1024\]", ids)
     emap = torch.zeros(5, dtype=torch.int32, device=device)
     _assert_rejected(lambda: align(ids, 16, 4, emap, lane=lane), ValueError, r"expert_map: expected shape \(4,\)", ids, emap)
@@ -412,15 +472,16 @@ def test_dispatch_and_combine_compile_with_torch_compile(device):
     assert torch.equal(compiled(x, ids, w), moe(x, ids, w))
 
 
-@pytest.mark.parametrize("path", ["one program", "chunked"])
+@pytest.mark.parametrize("path", ["one program", "chunked", "reference lane"])
 def test_dispatch_ids_out_of_range_go_last_and_are_recorded(device, path, request):
+    # the reference lane raised bincount's RuntimeError on the -3 (and sorted it first)
     if path == "chunked":
         request.getfixturevalue("chunked")
     errors.check_errors()
     x, ids, _ = _routed(6, 2, 5, 16, device=device, seed="bad dispatch")
     ids[1, 0], ids[4, 1] = 5, -3
     with poisoned_outputs():
-        permuted, offs, inv = lanekit.moe.moe_dispatch(x, ids, 5, lane="triton")
+        permuted, offs, inv = lanekit.moe.moe_dispatch(x, ids, 5, lane="reference" if path == "reference lane" else "triton")
     assert int(offs[-1]) == 10 and inv[1, 0] == 10 and inv[4, 1] == 11     # after every expert
     assert sorted(inv.reshape(-1).tolist()) == list(range(12))                # every row written once
     order = torch.empty(12, dtype=torch.long, device=device)
@@ -435,14 +496,16 @@ def test_dispatch_ids_out_of_range_go_last_and_are_recorded(device, path, reques
         lanekit.check_errors()
 
 
-def test_combine_rows_out_of_range_contribute_nothing_and_are_recorded(device):
+@pytest.mark.parametrize("lane", LANES)
+def test_combine_rows_out_of_range_contribute_nothing_and_are_recorded(device, lane):
+    # the reference lane raised an IndexError on the 6 and read the last row for the -1
     errors.check_errors()
     g = generator("bad rows")
     y = randn(6, 40, dtype=torch.float32, device=device, generator=g).requires_grad_()
     w = torch.rand(2, 3, generator=g).to(device).requires_grad_()
     inv = torch.tensor([[0, 6, 2], [-1, 4, 5]], dtype=torch.int32, device=device)
     with poisoned_outputs():
-        out = lanekit.moe.moe_combine(y, w, inv, lane="triton")
+        out = lanekit.moe.moe_combine(y, w, inv, lane=lane)
     ok = torch.tensor([[1, 0, 1], [0, 1, 1]], dtype=torch.float32, device=device)
     expected = ref.moe_combine(y.double(), (w * ok).double(), inv.clamp(0, 5))
     assert_close(out, expected, moe_registry.COMBINE)
@@ -450,8 +513,9 @@ def test_combine_rows_out_of_range_contribute_nothing_and_are_recorded(device):
         lanekit.check_errors()
     out.sum().backward()
     assert w.grad[0, 1] == 0 and w.grad[1, 0] == 0
-    with pytest.raises(ValueError, match="inv_permuted_idx entry outside"):
-        lanekit.check_errors()
+    if lane == "triton":            # the backward kernel reads inv again (the reference: autograd)
+        with pytest.raises(ValueError, match="inv_permuted_idx entry outside"):
+            lanekit.check_errors()
 
 
 @pytest.mark.parametrize("lane", LANES)
@@ -659,23 +723,27 @@ BAD_OFFS = {"decreasing": [6, 3, 10], "past M_total": [4, 8, 25], "short of M_to
             "negative": [-3, 4, 10]}
 
 
+@pytest.mark.parametrize("lane", LANES)
 @pytest.mark.parametrize("case", list(BAD_OFFS), ids=list(BAD_OFFS))
-def test_grouped_mm_invalid_offs_are_clamped_and_recorded(device, case):
+def test_grouped_mm_invalid_offs_are_clamped_and_recorded(device, case, lane):
+    # the reference lane sliced a[start:end] with the raw offs (a negative end counted from the
+    # back, a decreasing one overwrote rows) and recorded nothing
     errors.check_errors()
     a = randn(10, 32, dtype=torch.bfloat16, device=device)
     b = randn(3, 32, 16, dtype=torch.bfloat16, device=device, scale=0.2)
     offs = torch.tensor(BAD_OFFS[case], dtype=torch.int32, device=device)
     a_guarded = torch.cat([a, torch.full((16, 32), float("nan"), dtype=a.dtype, device=device)])[:10]
     with poisoned_outputs():
-        out = grouped_mm(a_guarded, b, offs, lane="triton")
+        out = grouped_mm(a_guarded, b, offs, lane=lane)
     assert torch.isfinite(out).all()              # no row read past a (NaN there), every row written
     assert_close(out, _clamped_oracle(a, b, offs), GROUPED_MM)
     with pytest.raises(ValueError, match="grouped_mm: offs not non-decreasing"):
         lanekit.check_errors()
 
 
+@pytest.mark.parametrize("lane", LANES)
 @pytest.mark.parametrize("case", ["decreasing", "past M_total"])
-def test_grouped_mm_gradients_with_invalid_offs_stay_in_bounds(device, case):
+def test_grouped_mm_gradients_with_invalid_offs_stay_in_bounds(device, case, lane):
     """The weights' gradient kernel clamps offs as the forward does: every group's rows inside a."""
     errors.check_errors()
     a = randn(10, 32, dtype=torch.bfloat16, device=device)
@@ -684,7 +752,7 @@ def test_grouped_mm_gradients_with_invalid_offs_stay_in_bounds(device, case):
     dout = randn(10, 16, dtype=torch.bfloat16, device=device)
     leaves = [a.clone().requires_grad_(), b.clone().requires_grad_()]
     with poisoned_outputs():
-        grouped_mm(*leaves, offs, lane="triton").backward(dout)
+        grouped_mm(*leaves, offs, lane=lane).backward(dout)
     ends = offs.long().clamp(0, 10).cummax(0).values.to(torch.int32)
     da, db = ref.grouped_mm_backward(f64(a), f64(b), ends, f64(dout))
     assert_close(leaves[0].grad, da, GROUPED_MM)
@@ -929,13 +997,14 @@ def _bad_ids(device):
     return kw
 
 
-def test_fused_moe_out_of_range_ids_are_masked_and_reported(device):
+@pytest.mark.parametrize("lane", LANES)
+def test_fused_moe_out_of_range_ids_are_masked_and_reported(device, lane):
     from lanekit.moe.registry import FUSED_MOE
 
     errors.check_errors()
     kw = _bad_ids(device)
     with poisoned_outputs():
-        out = lanekit.moe.fused_moe(**kw, lane="triton")
+        out = lanekit.moe.fused_moe(**kw, lane=lane)
     # the oracle's loop over experts 0..E-1 never meets the bad ids: their slots count zero
     assert_close(out, _fused_oracle(kw), FUSED_MOE)
     with pytest.raises(ValueError, match="fused_moe: an id of topk_ids outside"):
@@ -943,20 +1012,55 @@ def test_fused_moe_out_of_range_ids_are_masked_and_reported(device):
     errors.check_errors()   # cleared
 
 
-def test_fused_moe_expert_map_entries_out_of_range_are_masked_and_reported(device):
+@pytest.mark.parametrize("lane", LANES)
+def test_fused_moe_expert_map_entries_out_of_range_are_masked_and_reported(device, lane):
     errors.check_errors()
     kw = _fused_sample("expert_map, half the experts remote", device)
     emap = kw["expert_map"].clone()
     emap[kw["topk_ids"][0, 0].long()] = 7          # w1 holds 4 local experts
     kw["expert_map"] = emap
     with poisoned_outputs():
-        out = lanekit.moe.fused_moe(**kw, lane="triton")
+        out = lanekit.moe.fused_moe(**kw, lane=lane)
     assert not torch.isnan(out).any()
     expected = _fused_oracle(dict(kw, expert_map=torch.where(emap == 7, -1, emap)))
     from lanekit.moe.registry import FUSED_MOE
     assert_close(out, expected, FUSED_MOE)
     with pytest.raises(ValueError, match="expert_map entry outside"):
         lanekit.check_errors()
+
+
+@pytest.mark.parametrize("lane", LANES)
+@pytest.mark.parametrize("quantized", [False, True], ids=["bf16", "fp8 blocks"])
+def test_fused_moe_ids_outside_expert_map_are_masked_and_reported(device, lane, quantized):
+    # the reference lane indexed expert_map with them: an IndexError for 8, expert_map[-1] for -1
+    from lanekit.moe.registry import FUSED_MOE, FUSED_MOE_QUANT
+
+    errors.check_errors()
+    if quantized:
+        kw = _quant_sample("fp8 128x128 blocks", "expert_map, half the experts remote", device)
+    else:
+        kw = _fused_sample("expert_map, half the experts remote", device)
+    E_global = kw["expert_map"].shape[0]
+    ids = kw["topk_ids"].clone()
+    ids[0, 0], ids[-1, -1] = E_global, -1
+    kw["topk_ids"] = ids
+    with poisoned_outputs():
+        out = lanekit.moe.fused_moe(**(_public(kw) if quantized else kw), lane=lane)
+    assert not torch.isnan(out).any()
+    remote = dict(kw, expert_map=torch.cat([kw["expert_map"], kw["expert_map"].new_full((1,), -1)]),
+                  topk_ids=torch.where((ids < 0) | (ids >= E_global), E_global, ids))
+    expected = _quant_oracle(remote) if quantized else _fused_oracle(remote)
+    assert_close(out, expected, FUSED_MOE_QUANT if quantized else FUSED_MOE)
+    with pytest.raises(ValueError, match="fused_moe: an id of topk_ids outside"):
+        lanekit.check_errors()
+
+
+def test_reference_lanes_record_the_kernels_error_bits():
+    from lanekit.moe import op
+    from lanekit.moe.kernels import align, fused, gemm, transport
+
+    assert (op._BAD_EXPERT, op._BAD_ROW, op._BAD_OFFS, op._BAD_EXPERT_ID) == (
+        align.BAD_EXPERT, transport.BAD_ROW, gemm.BAD_OFFS, fused.BAD_EXPERT_ID)
 
 
 def test_fused_moe_checks_ids_eagerly_when_asked(device, monkeypatch):
@@ -1000,6 +1104,9 @@ def _fused_bad_inputs():
                                       "E_global >= E = 8"),
         "expert_map int64": (lambda kw: dict(kw, expert_map=torch.arange(8)), TypeError, "expert_map: expected dtype"),
         "x 3-d": (lambda kw: dict(kw, hidden_states=kw["hidden_states"][None]), ValueError, "hidden_states: expected 2"),
+        # was "topk_ids: expected 1 <= topk <= 0", naming the wrong argument
+        "no experts": (lambda kw: dict(kw, w1=kw["w1"][:0], w2=kw["w2"][:0]), ValueError,
+                       r"w1: expected .* at least one expert \(E >= 1\), got shape \(0, 64, 64\)"),
     }
 
 
@@ -1191,7 +1298,8 @@ def test_fused_moe_quantized_is_deterministic(device):
     assert torch.equal(lanekit.moe.fused_moe(**kw, lane="triton"), lanekit.moe.fused_moe(**kw, lane="triton"))
 
 
-def test_fused_moe_quantized_out_of_range_ids_are_masked_and_reported(device):
+@pytest.mark.parametrize("lane", LANES)
+def test_fused_moe_quantized_out_of_range_ids_are_masked_and_reported(device, lane):
     from lanekit.moe.registry import FUSED_MOE_QUANT
 
     errors.check_errors()
@@ -1199,7 +1307,7 @@ def test_fused_moe_quantized_out_of_range_ids_are_masked_and_reported(device):
     kw = dict(kw, hidden_states=torch.cat([kw["hidden_states"]] * 3), topk_weights=torch.cat([kw["topk_weights"]] * 3))
     kw["topk_ids"] = torch.tensor([[1, 8], [-3, 2], [5, 99]], dtype=torch.int32, device=device)
     with poisoned_outputs():
-        out = lanekit.moe.fused_moe(**_public(kw), lane="triton")
+        out = lanekit.moe.fused_moe(**_public(kw), lane=lane)
     assert not torch.isnan(out).any()
     assert_close(out, _quant_oracle(kw), FUSED_MOE_QUANT)   # the oracle never meets the bad ids
     with pytest.raises(ValueError, match="fused_moe: an id of topk_ids outside"):
@@ -1253,6 +1361,16 @@ def _quant_bad_inputs():
                                     ValueError, "expected no scales"),
         "x requiring grad": (lambda kw: dict(kw, hidden_states=kw["hidden_states"].clone().requires_grad_()),
                              ValueError, "inference only"),
+        # these named hidden_states, or (the scales) were accepted and silently got no gradient
+        "topk_weights requiring grad": (lambda kw: dict(kw, topk_weights=kw["topk_weights"].clone().requires_grad_()),
+                                        ValueError, "topk_weights: expected no requires_grad"),
+        "fp8 codes requiring grad": (lambda kw: dict(kw, w1=kw["w1"].clone().requires_grad_()), ValueError,
+                                     "w1: expected no requires_grad"),
+        "a weight scale requiring grad": (lambda kw: dict(kw, w2_scale=kw["w2_scale"].clone().requires_grad_()),
+                                          ValueError, "w2_scale: expected no requires_grad"),
+        # a float block shape was accepted (128.0 == 128)
+        "block_shape of floats": (lambda kw: dict(kw, block_shape=[128.0, 128.0]), ValueError,
+                                  r"block_shape: expected \[128, 128\]"),
     }
 
 

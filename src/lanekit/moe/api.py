@@ -19,6 +19,7 @@ from lanekit.runtime import errors as _errors
 from lanekit.runtime.errors import check_indices_eagerly as _check_indices_eagerly
 from lanekit.runtime.lanes import select_lane as _select_lane
 from lanekit.runtime.validate import int_at_least as _int_at_least
+from lanekit.runtime.validate import is_int as _is_int
 from lanekit.runtime.validate import is_real as _is_real
 from lanekit.runtime.validate import lane_for as _lane
 from lanekit.runtime.validate import lane_for as _lane_for
@@ -70,8 +71,10 @@ def topk_softmax(gating_output: torch.Tensor, topk: int, renormalize: bool = Fal
 
     Returns:
         topk_weights: (M, topk) fp32.
-        topk_ids: (M, topk) int32, in [0, E), distinct per token.
-        Not differentiable (as vLLM's).
+        topk_ids: (M, topk) int32, in [0, E), distinct per token (NaN scores rank first, as in
+            torch.sort).
+        topk_weights is differentiable in gating_output on every lane (the ids held fixed; vLLM's
+        is not differentiable), so a router trains through it.
 
     Raises:
         TypeError: a non-tensor or an unsupported dtype; topk not an int; renormalize not a bool.
@@ -115,7 +118,8 @@ def grouped_topk(gating_output: torch.Tensor, topk: int, num_expert_group: int, 
 
     Returns:
         topk_weights (M, topk) fp32 and topk_ids (M, topk) int32, highest choice score first.
-        Not differentiable.
+        topk_weights is differentiable in gating_output (the ids held fixed; the bias gets no
+        gradient: it chooses, it does not weigh).
 
     Raises:
         TypeError: a non-tensor or an unsupported dtype; an int or bool argument of another type.
@@ -220,7 +224,7 @@ def moe_align_block_size(topk_ids: torch.Tensor, block_size: int, num_experts: i
     Raises:
         TypeError: topk_ids or expert_map not an int32 tensor; block_size or num_experts not an int.
         ValueError: topk_ids not 2-d or topk outside [1, num_experts]; block_size below 1 or
-            num_experts outside [1, 1024]; expert_map not (E,) or on another device; an unknown lane; with
+            max_num_tokens_padded (below) not below 2^31; num_experts outside [1, 1024]; expert_map not (E,) or on another device; an unknown lane; with
             LANEKIT_CHECK_INDICES=1, an expert id outside [0, num_experts).
 
     Source: vLLM's ``moe_align_block_size`` (``vllm.model_executor.layers.fused_moe``), with the
@@ -229,6 +233,12 @@ def moe_align_block_size(topk_ids: torch.Tensor, block_size: int, num_experts: i
     block_size = _int_at_least("block_size", block_size, 1)
     num_experts = _num_experts(num_experts)
     _topk_ids(topk_ids, num_experts)
+    numel = topk_ids.numel()
+    padded = numel + num_experts * (block_size - 1)
+    padded = min(numel * block_size, padded) if numel < num_experts else padded
+    if padded >= 2 ** 31:
+        raise ValueError(f"block_size: expected max_num_tokens_padded = M * topk + num_experts * (block_size - 1) "
+                         f"below 2^31 (int32 positions), got {padded} for block_size = {block_size}")
     if expert_map is not None:
         _tensor("expert_map", expert_map, dtypes=(torch.int32,), ndim=1, like=topk_ids, like_name="topk_ids")
         if expert_map.shape[0] != num_experts:
@@ -449,7 +459,8 @@ def _fused_moe_quant_flags(use_fp8_w8a8, use_int8_w8a16, per_channel_quant, bloc
             raise ValueError(f"block_shape: expected None without use_fp8_w8a8, got {block_shape!r}")
         if per_channel_quant:
             raise ValueError(f"block_shape: expected None with per_channel_quant, got {block_shape!r}")
-        if not isinstance(block_shape, (list, tuple)) or [b for b in block_shape] != [128, 128]:
+        if (not isinstance(block_shape, (list, tuple)) or not all(map(_is_int, block_shape))
+                or list(block_shape) != [128, 128]):
             raise ValueError(f"block_shape: expected [128, 128] (DeepSeek-V3's blocks), got {block_shape!r}")
     return use_fp8_w8a8 or use_int8_w8a16
 
@@ -543,7 +554,8 @@ def fused_moe(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
             fp8 W8A8 on the Triton lane needs e4m3 (sm89+ or AMD); on sm80 it does not compile.
 
     Returns:
-        (M, K) in x's dtype. Not differentiable yet on the Triton lane (the backward is its own op).
+        (M, K) in x's dtype. Unquantized, differentiable on every lane in hidden_states, w1, w2
+        and topk_weights (the Triton lane's backward is its own op, ``lanekit::fused_moe_bwd``).
 
     Ids that live on the device are not read back: a topk_ids entry outside [0, E_global), or an
     expert_map entry outside [-1, E), makes that slot count zero (nothing is read for it) and is
@@ -558,7 +570,7 @@ def fused_moe(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
             wrong shape for the scheme; block_shape other than [128, 128], or with W8A16 or
             per_channel_quant; a1/a2_scale given with a dynamic-only scheme or not (1,); inputs
             that require grad.
-        ValueError: wrong ranks; w1 and w2 of different E; 2N odd; K of w1 or w2 not x's; N of
+        ValueError: wrong ranks; w1 with no expert; w1 and w2 of different E; 2N odd; K of w1 or w2 not x's; N of
             w2 not half of w1's 2N; topk_weights not topk_ids' shape, or M not x's; topk < 1 or
             topk > E_global; expert_map not 1-d or shorter than E; apply_router_weight_on_input
             with topk > 1; an unknown activation; tensors on different devices; an unknown lane.
@@ -576,6 +588,8 @@ def fused_moe(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
         else:
             _tensor(name, w, like=hidden_states, like_name="hidden_states", like_dtype=True)
     E, two_n, _ = w1.shape
+    if E == 0:
+        raise ValueError(f"w1: expected (E, 2N, K) with at least one expert (E >= 1), got shape {tuple(w1.shape)}")
     if w2.shape[0] != E:
         raise ValueError(f"w2: expected E = {E} experts (w1's), got shape {tuple(w2.shape)}")
     if two_n % 2:
@@ -609,9 +623,12 @@ def fused_moe(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
     if quantized:
         _check_fused_moe_scales(hidden_states, E, N, K, use_fp8_w8a8, per_channel_quant, block_shape,
                                 w1_scale, w2_scale, a1_scale, a2_scale)
-        if torch.is_grad_enabled() and any(t.requires_grad for t in (hidden_states, topk_weights)):
-            raise ValueError("hidden_states: expected no requires_grad with quantized experts (inference "
-                             "only: no gradient flows through fp8/int8 experts), got requires_grad=True")
+        grads = [name for name, t in (("hidden_states", hidden_states), ("topk_weights", topk_weights),
+                                      ("w1", w1), ("w2", w2), ("w1_scale", w1_scale), ("w2_scale", w2_scale), ("a1_scale", a1_scale),
+                                      ("a2_scale", a2_scale)) if t is not None and t.requires_grad]
+        if torch.is_grad_enabled() and grads:
+            raise ValueError(f"{grads[0]}: expected no requires_grad with quantized experts (inference "
+                             f"only: no gradient flows through fp8/int8 experts), got requires_grad=True")
     else:
         given = [name for name, v in (("w1_scale", w1_scale), ("w2_scale", w2_scale), ("a1_scale", a1_scale),
                                       ("a2_scale", a2_scale), ("block_shape", block_shape)) if v is not None]

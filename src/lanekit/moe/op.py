@@ -10,10 +10,35 @@ from __future__ import annotations
 import torch
 
 from lanekit.reference import moe as ref
+from lanekit.runtime import errors as _errors
 from lanekit.runtime.custom_ops import call as _call
 from lanekit.runtime.custom_ops import custom_op as _custom_op
 
 Tensor = torch.Tensor
+
+# The reference lanes follow the kernels' rule for device-resident indices: an index out of range
+# is never used (the same result as the Triton lane) and is recorded in the device's error flag.
+# These are the kernels' messages (lanekit.moe.kernels.align, transport, gemm, fused), registered
+# here too so that the reference lanes need no Triton import; register() gives one bit a message.
+_BAD_EXPERT = _errors.register(
+    "moe: a topk_ids entry outside [0, num_experts) (never used as an address: the align dropped "
+    "it, the dispatch placed it after every expert's rows)")
+_BAD_ROW = _errors.register(
+    "moe: an inv_permuted_idx entry outside [0, rows of y) (never used as an address: that slot "
+    "contributed nothing to the combine)")
+_BAD_OFFS = _errors.register(
+    "grouped_mm: offs not non-decreasing, negative, or not ending at M_total (each group's rows were "
+    "clamped to [the previous groups' largest end, M_total]; rows past the clamped last end are zero)")
+_BAD_EXPERT_ID = _errors.register(
+    "fused_moe: an id of topk_ids outside [0, E) (E: expert_map's length when given), or an "
+    "expert_map entry outside [-1, E_local): that slot counted zero, nothing was read for it")
+
+
+def _record(bit: int, bad: Tensor) -> None:
+    """OR ``bit`` into the error flag of bad's device if any of ``bad`` is True (no host read;
+    nothing on the meta device, which has no values and whose flag check_errors could not read)."""
+    if bad.numel() and bad.device.type != "meta":
+        _errors.error_flag(bad.device).bitwise_or_(bad.any().to(torch.int32) * bit)
 
 # ---- routing: topk_softmax, grouped_topk ----
 
@@ -54,8 +79,48 @@ def _(gating_output, topk, num_expert_group, topk_group, renormalize, scoring_fu
             gating_output.new_empty((M, topk), dtype=torch.int32))
 
 
+def _routing_weights_grad(gating_output, ids, dweights, sigmoid, renormalize, scale):
+    """d gating_output of the weights (M, topk) = scale * (renormalized) scores[ids], the ids held
+    fixed: autograd of those few torch ops, recomputed in fp32 (the kernels' compute dtype)."""
+    with torch.enable_grad():
+        x = gating_output.detach().float().requires_grad_()
+        scores = torch.sigmoid(x) if sigmoid else torch.softmax(x, dim=-1)
+        weights = scores.gather(1, ids.long())
+        if renormalize:
+            weights = weights / weights.sum(-1, keepdim=True)
+        (dx,) = torch.autograd.grad(weights * scale, x, dweights.float())
+    return dx.to(gating_output.dtype)
+
+
+def _topk_softmax_setup(ctx, inputs, output):
+    ctx.save_for_backward(inputs[0], output[1])
+    ctx.renormalize = inputs[2]
+
+
+def _topk_softmax_backward(ctx, dweights, dids):
+    x, ids = ctx.saved_tensors
+    return _routing_weights_grad(x, ids, dweights, False, ctx.renormalize, 1.0), None, None
+
+
+_topk_softmax_op.register_autograd(_topk_softmax_backward, setup_context=_topk_softmax_setup)
+
+
+def _grouped_topk_setup(ctx, inputs, output):
+    ctx.save_for_backward(inputs[0], output[1])
+    ctx.sigmoid, ctx.renormalize, ctx.scale = inputs[5] == "sigmoid", inputs[4], inputs[7]
+
+
+def _grouped_topk_backward(ctx, dweights, dids):
+    x, ids = ctx.saved_tensors
+    dx = _routing_weights_grad(x, ids, dweights, ctx.sigmoid, ctx.renormalize, ctx.scale)
+    return dx, None, None, None, None, None, None, None     # the bias chooses, it does not weigh
+
+
+_grouped_topk_op.register_autograd(_grouped_topk_backward, setup_context=_grouped_topk_setup)
+
+
 def topk_softmax_triton(*, gating_output, topk, renormalize=False):
-    return _call(_topk_softmax_op, gating_output, topk, renormalize)
+    return _call(_topk_softmax_op, gating_output, topk, renormalize, inputs=(gating_output,))
 
 
 def topk_softmax_reference(*, gating_output, topk, renormalize=False):
@@ -67,7 +132,7 @@ def topk_softmax_reference(*, gating_output, topk, renormalize=False):
 def grouped_topk_triton(*, gating_output, topk, num_expert_group, topk_group, renormalize=False,
                         scoring_func="softmax", e_score_correction_bias=None, routed_scaling_factor=1.0):
     return _call(_grouped_topk_op, gating_output, topk, num_expert_group, topk_group, renormalize,
-                 scoring_func, e_score_correction_bias, float(routed_scaling_factor))
+                 scoring_func, e_score_correction_bias, float(routed_scaling_factor), inputs=(gating_output,))
 
 
 def grouped_topk_reference(*, gating_output, topk, num_expert_group, topk_group, renormalize=False,
@@ -109,6 +174,7 @@ def moe_align_block_size_triton(*, topk_ids, block_size, num_experts, expert_map
 
 
 def moe_align_block_size_reference(*, topk_ids, block_size, num_experts, expert_map=None):
+    _record(_BAD_EXPERT, (topk_ids < 0) | (topk_ids >= num_experts))    # the oracle drops them
     return ref.moe_align_block_size(topk_ids, block_size, num_experts, expert_map)
 
 
@@ -190,8 +256,17 @@ def moe_dispatch_triton(*, x, topk_ids, num_experts):
     return permuted, offs, inv
 
 
+def _ids_last(topk_ids, num_experts):
+    """topk_ids with each id outside [0, num_experts) recorded and replaced by num_experts: the
+    kernel's place for it, after every expert's rows."""
+    bad = (topk_ids < 0) | (topk_ids >= num_experts)
+    _record(_BAD_EXPERT, bad)
+    return topk_ids.masked_fill(bad, num_experts)
+
+
 def moe_dispatch_reference(*, x, topk_ids, num_experts):
-    return ref.moe_dispatch(x, topk_ids, num_experts)
+    permuted, offs, inv = ref.moe_dispatch(x, _ids_last(topk_ids, num_experts), num_experts + 1)
+    return permuted, offs[:num_experts], inv
 
 
 def moe_combine_triton(*, y, topk_weights, inv_permuted_idx):
@@ -213,7 +288,8 @@ def moe_dispatch_backward_triton(*, x, topk_ids, num_experts, dpermuted):
 
 
 def moe_dispatch_backward_reference(*, x, topk_ids, num_experts, dpermuted):
-    return ref.moe_dispatch_backward(x, topk_ids, num_experts, dpermuted.to(torch.float64)).to(x.dtype)
+    return ref.moe_dispatch_backward(x, _ids_last(topk_ids, num_experts), num_experts + 1,
+                                     dpermuted.to(torch.float64)).to(x.dtype)
 
 
 def moe_combine_backward_triton(*, y, topk_weights, inv_permuted_idx, dout):
@@ -221,17 +297,26 @@ def moe_combine_backward_triton(*, y, topk_weights, inv_permuted_idx, dout):
                   inv_permuted_idx=inv_permuted_idx)
 
 
+def _rows_in_range(y, inv_permuted_idx):
+    """(y with a zero row appended, inv_permuted_idx with each entry outside [0, R) recorded and
+    pointed at that row): such a slot contributes nothing, as in the kernel."""
+    R = y.shape[0]
+    bad = (inv_permuted_idx < 0) | (inv_permuted_idx >= R)
+    _record(_BAD_ROW, bad)
+    return torch.cat([y, y.new_zeros((1, y.shape[1]))]), inv_permuted_idx.masked_fill(bad, R)
+
+
 def moe_combine_backward_reference(*, y, topk_weights, inv_permuted_idx, dout):
-    dy, dw = ref.moe_combine_backward(y.to(torch.float64), topk_weights.to(torch.float64),
-                                      inv_permuted_idx, dout.to(torch.float64))
-    return dy.to(y.dtype), dw.to(topk_weights.dtype)
+    y_ext, inv = _rows_in_range(y.to(torch.float64), inv_permuted_idx)
+    dy, dw = ref.moe_combine_backward(y_ext, topk_weights.to(torch.float64), inv, dout.to(torch.float64))
+    return dy[:y.shape[0]].to(y.dtype), dw.to(topk_weights.dtype)
 
 
 def moe_combine_reference(*, y, topk_weights, inv_permuted_idx):
     """The oracle in float64 (the weights unrounded, as the kernel's fp32 sum takes them), rounded
     once to y's dtype."""
-    out = ref.moe_combine(y.to(torch.float64), topk_weights.to(torch.float64), inv_permuted_idx)
-    return out.to(y.dtype)
+    y_ext, inv = _rows_in_range(y.to(torch.float64), inv_permuted_idx)
+    return ref.moe_combine(y_ext, topk_weights.to(torch.float64), inv).to(y.dtype)
 
 
 
@@ -294,8 +379,13 @@ def grouped_mm_triton(*, a, b, offs, out_dtype):
 
 
 def grouped_mm_reference(*, a, b, offs, out_dtype):
-    """The oracle in float64 (a sync: it reads offs), rounded once to out_dtype."""
-    return ref.grouped_mm(a.to(torch.float64), b.to(torch.float64), offs).to(out_dtype)
+    """The oracle in float64 (a sync: it reads offs), rounded once to out_dtype. Invalid offs
+    are recorded and clamped as the kernel clamps them: each end the running max of the ends so
+    far, within [0, M_total]."""
+    M = a.shape[0]
+    _record(_BAD_OFFS, (offs[1:] < offs[:-1]).any() | (offs < 0).any() | (offs[-1:] != M))
+    ends = offs.long().clamp(0, M).cummax(0).values.to(torch.int32)
+    return ref.grouped_mm(a.to(torch.float64), b.to(torch.float64), ends).to(out_dtype)
 
 
 def _grads_of(forward, dout, wrt, **kwargs):
@@ -359,8 +449,24 @@ def fused_moe_backward_triton(*, dout, hidden_states, w1, w2, topk_weights, topk
                                     apply_router_weight_on_input, expert_map)
 
 
+def _fused_ids(w1, kw):
+    """kw with topk_ids and expert_map recorded if out of range and made safe to index: an id
+    outside [0, E_global) or one that expert_map sends outside [-1, E) counts zero, as in the
+    kernels (the oracle skips every local id outside [0, E))."""
+    ids, emap, E = kw["topk_ids"], kw.get("expert_map"), w1.shape[0]
+    num_global = E if emap is None else emap.shape[0]
+    bad = ((ids < 0) | (ids >= num_global)).reshape(-1)
+    if emap is not None:
+        bad = torch.cat([bad, ((emap < -1) | (emap >= E)).reshape(-1)])
+        emap = torch.cat([emap, emap.new_full((1,), -1)])       # where the bad ids go: no expert
+    _record(_BAD_EXPERT_ID, bad)
+    ids = ids.masked_fill((ids < 0) | (ids >= num_global), num_global if emap is not None else -1)
+    return {**kw, "topk_ids": ids, "expert_map": emap}
+
+
 def fused_moe_backward_reference(*, dout, hidden_states, w1, w2, topk_weights, **kwargs):
     """torch.autograd of the oracle in float64, rounded to each input's dtype."""
+    kwargs = _fused_ids(w1, kwargs)
     inputs = dict(hidden_states=hidden_states, w1=w1, w2=w2, topk_weights=topk_weights)
     grads = _grads_of(ref.fused_moe, dout.to(torch.float64), _FUSED_MOE_GRADS,
                    **{k: v.to(torch.float64) for k, v in inputs.items()}, **kwargs)
@@ -420,6 +526,7 @@ def fused_moe_triton(*, hidden_states, w1, w2, topk_weights, topk_ids, activatio
 
 def fused_moe_reference(*, hidden_states, **kw):
     """The oracle in float64, rounded to hidden_states' dtype."""
+    kw = _fused_ids(kw["w1"], kw)
     kw = {k: v.to(torch.float64) if isinstance(v, Tensor) and v.is_floating_point() else v
           for k, v in kw.items()}
     return ref.fused_moe(hidden_states.to(torch.float64), **kw).to(hidden_states.dtype)
@@ -474,6 +581,7 @@ def fused_moe_quant_triton(*, hidden_states, w1, w2, topk_weights, topk_ids, act
 def fused_moe_quant_reference(*, hidden_states, intermediate_dtype=None, **kw):
     """The oracle in float64 (codes and scales exactly), the intermediate rounded to
     hidden_states' dtype where the kernels round it; the result rounded to that dtype."""
+    kw = _fused_ids(kw["w1"], kw)
     kw = {k: v.to(torch.float64) if isinstance(v, Tensor) and v.is_floating_point() else v
           for k, v in kw.items()}
     return ref.fused_moe(hidden_states.to(torch.float64), **kw,

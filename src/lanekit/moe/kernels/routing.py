@@ -42,7 +42,7 @@ def _scores(X, stride_xm, stride_xe, M, E, SIGMOID: tl.constexpr, BLOCK_M: tl.co
         s = tl.where(m, tl.sigmoid(x), 0.0)
     else:
         top = tl.max(x, axis=1)
-        top = tl.where(top == -float("inf"), 0.0, top)            # a row of padding only
+        top = tl.where(rmask, top, 0.0)     # a row past M (padding only); a real row of -inf gives NaN, as torch
         p = tl.where(m, tl.exp(x - top[:, None]), 0.0)
         total = tl.sum(p, axis=1)
         s = p / tl.where(total == 0.0, 1.0, total)[:, None]
@@ -51,10 +51,23 @@ def _scores(X, stride_xm, stride_xe, M, E, SIGMOID: tl.constexpr, BLOCK_M: tl.co
 
 @triton.jit
 def _arg_max(v, cols, BIG: tl.constexpr):
-    """(max, index) of each row of v, equal values to the lower index."""
-    best = tl.max(v, axis=1)
-    idx = tl.min(tl.where(v == best[:, None], cols[None, :], BIG), axis=1)
+    """(max, index) of each row of v, equal values to the lower index. NaN ranks above every
+    number, as in torch.sort (the oracle's): NaN never equals the max, so without this the index
+    would be BIG, out of [0, E)."""
+    key = tl.where(v != v, float("inf"), v)
+    idx = tl.min(tl.where(key == tl.max(key, axis=1)[:, None], cols[None, :], BIG), axis=1)
+    best = tl.sum(tl.where(cols[None, :] == idx[:, None], v, 0.0), axis=1)    # v at idx, NaN kept
     return best, idx
+
+
+@triton.jit
+def _arg_max_of(v, avail, cols, BIG: tl.constexpr):
+    """The index of each row's max of v among the entries where avail != 0, equal values (-inf
+    and NaN included, NaN above every number) to the lowest such index. Taken entries are marked
+    in avail, not by a value: a value could tie with a real -inf score and be taken twice."""
+    ok = avail != 0
+    key = tl.where(ok, tl.where(v != v, float("inf"), v), -float("inf"))
+    return tl.min(tl.where(ok & (key == tl.max(key, axis=1)[:, None]), cols[None, :], BIG), axis=1)
 
 
 @triton.jit
@@ -113,20 +126,21 @@ def _grouped_topk_kernel(X, stride_xm, stride_xe, BIAS, stride_b, W, stride_wm, 
             score = best + tl.where(second == NEG, 0.0, second)    # a group of one expert: its best
         group_scores = tl.where(gcols[None, :] == g, score[:, None], group_scores)
     keep = tl.zeros([BLOCK_M, BLOCK_E], dtype=tl.int32)
+    gavail = tl.where(gcols[None, :] < num_groups, 1, 0) + tl.zeros([BLOCK_M, BLOCK_G], dtype=tl.int32)
     for j in range(topk_group):
-        _, gbest = _arg_max(group_scores, gcols, BLOCK_G)
-        group_scores = tl.where(gcols[None, :] == gbest[:, None], NEG, group_scores)
+        gbest = _arg_max_of(group_scores, gavail, gcols, BLOCK_G)
+        gavail = tl.where(gcols[None, :] == gbest[:, None], 0, gavail)
         keep = tl.where(group[None, :] == gbest[:, None], 1, keep)
-    left = tl.where((keep != 0) & cmask[None, :], choice, NEG)
+    avail = tl.where(cmask[None, :], keep, 0)                       # the kept groups' experts
     kcol = tl.arange(0, TOPK)
     weights = tl.zeros([BLOCK_M, TOPK], dtype=tl.float32)
     ids = tl.zeros([BLOCK_M, TOPK], dtype=tl.int32)
     for j in range(topk):
-        _, idx = _arg_max(left, cols, BLOCK_E)
+        idx = _arg_max_of(choice, avail, cols, BLOCK_E)
         w = tl.sum(tl.where(cols[None, :] == idx[:, None], s, 0.0), axis=1)   # the unbiased score
         weights = tl.where(kcol[None, :] == j, w[:, None], weights)
         ids = tl.where(kcol[None, :] == j, idx[:, None], ids)
-        left = tl.where(cols[None, :] == idx[:, None], NEG, left)
+        avail = tl.where(cols[None, :] == idx[:, None], 0, avail)
     if RENORMALIZE:
         total = tl.sum(weights, axis=1)
         weights = weights / tl.where(total == 0.0, 1.0, total)[:, None]    # rows past M: all 0
