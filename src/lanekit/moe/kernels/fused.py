@@ -177,8 +177,9 @@ def _fused_moe_sum_kernel(Y, OUT, IDS, EXPERT_MAP, FLAG, stride_ys, stride_ym, s
         bad += tl.where(ok, 0, 1)
         live = ok & (e >= 0)
         for split in tl.static_range(SPLIT_K):
+            # where, not c_mask & live: Triton 3.9's interpreter refuses a mask & a scalar
             y = tl.load(Y + split * stride_ys + (t * TOPK + s) * stride_ym + cols * stride_yk,
-                        mask=c_mask & live, other=0.0)
+                        mask=tl.where(live, c_mask, False), other=0.0)
             acc += y
     tl.store(OUT + t * stride_om + cols * stride_ok, acc.to(OUT.dtype.element_ty), mask=c_mask)
     tl.atomic_or(FLAG, bad_bit, mask=(bad > 0) & (pid_k == 0))

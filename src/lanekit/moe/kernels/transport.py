@@ -60,7 +60,9 @@ def _moe_combine_kernel(Y, stride_ym, stride_yk, W, stride_wm, stride_ws, INV, s
         row = tl.load(INV + t * stride_im + s * stride_is).to(tl.int64)
         ok = (row >= 0) & (row < R)
         tl.atomic_or(ERR, ERR_BIT, mask=(ok == 0) & (kb == 0))
-        y = tl.load(Y + row * stride_ym + k * stride_yk, mask=kmask & ok, other=0.0).to(tl.float32)
+        # [BLOCK_K]: where, not kmask & ok (Triton 3.9's interpreter refuses a mask & a scalar)
+        y = tl.load(Y + row * stride_ym + k * stride_yk, mask=tl.where(ok, kmask, False), other=0.0)
+        y = y.to(tl.float32)
         if HAS_WEIGHTS:
             w = tl.load(W + t * stride_wm + s * stride_ws).to(tl.float32)
             acc += w * y
@@ -82,7 +84,7 @@ def _moe_combine_bwd_kernel(DOUT, stride_dm, stride_dk, Y, stride_ym, stride_yk,
     dot = tl.zeros([BLOCK_K], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K).to(tl.int64)
-        m = (k < K) & ok
+        m = tl.where(ok, k < K, False)       # [BLOCK_K]: Triton 3.9's interpreter refuses a mask & a scalar
         dout = tl.load(DOUT + t * stride_dm + k * stride_dk, mask=m, other=0.0).to(tl.float32)
         y = tl.load(Y + row * stride_ym + k * stride_yk, mask=m, other=0.0).to(tl.float32)
         tl.store(DY + row * stride_gm + k * stride_gk, (w * dout).to(DY.dtype.element_ty), mask=m)
