@@ -340,10 +340,10 @@ def fused_moe_sum_block(device: torch.device, K: int) -> int:
 # block_k are 32, 64 or 128).
 FUSED_MOE_QUANT: dict[str, dict[int, FusedMoeConfig]] = {
     "sm90": {
-        # prefill: fp8 halves the bytes of a tile, so a K step of 128 (one block scale, four
-        # wgmma k-steps of 32) takes the shared memory bf16's 64 did: 32 KiB a stage, 3 stages.
-        # Not yet measured on the H200.
-        1 << 62: FusedMoeConfig(128, 64, 128, 128, 128, 8, 8, 3),
+        # prefill: a K step of 128 (one block scale) at 32 KiB a stage, 3 stages; 32 gate + 32 up
+        # and 64 output columns, since with every wgmma's sum promoted (max_num_imprecise_acc=0)
+        # 64 + 64 and 128 spilled 64 and 136 bytes. Not yet measured on the H200.
+        1 << 62: FusedMoeConfig(128, 32, 128, 64, 128, 8, 8, 3),
     },
 }
 # The activation quantization pass: columns of one row a program reads at a time
@@ -362,7 +362,11 @@ def fused_moe_quant_config(device: torch.device, M: int, K: int, N: int) -> Fuse
 
 
 # ---- compile allowances (lanekit targets): (kernel, target) -> (bytes | regular expression, reason).
-SPILL_ALLOWANCES: dict[tuple[str, str], tuple[int, str]] = {}
+SPILL_ALLOWANCES: dict[tuple[str, str], tuple[int, str]] = {
+    ("_fused_moe_quant_gemm1_kernel", "gfx1151"): (128, (
+        "the 128x128-block fp8 GEMM1 on fused_moe's generic rows (K 200, N 72): e4m3 widened to "
+        "fp16 for RDNA 3.5's WMMA with a scale per K step; not yet given rows of its own")),
+}
 _FUSED_MOE_SMALL_BLOCKS = (
     "fused_moe's decode and few-token rows align tokens in blocks of 16 or 32 rows, below "
     "wgmma's 64-row warpgroup tile: mma.sync there; those launches are bound by reading the "
