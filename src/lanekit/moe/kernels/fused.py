@@ -72,6 +72,23 @@ def _swizzle(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
+def _gemm1_epilogue(A, acc_g, acc_u, TOPK_W, flat, stride_tw, rows, offs_n, valid, n_mask,
+                    stride_am, stride_an, ACT: tl.constexpr, MUL_WEIGHT: tl.constexpr):
+    """GEMM1's epilogue (also the quantized GEMM1's): the router weight on the input if asked,
+    (w x) W = w (x W), then act(gate) * up rounded to A's dtype and stored per sorted row."""
+    if MUL_WEIGHT:
+        w = tl.load(TOPK_W + flat * stride_tw, mask=valid, other=0.0).to(tl.float32)
+        acc_g = acc_g * w[:, None]
+        acc_u = acc_u * w[:, None]
+    if ACT == 0:
+        act = acc_g * sigmoid(acc_g)
+    else:
+        act = 0.5 * acc_g * (1.0 + tl.erf(acc_g * _INV_SQRT_2))
+    a_ptrs = A + rows[:, None] * stride_am + offs_n[None, :] * stride_an        # [BLOCK_M, BLOCK_N]
+    tl.store(a_ptrs, (act * acc_u).to(A.dtype.element_ty), mask=valid[:, None] & n_mask[None, :])
+
+
+@triton.jit
 def _fused_moe_gemm1_kernel(X, W1, A, TOPK_W, SORTED, EXPERT_IDS, NUM_POST,
                             stride_xm, stride_xk, stride_we, stride_wn, stride_wk,
                             stride_am, stride_an, stride_tw,
@@ -105,16 +122,8 @@ def _fused_moe_gemm1_kernel(X, W1, A, TOPK_W, SORTED, EXPERT_IDS, NUM_POST,
         x_ptrs += BLOCK_K * stride_xk
         g_ptrs += BLOCK_K * stride_wk
         u_ptrs += BLOCK_K * stride_wk
-    if MUL_WEIGHT:  # the router weight on the input: (w x) W = w (x W)
-        w = tl.load(TOPK_W + flat * stride_tw, mask=valid, other=0.0).to(tl.float32)
-        acc_g = acc_g * w[:, None]
-        acc_u = acc_u * w[:, None]
-    if ACT == 0:
-        act = acc_g * sigmoid(acc_g)
-    else:
-        act = 0.5 * acc_g * (1.0 + tl.erf(acc_g * _INV_SQRT_2))
-    a_ptrs = A + rows[:, None] * stride_am + offs_n[None, :] * stride_an
-    tl.store(a_ptrs, (act * acc_u).to(A.dtype.element_ty), mask=valid[:, None] & n_mask[None, :])
+    _gemm1_epilogue(A, acc_g, acc_u, TOPK_W, flat, stride_tw, rows, offs_n, valid, n_mask,
+                    stride_am, stride_an, ACT, MUL_WEIGHT)
 
 
 @triton.jit

@@ -24,7 +24,6 @@ import triton
 import triton.language as tl
 
 from lanekit.common.numerics import quantize
-from lanekit.common.numerics import sigmoid
 from lanekit.moe import tuning
 from lanekit.moe.kernels import fused
 from lanekit.runtime.alloc import empty
@@ -43,7 +42,6 @@ _swizzle = fused._swizzle
 PER_TENSOR, PER_CHANNEL, BLOCK, W8A16 = 0, 1, 2, 3
 FP8_MAX = tl.constexpr(448.0)
 GROUP = 128          # the block scheme's 128 x 128 blocks; per-token groups of 128 columns of K
-_INV_SQRT_2 = tl.constexpr(0.7071067811865476)
 
 
 @triton.jit
@@ -171,16 +169,8 @@ def _fused_moe_quant_gemm1_kernel(X, XS, W1, W1S, A, TOPK_W, SORTED, EXPERT_IDS,
         su = tl.load(s_base + (offs_n + N) * stride_sn, mask=n_mask, other=0.0)
         acc_g = acc_g * sg[None, :]
         acc_u = acc_u * su[None, :]
-    if MUL_WEIGHT:
-        w = tl.load(TOPK_W + flat * stride_tw, mask=valid, other=0.0).to(tl.float32)
-        acc_g = acc_g * w[:, None]
-        acc_u = acc_u * w[:, None]
-    if ACT == 0:
-        act = acc_g * sigmoid(acc_g)
-    else:
-        act = 0.5 * acc_g * (1.0 + tl.erf(acc_g * _INV_SQRT_2))
-    a_ptrs = A + rows[:, None] * stride_am + offs_n[None, :] * stride_an
-    tl.store(a_ptrs, (act * acc_u).to(A.dtype.element_ty), mask=valid[:, None] & n_mask[None, :])
+    fused._gemm1_epilogue(A, acc_g, acc_u, TOPK_W, flat, stride_tw, rows, offs_n, valid, n_mask,
+                          stride_am, stride_an, ACT, MUL_WEIGHT)
 
 
 @triton.jit
