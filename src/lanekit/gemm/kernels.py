@@ -1,0 +1,202 @@
+"""The GEMM family's kernels: one portable scaled GEMM and a per-row quantize pass.
+
+- ``_scaled_mm_kernel``: C = (A * scale_a) @ (B * scale_b) + bias, A (M, K), B (K, N), any
+  strides, int64 offsets. Operands fp8 (e4m3 / e5m2) or int8, or (WIDEN_B) 16-bit A with int8 B
+  widened in the load (W8A16). fp8 accumulates in fp32 (``max_num_imprecise_acc=0``: sm90's fp8
+  wgmma otherwise keeps fewer bits in its accumulator), int8 in int32 (exact). Scales, by
+  SCHEME: EPILOGUE, a's (M,) and b's (N,) applied after the sum (a stride of 0 makes either one
+  per tensor); BLOCK, a per 1 x 128 of K, b per 128 x 128 (DeepSeek-V3), one scale each per K step
+  (block_k divides 128); MX, one e8m0 exponent per 32 of K for each row of a and column of b
+  (OCP MX; a K step of 32). Then bias (N,) and the cast to C's dtype. Masks on every partial tile:
+  no scale or bias is read past M or N.
+- ``_quant_rows_kernel``: rows of x (R, C) to int8 or fp8 codes, dynamic (per row or per group of
+  columns: scale = amax / qmax, correctly rounded) or static (one given scale): the activation
+  quantization of the linears.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from lanekit.common.numerics import quantize
+from lanekit.gemm import tuning
+from lanekit.runtime.alloc import empty
+from lanekit.runtime.lanes import triton_interpreted
+
+if triton_interpreted():
+    from lanekit.runtime.interpreter import fix_interpreter
+
+    fix_interpreter()
+
+# scale schemes (constexpr SCHEME)
+EPILOGUE, BLOCK, MX = 0, 1, 2
+INT8, FP8 = 1, 2          # common.numerics.quantize's QUANT
+
+
+@triton.jit
+def _e8m0(e):
+    """An e8m0 exponent byte (int32 0..255) as fp32: 2^(e - 127), 0xFF NaN (OCP MX v1.0, 5.4.1);
+    e = 0 (2^-127) is fp32's subnormal 0x00400000."""
+    bits = tl.where(e == 0, 0x00400000, e << 23)
+    s = bits.to(tl.float32, bitcast=True)
+    return tl.where(e == 255, float("nan"), s)
+
+
+@triton.jit
+def _swizzle(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    width = GROUP_M * tiles_n
+    first_m = (pid // width) * GROUP_M
+    size = tl.minimum(tiles_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % width) % size
+    pid_n = (pid % width) // size
+    return pid_m, pid_n
+
+
+@triton.jit
+def _scaled_mm_kernel(A, B, SA, SB, BIAS, C, M, N, K,
+                      stride_am, stride_ak, stride_bk, stride_bn,
+                      stride_sam, stride_sak, stride_sbk, stride_sbn, stride_cm, stride_cn,
+                      SCHEME: tl.constexpr, IS_INT: tl.constexpr, WIDEN_B: tl.constexpr,
+                      HAS_SA: tl.constexpr, HAS_BIAS: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      GROUP_M: tl.constexpr):
+    pid = tl.program_id(0).to(tl.int64)
+    pid_m, pid_n = _swizzle(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
+    offs_k = tl.arange(0, BLOCK_K).to(tl.int64)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    a_ptrs = A + offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak
+    b_ptrs = B + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn
+    if IS_INT:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_mask = offs_k < K - k0
+        a = tl.load(a_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        if WIDEN_B:      # int8 codes are exact in bf16 / fp16
+            b = b.to(A.dtype.element_ty)
+        if SCHEME == 1:  # 128 x 128 blocks: this K step lies in group k0 // 128
+            kb = k0 // 128
+            sa = tl.load(SA + offs_m * stride_sam + kb * stride_sak, mask=m_mask, other=0.0)
+            sb = tl.load(SB + kb * stride_sbk + (offs_n // 128) * stride_sbn, mask=n_mask, other=0.0)
+            acc += tl.dot(a, b, max_num_imprecise_acc=0) * sa[:, None] * sb[None, :]
+        elif SCHEME == 2:  # MX: one e8m0 exponent per 32 of K, this step's
+            kb = k0 // 32
+            ea = tl.load(SA + offs_m * stride_sam + kb * stride_sak, mask=m_mask, other=127)
+            eb = tl.load(SB + kb * stride_sbk + offs_n * stride_sbn, mask=n_mask, other=127)
+            sa = _e8m0(ea.to(tl.int32))
+            sb = _e8m0(eb.to(tl.int32))
+            acc += tl.dot(a, b, max_num_imprecise_acc=0) * sa[:, None] * sb[None, :]
+        elif IS_INT:
+            acc = tl.dot(a, b, acc)
+        else:
+            acc = tl.dot(a, b, acc, max_num_imprecise_acc=0)
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+    out = acc.to(tl.float32)
+    if SCHEME == 0:
+        if HAS_SA:
+            sa = tl.load(SA + offs_m * stride_sam, mask=m_mask, other=0.0)
+            out = out * sa[:, None]
+        sb = tl.load(SB + offs_n * stride_sbn, mask=n_mask, other=0.0)
+        out = out * sb[None, :]
+    if HAS_BIAS:
+        bias = tl.load(BIAS + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        out = out + bias[None, :]
+    c_ptrs = C + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
+    tl.store(c_ptrs, out.to(C.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+def scaled_mm_fwd(a, b, scale_a, scale_b, bias, out_dtype, scheme, *, widen_b=False):
+    """C (M, N) in out_dtype. scale_a: (M,) view with its row stride (stride 0: per tensor), or
+    None (W8A16); scale_b (N,) likewise; BLOCK: scale_a (M, ceil(K/128)), scale_b
+    (ceil(K/128), ceil(N/128)); MX: uint8 scale_a (M, K/32), scale_b (K/32, N). Shapes are
+    checked by lanekit.gemm's api."""
+    M, K = a.shape
+    N = b.shape[1]
+    out = empty((M, N), dtype=out_dtype, device=a.device)
+    if M == 0 or N == 0:
+        return out
+    if K == 0:      # nothing to read: zeros plus bias, no launch over an empty operand
+        out.zero_()
+        if bias is not None:
+            out += bias.to(out_dtype)
+        return out
+    cfg = tuning.gemm_config(a.device, M, mx=scheme == MX)
+    has_sa = scale_a is not None
+    sa = scale_a if has_sa else scale_b
+    if scheme == EPILOGUE:
+        sa_strides = (sa.stride(0) if has_sa else 0, 0)
+        sb_strides = (0, scale_b.stride(0))
+    else:
+        sa_strides, sb_strides = sa.stride(), scale_b.stride()
+    bias_t = bias if bias is not None else scale_b
+    grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n),)
+    _scaled_mm_kernel[grid](
+        a, b, sa, scale_b, bias_t, out, M, N, K, *a.stride(), *b.stride(), *sa_strides,
+        *sb_strides, *out.stride(), SCHEME=scheme, IS_INT=a.dtype == torch.int8,
+        WIDEN_B=widen_b, HAS_SA=has_sa, HAS_BIAS=bias is not None, BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, **cfg.options())
+    return out
+
+
+@triton.jit
+def _quant_rows_kernel(X, Q, S, stride_xm, stride_xk, stride_qm, stride_qk, stride_sm, stride_sg,
+                       C, group, qmax, zero_scale, QUANT: tl.constexpr, STATIC: tl.constexpr,
+                       BLOCK: tl.constexpr):
+    """Program (row, group of columns): STATIC: S holds the one scale; else scale = amax / qmax
+    (``zero_scale`` for an all-zero group: 0 for int8, vLLM's, whose codes are then 0; 1 for fp8),
+    stored at S[row, g]; codes = quantize(x / scale), both divisions correctly rounded."""
+    row = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(1).to(tl.int64)
+    start = g * group
+    end = tl.minimum(start + group, C)
+    offs = tl.arange(0, BLOCK).to(tl.int64)
+    if STATIC:
+        scale = tl.load(S).to(tl.float32)
+    else:
+        acc = tl.zeros((BLOCK,), dtype=tl.float32)
+        for c0 in range(start, end, BLOCK):
+            x = tl.load(X + row * stride_xm + (c0 + offs) * stride_xk, mask=offs < end - c0, other=0.0)
+            acc = tl.maximum(acc, tl.abs(x.to(tl.float32)))
+        amax = tl.max(acc, axis=0)
+        scale = tl.where(amax > 0, tl.math.div_rn(amax, qmax), zero_scale)
+        tl.store(S + row * stride_sm + g * stride_sg, scale)
+    for c0 in range(start, end, BLOCK):
+        mask = offs < end - c0
+        x = tl.load(X + row * stride_xm + (c0 + offs) * stride_xk, mask=mask, other=0.0).to(tl.float32)
+        y = tl.math.div_rn(x, tl.where(scale == 0, 1.0, scale))
+        codes = quantize(y, qmax, QUANT)
+        codes = tl.where(scale == 0, 0.0, codes)
+        tl.store(Q + row * stride_qm + (c0 + offs) * stride_qk, codes.to(Q.dtype.element_ty), mask=mask)
+
+
+def quant_rows(x, dtype, group, static_scale=None):
+    """Codes of x (R, C) in ``dtype`` (int8 or e4m3) and fp32 scales: dynamic per group of
+    ``group`` columns (R, ceil(C / group)), or static: the given (1,) scale."""
+    R, C = x.shape
+    codes = empty((R, C), dtype=dtype, device=x.device)
+    is_int = dtype == torch.int8
+    qmax = 127.0 if is_int else torch.finfo(dtype).max
+    if static_scale is not None:
+        scale, groups, group = static_scale.reshape(1).to(torch.float32), 1, C
+        s_strides = (0, 0)
+    else:
+        groups = triton.cdiv(C, group) if C else 0
+        scale = empty((R, groups), dtype=torch.float32, device=x.device)
+        s_strides = scale.stride()
+    if R and C:
+        block = min(tuning.QUANT_BLOCK, triton.next_power_of_2(max(min(group, C), 16)))
+        _quant_rows_kernel[(R, groups)](
+            x, codes, scale, *x.stride(), *codes.stride(), *s_strides, C, group, qmax,
+            0.0 if is_int else 1.0, QUANT=INT8 if is_int else FP8,
+            STATIC=static_scale is not None, BLOCK=block, num_warps=tuning.QUANT_WARPS)
+    return codes, scale

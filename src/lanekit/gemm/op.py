@@ -1,0 +1,147 @@
+"""The GEMM family's lanes, and the custom ops that make the Triton lane opaque to torch.compile.
+
+Every lane takes the normalized keyword arguments that the public functions produce after
+validation (``lanekit.gemm.api``); the reference lanes run the oracles of
+``lanekit.reference.gemm`` in float64 and round once to the output dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lanekit.reference import gemm as ref
+from lanekit.runtime.custom_ops import call as _call
+from lanekit.runtime.custom_ops import custom_op as _custom_op
+
+Tensor = torch.Tensor
+BLOCK = ref.BLOCK
+SCHEMES = {"tensor": 0, "row": 0, "block": 1, "mx": 2}
+
+
+def _kernels():
+    from lanekit.gemm import kernels  # imported on first use: see runtime.lanes
+
+    return kernels
+
+
+def scale_scheme(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor) -> str:
+    """"tensor", "row" or "block" from the scales' shapes (checked by the api): one element each
+    (per tensor), (M, 1) / (1, N) (rowwise; either may be per tensor), else 128 x 128 blocks
+    (M, ceil(K/128)) and (ceil(K/128), ceil(N/128)). Where a row and a block layout have the same
+    shape they mean the same scales."""
+    if scale_a.numel() == 1 and scale_b.numel() == 1:
+        return "tensor"
+    M, N = a.shape[0], b.shape[1]
+    row_a = scale_a.numel() == 1 or tuple(scale_a.shape) == (M, 1)
+    row_b = scale_b.numel() == 1 or tuple(scale_b.shape) == (1, N)
+    return "row" if row_a and row_b else "block"
+
+
+def _vector(scale: Tensor, n: int, along: int) -> Tensor:
+    """A per-tensor (one element) or per-row/column scale as an (n,) view (stride 0 for one)."""
+    if scale.numel() == 1 and n != 1:
+        return scale.reshape(1).expand(n)
+    return scale.reshape(-1) if scale.dim() < 2 else scale.select(along, 0)
+
+
+@_custom_op("lanekit::scaled_mm")
+def _scaled_mm_op(a: Tensor, b: Tensor, scale_a: Tensor | None, scale_b: Tensor,
+                  bias: Tensor | None, out_dtype: torch.dtype, scheme: int, widen_b: bool) -> Tensor:
+    return _kernels().scaled_mm_fwd(a, b, scale_a, scale_b, bias, out_dtype, scheme, widen_b=widen_b)
+
+
+@_scaled_mm_op.register_fake
+def _(a, b, scale_a, scale_b, bias, out_dtype, scheme, widen_b):
+    return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
+
+
+@_custom_op("lanekit::gemm_quant_rows")
+def _quant_rows_op(x: Tensor, dtype: torch.dtype, group: int, static_scale: Tensor | None) -> tuple[Tensor, Tensor]:
+    return _kernels().quant_rows(x, dtype, group, static_scale)
+
+
+@_quant_rows_op.register_fake
+def _(x, dtype, group, static_scale):
+    R, C = x.shape
+    shape = (1,) if static_scale is not None else (R, -(-C // group) if C else 0)
+    return x.new_empty((R, C), dtype=dtype), x.new_empty(shape, dtype=torch.float32)
+
+
+def _mm(a, b, scale_a, scale_b, bias, out_dtype, scheme, widen_b=False):
+    if scheme in ("tensor", "row"):
+        scale_a = None if scale_a is None else _vector(scale_a, a.shape[0], 1)
+        scale_b = _vector(scale_b, b.shape[1], 0)
+    return _call(_scaled_mm_op, a, b, scale_a, scale_b, bias, out_dtype, SCHEMES[scheme], widen_b)
+
+
+def _round(y: Tensor, out_dtype) -> Tensor:
+    return y.to(out_dtype)
+
+
+# ---- scaled_mm, int8_mm, mx_mm ----
+
+def scaled_mm_triton(*, a, b, scale_a, scale_b, bias=None, out_dtype=torch.bfloat16):
+    return _mm(a, b, scale_a, scale_b, bias, out_dtype, scale_scheme(a, b, scale_a, scale_b))
+
+
+def scaled_mm_reference(*, a, b, scale_a, scale_b, bias=None, out_dtype=torch.bfloat16):
+    scheme = scale_scheme(a, b, scale_a, scale_b)
+    return _round(ref.scaled_mm(a, b, scale_a, scale_b, bias, out_dtype, scheme), out_dtype)
+
+
+def int8_mm_triton(*, a, b, scale_a, scale_b, bias=None, out_dtype=torch.bfloat16):
+    return _mm(a, b, scale_a, scale_b, bias, out_dtype, "row")
+
+
+def int8_mm_reference(*, a, b, scale_a, scale_b, bias=None, out_dtype=torch.bfloat16):
+    return _round(ref.int8_mm(a, b, scale_a, scale_b, bias, out_dtype), out_dtype)
+
+
+def mx_mm_triton(*, a, a_scale, b, b_scale, out_dtype=torch.bfloat16):
+    return _mm(a, b, a_scale, b_scale, None, out_dtype, "mx")
+
+
+def mx_mm_reference(*, a, a_scale, b, b_scale, out_dtype=torch.bfloat16):
+    return _round(ref.mx_mm(a, a_scale, b, b_scale, out_dtype), out_dtype)
+
+
+# ---- the linears ----
+
+def _rows(x):
+    return x.reshape(-1, x.shape[-1])
+
+
+def w8a8_linear_triton(*, x, weight, weight_scale, bias=None, x_scale=None):
+    lead, K = x.shape[:-1], x.shape[-1]
+    codes, s = _call(_quant_rows_op, _rows(x), torch.int8, max(K, 1), x_scale)
+    y = _mm(codes, weight.t(), s.reshape(-1, 1), weight_scale.reshape(1, -1), bias, x.dtype, "row")
+    return y.reshape(*lead, weight.shape[0])
+
+
+def w8a8_linear_reference(*, x, weight, weight_scale, bias=None, x_scale=None):
+    return _round(ref.w8a8_linear(x, weight, weight_scale, bias, x_scale), x.dtype)
+
+
+def fp8_linear_triton(*, x, weight, weight_scale, bias=None, x_scale=None, block_size=None):
+    lead, K = x.shape[:-1], x.shape[-1]
+    if block_size is not None:
+        codes, s = _call(_quant_rows_op, _rows(x), torch.float8_e4m3fn, BLOCK, None)
+        y = _mm(codes, weight.t(), s, weight_scale.t(), bias, x.dtype, "block")
+    else:
+        codes, s = _call(_quant_rows_op, _rows(x), torch.float8_e4m3fn, max(K, 1), x_scale)
+        y = _mm(codes, weight.t(), s.reshape(-1, 1), weight_scale.reshape(1, -1), bias, x.dtype, "row")
+    return y.reshape(*lead, weight.shape[0])
+
+
+def fp8_linear_reference(*, x, weight, weight_scale, bias=None, x_scale=None, block_size=None):
+    return _round(ref.fp8_linear(x, weight, weight_scale, bias, x_scale, block_size), x.dtype)
+
+
+def w8a16_linear_triton(*, x, weight, weight_scale, bias=None):
+    lead = x.shape[:-1]
+    y = _mm(_rows(x), weight.t(), None, weight_scale.reshape(1, -1), bias, x.dtype, "row", True)
+    return y.reshape(*lead, weight.shape[0])
+
+
+def w8a16_linear_reference(*, x, weight, weight_scale, bias=None):
+    return _round(ref.w8a16_linear(x, weight, weight_scale, bias), x.dtype)

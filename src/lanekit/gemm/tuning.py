@@ -1,0 +1,97 @@
+"""Tile tables of the GEMM family (scaled_mm, int8_mm, mx_mm and the linears), and what their
+compiles may show.
+
+Rows are data keyed by architecture id (``lanekit.runtime.tuning.arch_id``; gfx1151 takes
+gfx1201's rows), then by the least M a row is for (the largest key M reaches). None is swept on a
+GPU yet: each row's reason says where it comes from. What was tried goes to docs/tuning/gemm.md.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from lanekit.runtime.tuning import arch_row, compiling, tile_options
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """A program's tile: block_m rows by block_n columns, block_k of K a step; group_m row tiles
+    share a column tile of b in L2 (the swizzle)."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int
+    num_warps: int
+    num_stages: int
+    waves_per_eu: int = 0
+
+    def options(self) -> dict:
+        return tile_options(self)
+
+
+# Under the interpreter every program runs in Python: few mid-sized tiles (tl.dot needs >= 16)
+# that still split the samples' odd shapes (13 x 27 x 41, K = 100) into several tiles.
+INTERPRETER = GemmConfig(32, 32, 32, 1, 1, 1)
+
+# Every block_k below divides 128 (the block scheme's 128-wide K groups: one scale per step).
+# By the least M a row serves.
+GEMM: dict[str, dict[int, GemmConfig]] = {
+    "generic": {
+        1: GemmConfig(16, 64, 64, 8, 4, 2),
+        64: GemmConfig(64, 64, 64, 8, 4, 2),
+    },
+    # H100/H200: prefill 128 x 128 x 128 fp8 tiles over two warpgroups (8 warps, wgmma m64) and
+    # 4 stages (4 x 32 KiB of operands in 227 KiB); decode (M <= 63): 64 rows (wgmma's least),
+    # 64 columns, deep K steps to keep reads of b in flight
+    "sm90": {
+        1: GemmConfig(64, 64, 128, 8, 4, 4),
+        64: GemmConfig(64, 128, 128, 8, 4, 4),
+        256: GemmConfig(128, 128, 128, 8, 8, 3),
+    },
+    # A100: mma.sync (fp8 widened to fp16; int8 native), 163 KiB of shared memory
+    "sm80": {
+        1: GemmConfig(16, 64, 128, 8, 4, 3),
+        64: GemmConfig(64, 128, 64, 8, 4, 3),
+        256: GemmConfig(128, 128, 64, 8, 8, 3),
+    },
+    # MI300 (wave64, 64 KiB LDS): 2 stages of 128 x 128 x 64 8-bit operands hold 32 KiB
+    "gfx942": {
+        1: GemmConfig(16, 64, 128, 8, 4, 2),
+        64: GemmConfig(64, 128, 64, 8, 4, 2),
+        256: GemmConfig(128, 128, 64, 8, 8, 2),
+    },
+    # RDNA 4 (and gfx1151 by alias; wave32, 64 KiB LDS): wmma 16 x 16 tiles, 4 warps
+    "gfx1201": {
+        1: GemmConfig(16, 64, 64, 8, 4, 2),
+        64: GemmConfig(64, 64, 64, 8, 4, 2),
+    },
+}
+
+# MXFP8 takes one scale per 32 along K: a K step of 32 (one scale a step), the row's other fields
+MX_BLOCK_K = 32
+# The 128 x 128 block scheme's group of K (and of N for b)
+BLOCK_GROUP = 128
+# The per-token quantize pass: columns a program reads a step, and its warps
+QUANT_BLOCK = 1024
+QUANT_WARPS = 4
+
+
+def gemm_config(device: torch.device, M: int, *, mx: bool = False) -> GemmConfig:
+    if device.type != "cuda" and compiling() is None:
+        cfg = INTERPRETER
+    else:
+        rows = arch_row(GEMM, device)
+        cfg = rows[max(k for k in rows if k <= max(M, 1))]
+    if mx:
+        cfg = GemmConfig(cfg.block_m, cfg.block_n, MX_BLOCK_K, cfg.group_m, cfg.num_warps,
+                         cfg.num_stages, cfg.waves_per_eu)
+    assert BLOCK_GROUP % cfg.block_k == 0, cfg
+    return cfg
+
+
+# ---- compile allowances (lanekit export / targets): (kernel, target) -> (bytes | regex, reason)
+SPILL_ALLOWANCES: dict[tuple[str, str], tuple[int, str]] = {}
+MATRIX_ALLOWANCES: dict[tuple[str, str], tuple[str, str]] = {}
