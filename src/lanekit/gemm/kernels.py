@@ -96,7 +96,7 @@ def _scaled_mm_kernel(A, B, SA, SB, BIAS, C, M, N, K,
             sb = _e8m0(eb.to(tl.int32))
             acc += tl.dot(a, b, max_num_imprecise_acc=0) * sa[:, None] * sb[None, :]
         elif IS_INT:
-            acc = tl.dot(a, b, acc)
+            acc = tl.dot(a, b, acc, out_dtype=tl.int32)
         else:
             acc = tl.dot(a, b, acc, max_num_imprecise_acc=0)
         a_ptrs += BLOCK_K * stride_ak

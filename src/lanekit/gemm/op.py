@@ -24,17 +24,7 @@ def _kernels():
     return kernels
 
 
-def scale_scheme(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor) -> str:
-    """"tensor", "row" or "block" from the scales' shapes (checked by the api): one element each
-    (per tensor), (M, 1) / (1, N) (rowwise; either may be per tensor), else 128 x 128 blocks
-    (M, ceil(K/128)) and (ceil(K/128), ceil(N/128)). Where a row and a block layout have the same
-    shape they mean the same scales."""
-    if scale_a.numel() == 1 and scale_b.numel() == 1:
-        return "tensor"
-    M, N = a.shape[0], b.shape[1]
-    row_a = scale_a.numel() == 1 or tuple(scale_a.shape) == (M, 1)
-    row_b = scale_b.numel() == 1 or tuple(scale_b.shape) == (1, N)
-    return "row" if row_a and row_b else "block"
+scale_scheme = ref.scale_scheme
 
 
 def _vector(scale: Tensor, n: int, along: int) -> Tensor:
@@ -108,7 +98,7 @@ def mx_mm_reference(*, a, a_scale, b, b_scale, out_dtype=torch.bfloat16):
 # ---- the linears ----
 
 def _rows(x):
-    return x.reshape(-1, x.shape[-1])
+    return x.reshape(x.shape[:-1].numel(), x.shape[-1])
 
 
 def w8a8_linear_triton(*, x, weight, weight_scale, bias=None, x_scale=None):

@@ -56,8 +56,23 @@ def e8m0(e: torch.Tensor) -> torch.Tensor:
     return torch.where(e == 255, torch.full_like(v, float("nan")), v)
 
 
-def scaled_mm(a, b, scale_a, scale_b, bias=None, out_dtype=torch.bfloat16, scheme="row"):
-    """(a * scale_a) @ (b * scale_b) + bias in float64, a (M, K), b (K, N)."""
+def scale_scheme(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor) -> str:
+    """"tensor", "row" or "block" from the scales' shapes (checked by lanekit.gemm's api): one
+    element each (per tensor); (M, 1) and (1, N) (rowwise; either may be per tensor); else
+    128 x 128 blocks, (M, ceil(K/128)) and (ceil(K/128), ceil(N/128)). Where a row and a block
+    layout have the same shape they mean the same scales."""
+    if scale_a.numel() == 1 and scale_b.numel() == 1:
+        return "tensor"
+    M, N = a.shape[0], b.shape[1]
+    row_a = scale_a.numel() == 1 or tuple(scale_a.shape) == (M, 1)
+    row_b = scale_b.numel() == 1 or tuple(scale_b.shape) == (1, N)
+    return "row" if row_a and row_b else "block"
+
+
+def scaled_mm(a, b, scale_a, scale_b, bias=None, out_dtype=torch.bfloat16, scheme=None):
+    """(a * scale_a) @ (b * scale_b) + bias in float64, a (M, K), b (K, N); the scheme from the
+    scales' shapes unless given."""
+    scheme = scheme or scale_scheme(a, b, scale_a, scale_b)
     return _finish(dequant_a(a, scale_a, scheme) @ dequant_b(b, scale_b, scheme), bias, out_dtype)
 
 
@@ -90,7 +105,7 @@ def w8a8_linear(x, weight, weight_scale, bias=None, x_scale=None):
     """x (..., K) quantized per token (or with the static x_scale), times the int8 weight (N, K)
     with its per-channel scale (N,), plus bias."""
     lead, K = x.shape[:-1], x.shape[-1]
-    codes, s = quantize_int8_rows(x.reshape(-1, K), x_scale)
+    codes, s = quantize_int8_rows(x.reshape(x.shape[:-1].numel(), K), x_scale)
     y = scaled_mm(codes, weight.t(), s.reshape(-1, 1), weight_scale.reshape(1, -1), bias, x.dtype, "row")
     return y.reshape(*lead, weight.shape[0])
 
@@ -101,12 +116,15 @@ def fp8_linear(x, weight, weight_scale, bias=None, x_scale=None, block_size=None
     times the e4m3 weight (N, K) with its scale: per tensor (1,), per channel (N,), or per
     128 x 128 block (ceil(N/128), ceil(K/128)); plus bias."""
     lead, K = x.shape[:-1], x.shape[-1]
-    x2 = x.reshape(-1, K)
+    x2 = x.reshape(x.shape[:-1].numel(), K)
+    if K == 0:      # nothing to quantize: the empty sum, plus bias
+        y = _finish(torch.zeros(x2.shape[0], weight.shape[0], dtype=torch.float64), bias, x.dtype)
+        return y.reshape(*lead, weight.shape[0])
     if block_size is not None:
         codes, s = quantize_groups(x2, BLOCK, torch.float8_e4m3fn)
         y = scaled_mm(codes, weight.t(), s, weight_scale.t(), bias, x.dtype, "block")
     else:
-        codes, s = quantize_groups(x2, K if x_scale is None else None, torch.float8_e4m3fn, x_scale)
+        codes, s = quantize_groups(x2, max(K, 1) if x_scale is None else None, torch.float8_e4m3fn, x_scale)
         y = scaled_mm(codes, weight.t(), s.reshape(-1, 1), weight_scale.reshape(1, -1), bias,
                       x.dtype, "row")
     return y.reshape(*lead, weight.shape[0])
@@ -116,5 +134,5 @@ def w8a16_linear(x, weight, weight_scale, bias=None):
     """x (..., K) times the int8 weight (N, K) dequantized per channel (N,), plus bias."""
     lead, K = x.shape[:-1], x.shape[-1]
     w = weight.to(torch.float64) * weight_scale.to(torch.float64).reshape(-1, 1)
-    y = _finish(x.reshape(-1, K).to(torch.float64) @ w.t(), bias, x.dtype)
+    y = _finish(x.reshape(x.shape[:-1].numel(), K).to(torch.float64) @ w.t(), bias, x.dtype)
     return y.reshape(*lead, weight.shape[0])

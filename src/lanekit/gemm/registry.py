@@ -1,0 +1,206 @@
+"""The GEMM family's registry entries: sample builders, tolerances, and the ``register`` calls.
+
+Each sample is in the lanes' normalized form (the keyword arguments of ``lanekit.gemm.op``'s lane
+functions); its values come from a generator seeded by its name. Odd shapes (13 x 27 x 41,
+17 x 23 x 96, K = 100, 300, 700) split every tile; M = 1, K = 0, M = 0 and non-contiguous
+operands (b as the transpose of an (N, K) weight, torch._scaled_mm's layout, and b row-major).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lanekit.runtime.registry import Op, Sample, register
+from lanekit.testing import Tolerance, generator, noncontiguous, randn
+
+# One step at max |ref| for 16-bit outputs: the sum is in fp32 (or exact int32) and rounded once.
+GEMM = Tolerance(
+    name="gemm",
+    ulps=1.0,
+    fp32_ulps=16.0,
+    reason=(
+        "8-bit operands dequantized exactly, products summed in fp32 (int8: int32, exact) and "
+        "scaled in fp32, rounded once: within one step of bf16/fp16 at max |ref|; fp32 outputs "
+        "carry the fp32 sum's rounding over K terms (and per K step scaling for blocks and MX): "
+        "16 fp32 steps"
+    ),
+)
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+
+
+def codes(g, shape, dtype, device):
+    """Random codes of ``dtype``: int8 uniform over [-128, 127]; fp8 normal values cast (e5m2
+    spread wider to use its range)."""
+    if dtype == torch.int8:
+        return torch.randint(-128, 128, shape, generator=g, dtype=torch.int8).to(device)
+    scale = 16.0 if dtype == E5M2 else 4.0
+    return (torch.randn(*shape, generator=g) * scale).to(dtype).to(device)
+
+
+def _scales(g, shape, device):
+    n = 1
+    for d in shape:
+        n *= d
+    return (torch.rand(n, generator=g) * 0.02 + 0.005).reshape(shape).to(device)
+
+
+def _b(g, K, N, dtype, device, layout):
+    """b (K, N): "weight" the transpose of an (N, K) contiguous tensor (torch._scaled_mm's
+    column-major b), "row" row-major, "strided" every other row of a wider buffer."""
+    if layout == "weight":
+        return codes(g, (N, K), dtype, device).t()
+    b = codes(g, (K, N), dtype, device)
+    return noncontiguous(b) if layout == "strided" else b
+
+
+def mm_case(name, device, *, M, K, N, dtype=E4M3, b_dtype=None, scales="row", bias=False,
+            out_dtype=torch.bfloat16, layout="weight", a_strided=False) -> Sample:
+    g = generator(name)
+    a = codes(g, (M, K), dtype, device)
+    if a_strided:
+        a = noncontiguous(a)
+    b = _b(g, K, N, b_dtype or dtype, device, layout)
+    cdiv = lambda x: -(-x // 128)
+    if scales == "tensor":
+        sa, sb = _scales(g, (), device), _scales(g, (1,), device)
+    elif scales == "row":
+        sa, sb = _scales(g, (M, 1), device), _scales(g, (1, N), device)
+    else:
+        sa, sb = _scales(g, (M, cdiv(K)), device), _scales(g, (cdiv(K), cdiv(N)), device)
+    kw = dict(a=a, b=b, scale_a=sa, scale_b=sb, bias=None, out_dtype=out_dtype)
+    if bias:
+        kw["bias"] = randn(N, dtype=out_dtype, device=device, generator=g)
+    return Sample(name, kw)
+
+
+def _scaled_mm_samples(device):
+    yield mm_case("13x27x41 per tensor", device, M=13, K=41, N=27, scales="tensor")
+    yield mm_case("17x23x96 rowwise fp16 bias", device, M=17, K=96, N=23, bias=True,
+                  out_dtype=torch.float16)
+    yield mm_case("K100 rowwise e5m2 fp32", device, M=9, K=100, N=40, dtype=E5M2, out_dtype=torch.float32)
+    yield mm_case("K100 e4m3 x e5m2 per tensor", device, M=9, K=100, N=40, b_dtype=E5M2, scales="tensor")
+    yield mm_case("K300 128x128 blocks bias", device, M=20, K=300, N=150, scales="block", bias=True)
+    yield mm_case("K700 128x128 blocks fp32", device, M=5, K=700, N=33, scales="block", out_dtype=torch.float32)
+    yield mm_case("K300 rowwise, a and b non-contiguous", device, M=11, K=300, N=19, layout="strided",
+                  a_strided=True)
+    yield mm_case("M1 rowwise bias (decode)", device, M=1, K=128, N=70, bias=True)
+    yield mm_case("K0 rowwise bias: zeros plus bias", device, M=3, K=0, N=5, bias=True)
+    yield mm_case("K0 blocks", device, M=3, K=0, N=5, scales="block")
+    yield mm_case("M0", device, M=0, K=32, N=8)
+
+
+def _int8_mm_samples(device):
+    yield mm_case("13x27x41 per tensor", device, M=13, K=41, N=27, dtype=torch.int8, scales="tensor")
+    yield mm_case("17x23x96 rowwise fp16 bias", device, M=17, K=96, N=23, dtype=torch.int8, bias=True,
+                  out_dtype=torch.float16)
+    yield mm_case("K300 rowwise fp32", device, M=9, K=300, N=40, dtype=torch.int8, out_dtype=torch.float32)
+    yield mm_case("K700 rowwise, b row-major non-contiguous", device, M=6, K=700, N=21, dtype=torch.int8,
+                  layout="strided", a_strided=True)
+    yield mm_case("M1 rowwise bias", device, M=1, K=100, N=70, dtype=torch.int8, bias=True)
+    yield mm_case("K0 bias", device, M=3, K=0, N=5, dtype=torch.int8, bias=True)
+
+
+def mx_case(name, device, *, M, K, N, out_dtype=torch.bfloat16, nan=False, layout="weight") -> Sample:
+    g = generator(name)
+    a = codes(g, (M, K), E4M3, device)
+    b = _b(g, K, N, E4M3, device, layout)
+    ea = torch.randint(121, 130, (M, K // 32), generator=g, dtype=torch.uint8)
+    eb = torch.randint(121, 130, (K // 32, N), generator=g, dtype=torch.uint8)
+    if nan and M and K:
+        ea[0, 0] = 255
+    return Sample(name, dict(a=a, a_scale=ea.to(device), b=b, b_scale=eb.to(device), out_dtype=out_dtype))
+
+
+def _mx_mm_samples(device):
+    yield mx_case("13x27x64", device, M=13, K=64, N=27)
+    yield mx_case("17x23x96 fp16", device, M=17, K=96, N=23, out_dtype=torch.float16)
+    yield mx_case("K320 fp32, b row-major non-contiguous", device, M=7, K=320, N=40,
+                  out_dtype=torch.float32, layout="strided")
+    yield mx_case("M1 K704", device, M=1, K=704, N=33)
+    yield mx_case("K0", device, M=3, K=0, N=5)
+
+
+def _x(g, shape, dtype, device, *, zero_row=False, strided=False):
+    x = randn(*shape, dtype=dtype, device="cpu", generator=g)
+    if zero_row:
+        x.reshape(-1, shape[-1])[0] = 0
+    x = x.to(device)
+    return noncontiguous(x) if strided else x
+
+
+def linear_case(name, device, *, lead, K, N, wdtype, dtype=torch.bfloat16, bias=False, static=False,
+                zero_row=False, strided=False, block=False, tensor_scale=False) -> Sample:
+    g = generator(name)
+    x = _x(g, (*lead, K), dtype, device, zero_row=zero_row, strided=strided)
+    w = codes(g, (N, K), wdtype, device)
+    if block:
+        ws = _scales(g, (-(-N // 128), -(-K // 128)), device)
+    else:
+        ws = _scales(g, (1,) if tensor_scale else (N,), device)
+    kw = dict(x=x, weight=w, weight_scale=ws, bias=None)
+    if bias:
+        kw["bias"] = randn(N, dtype=dtype, device=device, generator=g)
+    if wdtype != torch.int8 or "x_scale" in name or static:
+        kw["x_scale"] = _scales(g, (1,), device) * 100 if static else None
+    if wdtype != torch.int8:
+        kw["block_size"] = (128, 128) if block else None
+    return Sample(name, kw)
+
+
+def _w8a8_samples(device):
+    i8 = torch.int8
+    yield linear_case("13x27x41", device, lead=(13,), K=41, N=27, wdtype=i8)
+    yield linear_case("(3, 5) x 96 -> 23 fp16 bias, a zero row", device, lead=(3, 5), K=96, N=23,
+                      wdtype=i8, dtype=torch.float16, bias=True, zero_row=True)
+    yield linear_case("K300 static x_scale fp32", device, lead=(9,), K=300, N=40, wdtype=i8,
+                      dtype=torch.float32, static=True)
+    yield linear_case("K700 x non-contiguous", device, lead=(6,), K=700, N=21, wdtype=i8, strided=True)
+    yield linear_case("M1 K100 bias", device, lead=(1,), K=100, N=70, wdtype=i8, bias=True)
+    yield linear_case("K0 bias", device, lead=(3,), K=0, N=5, wdtype=i8, bias=True)
+    yield linear_case("M0", device, lead=(0,), K=16, N=5, wdtype=i8)
+
+
+def _fp8_linear_samples(device):
+    yield linear_case("13x27x41 per token", device, lead=(13,), K=41, N=27, wdtype=E4M3)
+    yield linear_case("(3, 5) x 96 -> 23 fp16 bias, a zero row", device, lead=(3, 5), K=96, N=23,
+                      wdtype=E4M3, dtype=torch.float16, bias=True, zero_row=True)
+    yield linear_case("K300 static x_scale, weight per tensor", device, lead=(9,), K=300, N=40,
+                      wdtype=E4M3, static=True, tensor_scale=True)
+    yield linear_case("K300 128x128 blocks bias, a zero row", device, lead=(20,), K=300, N=150,
+                      wdtype=E4M3, block=True, bias=True, zero_row=True)
+    yield linear_case("K700 128x128 blocks fp32, x non-contiguous", device, lead=(5,), K=700, N=33,
+                      wdtype=E4M3, dtype=torch.float32, block=True, strided=True)
+    yield linear_case("M1 K100", device, lead=(1,), K=100, N=70, wdtype=E4M3)
+    yield linear_case("K0 bias", device, lead=(3,), K=0, N=5, wdtype=E4M3, bias=True)
+
+
+def _w8a16_samples(device):
+    i8 = torch.int8
+    yield linear_case("13x27x41", device, lead=(13,), K=41, N=27, wdtype=i8)
+    yield linear_case("(3, 5) x 96 -> 23 fp16 bias", device, lead=(3, 5), K=96, N=23, wdtype=i8,
+                      dtype=torch.float16, bias=True)
+    yield linear_case("K300", device, lead=(9,), K=300, N=40, wdtype=i8)
+    yield linear_case("K700 x non-contiguous", device, lead=(6,), K=700, N=21, wdtype=i8, strided=True)
+    yield linear_case("M1 K100 bias (decode)", device, lead=(1,), K=100, N=70, wdtype=i8, bias=True)
+    yield linear_case("K0 bias", device, lead=(3,), K=0, N=5, wdtype=i8, bias=True)
+
+
+_REF, _OP = "lanekit.reference.gemm", "lanekit.gemm.op"
+
+
+def _register(name, samples, doc):
+    register(Op(name=name, family="gemm", oracle=f"{_REF}:{name}",
+                lanes={"triton": f"{_OP}:{name}_triton", "reference": f"{_OP}:{name}_reference"},
+                samples=samples, outputs=(("out", GEMM),), doc=doc))
+
+
+_register("scaled_mm", _scaled_mm_samples,
+          "torch._scaled_mm's fp8 matmul (per tensor, rowwise) and 128x128 block scales; fp32 sums")
+_register("int8_mm", _int8_mm_samples, "int8 x int8 summed exactly in int32, then scaled (per tensor, rowwise)")
+_register("mx_mm", _mx_mm_samples, "MXFP8 (OCP MX): e4m3 elements, an e8m0 scale per 32 along K")
+_register("w8a8_linear", _w8a8_samples,
+          "vLLM's W8A8 int8 linear: per-token (or static) int8 activation quant, per-channel weights")
+_register("fp8_linear", _fp8_linear_samples,
+          "vLLM's fp8 linear: per-token, static or 1x128-group e4m3 activations, per-channel/tensor/block weights")
+_register("w8a16_linear", _w8a16_samples, "int8 weights widened in the load, 16-bit activations")
