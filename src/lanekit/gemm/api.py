@@ -36,6 +36,9 @@ def _out_dtype(out_dtype):
 def _operands(a, b, dtypes, what: str):
     _v.tensor("a", a, dtypes=dtypes, ndim=2)
     _v.tensor("b", b, dtypes=dtypes, ndim=2, like=a, like_name="a")
+    if b.dtype != a.dtype:
+        raise TypeError(f"b: expected the dtype of a ({a.dtype}), got {b.dtype} (mixed e4m3 x e5m2 "
+                        "does not compile for gfx1201's fp8 WMMA in Triton 3.6)")
     if b.shape[0] != a.shape[1]:
         raise ValueError(f"b: expected shape ({a.shape[1]}, N) (K of a {tuple(a.shape)}), got {tuple(b.shape)}")
     return a.shape[0], a.shape[1], b.shape[1]
@@ -82,7 +85,7 @@ def scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: 
     """(a * scale_a) @ (b * scale_b) + bias for fp8 operands: ``torch._scaled_mm``'s contract,
     plus DeepSeek-V3's 128 x 128 block scales.
 
-    a: (M, K) and b: (K, N), both float8_e4m3fn or both float8_e5m2 (or one of each), any
+    a: (M, K) and b: (K, N), both float8_e4m3fn or both float8_e5m2 (not mixed), any
     strides (torch._scaled_mm wants b column-major, i.e. the transpose of an (N, K) contiguous
     weight: that layout and any other are taken). scale_a, scale_b: float32, by their shapes:
 

@@ -79,7 +79,7 @@ def _scaled_mm_samples(device):
     yield mm_case("17x23x96 rowwise fp16 bias", device, M=17, K=96, N=23, bias=True,
                   out_dtype=torch.float16)
     yield mm_case("K100 rowwise e5m2 fp32", device, M=9, K=100, N=40, dtype=E5M2, out_dtype=torch.float32)
-    yield mm_case("K100 e4m3 x e5m2 per tensor", device, M=9, K=100, N=40, b_dtype=E5M2, scales="tensor")
+    yield mm_case("K100 e5m2 per tensor", device, M=9, K=100, N=40, dtype=E5M2, scales="tensor")
     yield mm_case("K300 128x128 blocks bias", device, M=20, K=300, N=150, scales="block", bias=True)
     yield mm_case("K700 128x128 blocks fp32", device, M=5, K=700, N=33, scales="block", out_dtype=torch.float32)
     yield mm_case("K300 rowwise, a and b non-contiguous", device, M=11, K=300, N=19, layout="strided",

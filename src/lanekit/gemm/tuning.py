@@ -47,7 +47,7 @@ GEMM: dict[str, dict[int, GemmConfig]] = {
     # 4 stages (4 x 32 KiB of operands in 227 KiB); decode (M <= 63): 64 rows (wgmma's least),
     # 64 columns, deep K steps to keep reads of b in flight
     "sm90": {
-        1: GemmConfig(64, 64, 128, 8, 4, 4),
+        1: GemmConfig(64, 64, 128, 8, 4, 3),
         64: GemmConfig(64, 128, 128, 8, 4, 4),
         256: GemmConfig(128, 128, 128, 8, 8, 3),
     },
@@ -93,5 +93,19 @@ def gemm_config(device: torch.device, M: int, *, mx: bool = False) -> GemmConfig
 
 
 # ---- compile allowances (lanekit export / targets): (kernel, target) -> (bytes | regex, reason)
-SPILL_ALLOWANCES: dict[tuple[str, str], tuple[int, str]] = {}
+SPILL_ALLOWANCES: dict[tuple[str, str], tuple[int, str]] = {
+    ("_scaled_mm_kernel", "sm90"): (560, (
+        "the 128x128-block fp8 scheme on the decode row (64 x 64 x 128, 4 warps, fp8 widened for "
+        "mma.sync, the block scales multiplied per K step), K 700 with fp32 output: 560 bytes; "
+        "the other block samples do not spill; not yet given a row of its own")),
+    ("_scaled_mm_kernel", "gfx1151"): (16, (
+        "the 128x128-block fp8 scheme on gfx1201's rows (RDNA 3.5 has no fp8 WMMA: e4m3 widened "
+        "to fp16, with the block scales per K step): 8 to 12 bytes")),
+}
 MATRIX_ALLOWANCES: dict[tuple[str, str], tuple[str, str]] = {}
+_FP8_SM90 = (
+    "lanekit export, Triton 3.6.0: the fp8 tl.dot of _scaled_mm_kernel lowers to mma.sync on sm90 "
+    "(e4m3/e5m2 widened to fp16, exactly; fp32 accumulation), not wgmma, at every tile tried "
+    "(64x64x64 and 64x64x128 at 4 warps; int8 and 16-bit operands of the same kernel take wgmma; moe's fused_moe_quant shows the same; plausibly max_num_imprecise_acc=0, which asks for fp32 promotion of every product): correct, but below "
+    "wgmma's throughput; the cause is not settled (see NOTES / docs/tuning/gemm.md)")
+MATRIX_ALLOWANCES[("_scaled_mm_kernel", "sm90")] = (r"\bmma\.sync\.aligned\.\S+", _FP8_SM90)

@@ -1,0 +1,191 @@
+"""The GEMM family against its oracles (lanekit.reference.gemm), on the Triton lane (interpreted
+on the CPU) and the reference lane, with the project's tolerance rule, outputs poisoned; the
+issue's edge cases (K = 0, partial tiles, M = 1) and hostile inputs, each a test."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lanekit import gemm
+from lanekit.families import get_op
+from lanekit.gemm import registry as greg
+from lanekit.gemm.kernels import quant_rows
+from lanekit.reference import gemm as ref
+from lanekit.reference.numerics import quantize_groups
+from lanekit.testing import CODES, assert_close, generator, poisoned_outputs, upcast
+
+OPS = ["scaled_mm", "int8_mm", "mx_mm", "w8a8_linear", "fp8_linear", "w8a16_linear"]
+LANES = ["triton", "reference"]
+E4M3 = torch.float8_e4m3fn
+
+
+def _cases():
+    for name in OPS:
+        for s in get_op(name).samples("cpu"):
+            yield pytest.param(name, s, id=f"{name}: {s.name}")
+
+
+@pytest.mark.parametrize("lane", LANES)
+@pytest.mark.parametrize("name, sample", list(_cases()))
+def test_registered_samples_match_the_oracle(name, sample, lane):
+    op = get_op(name)
+    refout = op.reference()(**{k: upcast(v) for k, v in sample.kwargs.items()})
+    with poisoned_outputs():
+        out = op.lane(lane)(**sample.kwargs)
+    assert_close(out, refout, greg.GEMM)
+
+
+def _fp8(shape, seed):
+    return greg.codes(generator(seed), shape, E4M3, "cpu")
+
+
+def test_public_scaled_mm_rowwise_on_column_major_b_and_bias():
+    a, w = _fp8((13, 41), "a"), _fp8((27, 41), "w")
+    sa, sb = torch.rand(13, 1) + 0.5, torch.rand(1, 27) + 0.5
+    bias = torch.randn(27).bfloat16()
+    with poisoned_outputs():
+        out = gemm.scaled_mm(a, w.t(), sa, sb, bias=bias)
+    assert out.dtype == torch.bfloat16 and out.shape == (13, 27)
+    assert_close(out, ref.scaled_mm(a, w.t(), sa, sb, bias), greg.GEMM)
+
+
+def test_k0_gives_zeros_plus_bias():
+    a, b = torch.empty(4, 0, dtype=E4M3), torch.empty(0, 6, dtype=E4M3)
+    bias = torch.randn(6).bfloat16()
+    with poisoned_outputs():
+        out = gemm.scaled_mm(a, b, torch.ones(()), torch.ones(()), bias=bias)
+    assert torch.equal(out, bias.expand(4, 6))
+    ai, bi = torch.empty(4, 0, dtype=torch.int8), torch.empty(0, 6, dtype=torch.int8)
+    with poisoned_outputs():
+        out = gemm.int8_mm(ai, bi, torch.ones(4, 1), torch.ones(1, 6), out_dtype=torch.float32)
+    assert torch.equal(out, torch.zeros(4, 6))
+
+
+def test_int8_mm_is_exact_in_int32():
+    # the largest products: K * 128 * 128 exceeds fp16/bf16 and fp32's 24 bits only past K = 1024
+    a = torch.full((3, 700), -128, dtype=torch.int8)
+    b = torch.full((700, 5), -128, dtype=torch.int8)
+    out = gemm.int8_mm(a, b, torch.ones(()), torch.ones(()), out_dtype=torch.float32)
+    assert torch.equal(out, torch.full((3, 5), 700 * 16384.0))
+
+
+def test_block_scales_are_applied_per_128_group():
+    # scales that differ by powers of two per group: any group applied to another's K gives a
+    # different result
+    M, K, N = 5, 300, 150
+    a, w = _fp8((M, K), "ba"), _fp8((N, K), "bw")
+    sa = 2.0 ** torch.arange(M * 3, dtype=torch.float32).reshape(M, 3).remainder(5)
+    sb = 2.0 ** torch.arange(6, dtype=torch.float32).reshape(3, 2).neg()
+    with poisoned_outputs():
+        out = gemm.scaled_mm(a, w.t(), sa, sb, out_dtype=torch.float32)
+    assert_close(out, ref.scaled_mm(a, w.t(), sa, sb, scheme="block"), greg.GEMM)
+
+
+def test_mx_nan_scale_gives_nan_rows_only():
+    s = greg.mx_case("nan", "cpu", M=4, K=64, N=9, nan=True)
+    out = gemm.mx_mm(**s.kwargs)
+    assert torch.isnan(out[0]).all() and not torch.isnan(out[1:]).any()
+    refout = ref.mx_mm(**s.kwargs)
+    assert_close(out[1:], refout[1:], greg.GEMM)
+
+
+def test_activation_codes_equal_the_oracles():
+    x = torch.randn(9, 300).bfloat16()
+    x[2] = 0
+    x[4] = torch.tensor([127.0, 2.5, -2.5, -127.5, -128.0, 0.5, 1.5] + [0.0] * 293).bfloat16()
+    codes, scale = quant_rows(x, torch.int8, 300)
+    rc, rs = ref.quantize_int8_rows(x)
+    assert_close(codes, rc, CODES)
+    assert torch.equal(scale.reshape(-1), rs) and scale[2].item() == 0 and (codes[2] == 0).all()
+    codes, scale = quant_rows(x, E4M3, 128)
+    rc, rs = quantize_groups(x, 128, E4M3)
+    assert_close(codes, rc, CODES)
+    assert torch.equal(scale, rs)
+
+
+def test_static_x_scale_is_used_as_given():
+    x = torch.randn(4, 64).bfloat16()
+    w = torch.randint(-128, 128, (8, 64), dtype=torch.int8)
+    ws, xs = torch.rand(8) / 100, torch.tensor([0.03])
+    with poisoned_outputs():
+        out = gemm.w8a8_linear(x, w, ws, x_scale=xs)
+    assert_close(out, ref.w8a8_linear(x, w, ws, None, xs), greg.GEMM)
+
+
+def test_linear_keeps_leading_dims_and_dtype():
+    x = torch.randn(2, 3, 96, dtype=torch.float16)
+    w = torch.randint(-128, 128, (23, 96), dtype=torch.int8)
+    out = gemm.w8a16_linear(x, w, torch.rand(23) / 100)
+    assert out.shape == (2, 3, 23) and out.dtype == torch.float16
+
+
+# ---- hostile inputs: every one a TypeError or ValueError naming the argument ----
+
+def _mm_args():
+    return dict(a=_fp8((4, 32), "ha"), b=_fp8((32, 6), "hb"), scale_a=torch.ones(4, 1), scale_b=torch.ones(1, 6))
+
+
+@pytest.mark.parametrize("change, error, match", [
+    (dict(a=torch.zeros(4, 32, dtype=torch.bfloat16)), TypeError, "a:"),
+    (dict(b=torch.zeros(32, 6, dtype=torch.int8)), TypeError, "b:"),
+    (dict(b=torch.zeros(31, 6, dtype=E4M3)), ValueError, "b:"),
+    (dict(a=torch.zeros(4, 32, 1, dtype=E4M3)), ValueError, "a:"),
+    (dict(scale_a=torch.ones(4, 1, dtype=torch.float16)), TypeError, "scale_a"),
+    (dict(scale_a=torch.ones(3, 1)), ValueError, "scale_a"),
+    (dict(scale_b=torch.ones(6, 1)), ValueError, "scale_b"),
+    (dict(scale_b=torch.ones(1, 6, device="meta")), ValueError, "scale_b"),
+    (dict(bias=torch.ones(5, dtype=torch.bfloat16)), ValueError, "bias"),
+    (dict(bias=torch.ones(6, dtype=torch.float16)), TypeError, "bias"),
+    (dict(out_dtype=torch.int32), TypeError, "out_dtype"),
+])
+def test_scaled_mm_rejects(change, error, match):
+    kw = _mm_args()
+    kw.update(change)
+    with pytest.raises(error, match=match):
+        gemm.scaled_mm(**kw)
+
+
+def test_int8_mm_rejects_block_scales_and_fp8():
+    a, b = torch.zeros(4, 300, dtype=torch.int8), torch.zeros(300, 6, dtype=torch.int8)
+    with pytest.raises(ValueError, match="scale_a"):
+        gemm.int8_mm(a, b, torch.ones(4, 3), torch.ones(3, 1))
+    with pytest.raises(TypeError, match="a:"):
+        gemm.int8_mm(a.to(E4M3), b, torch.ones(()), torch.ones(()))
+
+
+def test_mx_mm_rejects():
+    a, b = _fp8((4, 64), "ma"), _fp8((64, 6), "mb")
+    ea, eb = torch.full((4, 2), 127, dtype=torch.uint8), torch.full((2, 6), 127, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        gemm.mx_mm(a[:, :40], ea, b[:40], eb)
+    with pytest.raises(TypeError, match="a_scale"):
+        gemm.mx_mm(a, ea.float(), b, eb)
+    with pytest.raises(ValueError, match="b_scale"):
+        gemm.mx_mm(a, ea, b, eb[:1])
+
+
+def test_linears_reject():
+    x = torch.randn(4, 64).bfloat16()
+    w8 = torch.zeros(8, 64, dtype=torch.int8)
+    with pytest.raises(TypeError, match="weight"):
+        gemm.w8a8_linear(x, w8.to(E4M3), torch.ones(8))
+    with pytest.raises(ValueError, match="weight"):
+        gemm.w8a8_linear(x, torch.zeros(8, 63, dtype=torch.int8), torch.ones(8))
+    with pytest.raises(ValueError, match="weight_scale"):
+        gemm.w8a8_linear(x, w8, torch.ones(7))
+    with pytest.raises(ValueError, match="x_scale"):
+        gemm.w8a8_linear(x, w8, torch.ones(8), x_scale=torch.ones(4))
+    with pytest.raises(TypeError, match="x:"):
+        gemm.w8a16_linear(x.float(), w8, torch.ones(8))
+    with pytest.raises(ValueError, match="weight_scale"):
+        gemm.w8a16_linear(x, w8, torch.ones(()))
+    w = torch.zeros(8, 64, dtype=E4M3)
+    with pytest.raises(ValueError, match="block_size"):
+        gemm.fp8_linear(x, w, torch.ones(1, 1), block_size=[64, 64])
+    with pytest.raises(ValueError, match="weight_scale"):
+        gemm.fp8_linear(x, w, torch.ones(8), block_size=[128, 128])
+    with pytest.raises(ValueError, match="x_scale"):
+        gemm.fp8_linear(x, w, torch.ones(1, 1), x_scale=torch.ones(1), block_size=[128, 128])
+    with pytest.raises(ValueError, match="weight"):
+        gemm.fp8_linear(x, w.to("meta"), torch.ones(8))
