@@ -2,8 +2,9 @@
 
 - ``_scaled_mm_kernel``: C = (A * scale_a) @ (B * scale_b) + bias, A (M, K), B (K, N), any
   strides, int64 offsets. Operands fp8 (e4m3 / e5m2) or int8, or (WIDEN_B) 16-bit A with int8 B
-  widened in the load (W8A16). fp8 accumulates in fp32 (``max_num_imprecise_acc=0``: sm90's fp8
-  wgmma otherwise keeps fewer bits in its accumulator), int8 in int32 (exact). Scales, by
+  widened in the load (W8A16). fp8 accumulates in fp32 (``max_num_imprecise_acc=IMPRECISE_ACC``: sm90's fp8
+  wgmma otherwise keeps fewer bits in its accumulator; a tuning row's imprecise_acc > 0 lets that
+  many products of K be summed in the tensor core's accumulator before each promotion), int8 in int32 (exact). Scales, by
   SCHEME: EPILOGUE, a's (M,) and b's (N,) applied after the sum (a stride of 0 makes either one
   per tensor); BLOCK, a per 1 x 128 of K, b per 128 x 128 (DeepSeek-V3), one scale each per K step
   (block_k divides 128); MX, one e8m0 exponent per 32 of K for each row of a and column of b
@@ -63,7 +64,7 @@ def _scaled_mm_kernel(A, B, SA, SB, BIAS, C, M, N, K,
                       SCHEME: tl.constexpr, IS_INT: tl.constexpr, WIDEN_B: tl.constexpr,
                       HAS_SA: tl.constexpr, HAS_BIAS: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      GROUP_M: tl.constexpr):
+                      GROUP_M: tl.constexpr, IMPRECISE_ACC: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)
     pid_m, pid_n = _swizzle(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
@@ -87,18 +88,18 @@ def _scaled_mm_kernel(A, B, SA, SB, BIAS, C, M, N, K,
             kb = k0 // 128
             sa = tl.load(SA + offs_m * stride_sam + kb * stride_sak, mask=m_mask, other=0.0)
             sb = tl.load(SB + kb * stride_sbk + (offs_n // 128) * stride_sbn, mask=n_mask, other=0.0)
-            acc += tl.dot(a, b, max_num_imprecise_acc=0) * sa[:, None] * sb[None, :]
+            acc += tl.dot(a, b, max_num_imprecise_acc=IMPRECISE_ACC) * sa[:, None] * sb[None, :]
         elif SCHEME == 2:  # MX: one e8m0 exponent per 32 of K, this step's
             kb = k0 // 32
             ea = tl.load(SA + offs_m * stride_sam + kb * stride_sak, mask=m_mask, other=127)
             eb = tl.load(SB + kb * stride_sbk + offs_n * stride_sbn, mask=n_mask, other=127)
             sa = _e8m0(ea.to(tl.int32))
             sb = _e8m0(eb.to(tl.int32))
-            acc += tl.dot(a, b, max_num_imprecise_acc=0) * sa[:, None] * sb[None, :]
+            acc += tl.dot(a, b, max_num_imprecise_acc=IMPRECISE_ACC) * sa[:, None] * sb[None, :]
         elif IS_INT:
             acc = tl.dot(a, b, acc, out_dtype=tl.int32)
         else:
-            acc = tl.dot(a, b, acc, max_num_imprecise_acc=0)
+            acc = tl.dot(a, b, acc, max_num_imprecise_acc=IMPRECISE_ACC)
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
     out = acc.to(tl.float32)
@@ -144,7 +145,8 @@ def scaled_mm_fwd(a, b, scale_a, scale_b, bias, out_dtype, scheme, *, widen_b=Fa
         a, b, sa, scale_b, bias_t, out, M, N, K, *a.stride(), *b.stride(), *sa_strides,
         *sb_strides, *out.stride(), SCHEME=scheme, IS_INT=a.dtype == torch.int8,
         WIDEN_B=widen_b, HAS_SA=has_sa, HAS_BIAS=bias is not None, BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, **cfg.options())
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+        IMPRECISE_ACC=cfg.imprecise_acc, **cfg.options())
     return out
 
 

@@ -8,6 +8,7 @@ GPU yet: each row's reason says where it comes from. What was tried goes to docs
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +28,13 @@ class GemmConfig:
     num_warps: int
     num_stages: int
     waves_per_eu: int = 0
+    # fp8 products summed in the tensor core's own accumulator before each promotion to fp32
+    # (tl.dot's max_num_imprecise_acc). 0: every product in fp32, which Triton 3.6 lowers to
+    # mma.sync (fp8 widened to fp16) on sm90; block_k: wgmma e4m3 (lanekit export: the per-tensor
+    # and rowwise samples then compile to wgmma m64n64k32 with no spill, the 128x128-block ones
+    # spill 440-904 bytes). Not switched on anywhere until the H200 measures its accuracy (the
+    # fp32 output's 16-step tolerance) and speed.
+    imprecise_acc: int = 0
 
     def options(self) -> dict:
         return tile_options(self)
@@ -86,8 +94,7 @@ def gemm_config(device: torch.device, M: int, *, mx: bool = False) -> GemmConfig
         rows = arch_row(GEMM, device)
         cfg = rows[max(k for k in rows if k <= max(M, 1))]
     if mx:
-        cfg = GemmConfig(cfg.block_m, cfg.block_n, MX_BLOCK_K, cfg.group_m, cfg.num_warps,
-                         cfg.num_stages, cfg.waves_per_eu)
+        cfg = dataclasses.replace(cfg, block_k=MX_BLOCK_K, imprecise_acc=min(cfg.imprecise_acc, MX_BLOCK_K))
     assert BLOCK_GROUP % cfg.block_k == 0, cfg
     return cfg
 
