@@ -111,8 +111,8 @@ SPILL_ALLOWANCES: dict[tuple[str, str], tuple[int, str]] = {
 }
 MATRIX_ALLOWANCES: dict[tuple[str, str], tuple[str, str]] = {}
 _FP8_SM90 = (
-    "lanekit export, Triton 3.6.0: the fp8 tl.dot of _scaled_mm_kernel lowers to mma.sync on sm90 "
-    "(e4m3/e5m2 widened to fp16, exactly; fp32 accumulation), not wgmma, at every tile tried "
-    "(64x64x64 and 64x64x128 at 4 warps; int8 and 16-bit operands of the same kernel take wgmma; moe's fused_moe_quant shows the same; plausibly max_num_imprecise_acc=0, which asks for fp32 promotion of every product): correct, but below "
-    "wgmma's throughput; the cause is not settled (see NOTES / docs/tuning/gemm.md)")
+    "lanekit export, Triton 3.6.0: with max_num_imprecise_acc=0 (every fp8 product promoted to "
+    "fp32, imprecise_acc 0 in every row) the fp8 tl.dot lowers to mma.sync on sm90 (e4m3/e5m2 "
+    "widened to fp16, exactly), not wgmma; int8 and W8A16 take wgmma; imprecise_acc = block_k "
+    "gives wgmma e4m3 (docs/tuning/gemm.md), not yet measured for accuracy")
 MATRIX_ALLOWANCES[("_scaled_mm_kernel", "sm90")] = (r"\bmma\.sync\.aligned\.\S+", _FP8_SM90)
