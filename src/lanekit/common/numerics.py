@@ -67,3 +67,11 @@ def reciprocal_power(p):
     the same tests passed natively, but the fast path read 0.3% slower on the H200, `benchmarks.ab`
     qk_norm_rope_quant e4m3 3467-3471 GB/s against 3478-3479, sm90 registers moving by 2; kept.)"""
     return ((254 << 23) - p.to(tl.int32, bitcast=True)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def e8m0_scale(e):
+    """An OCP MX e8m0 scale byte (int32 0..255) as fp32: 2^(e - 127), 0xFF NaN (OCP MX v1.0);
+    e = 0 (2^-127) is fp32's subnormal 0x00400000. As reference.gemm.e8m0."""
+    bits = tl.where(e == 0, 0x00400000, e << 23)
+    return tl.where(e == 255, float("nan"), bits.to(tl.float32, bitcast=True))

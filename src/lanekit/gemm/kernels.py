@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lanekit.common.numerics import quantize
+from lanekit.common.numerics import e8m0_scale, quantize
 from lanekit.gemm import tuning
 from lanekit.runtime.alloc import empty
 from lanekit.runtime.lanes import triton_interpreted
@@ -34,15 +34,6 @@ if triton_interpreted():
 # scale schemes (constexpr SCHEME)
 EPILOGUE, BLOCK, MX = 0, 1, 2
 INT8, FP8 = 1, 2          # common.numerics.quantize's QUANT
-
-
-@triton.jit
-def _e8m0(e):
-    """An e8m0 exponent byte (int32 0..255) as fp32: 2^(e - 127), 0xFF NaN (OCP MX v1.0, 5.4.1);
-    e = 0 (2^-127) is fp32's subnormal 0x00400000."""
-    bits = tl.where(e == 0, 0x00400000, e << 23)
-    s = bits.to(tl.float32, bitcast=True)
-    return tl.where(e == 255, float("nan"), s)
 
 
 @triton.jit
@@ -93,8 +84,8 @@ def _scaled_mm_kernel(A, B, SA, SB, BIAS, C, M, N, K,
             kb = k0 // 32
             ea = tl.load(SA + offs_m * stride_sam + kb * stride_sak, mask=m_mask, other=127)
             eb = tl.load(SB + kb * stride_sbk + offs_n * stride_sbn, mask=n_mask, other=127)
-            sa = _e8m0(ea.to(tl.int32))
-            sb = _e8m0(eb.to(tl.int32))
+            sa = e8m0_scale(ea.to(tl.int32))
+            sb = e8m0_scale(eb.to(tl.int32))
             acc += tl.dot(a, b, max_num_imprecise_acc=IMPRECISE_ACC) * sa[:, None] * sb[None, :]
         elif IS_INT:
             acc = tl.dot(a, b, acc, out_dtype=tl.int32)
