@@ -1,0 +1,184 @@
+"""Public quantize functions: validated, dispatched to a lane.
+
+Shapes: x (R, C), R rows (tokens) of C columns. Scales are fp32: (1,) per tensor, (R, 1) per
+token, (R, ceil(C / group_size)) per group of ``group_size`` columns (the last one partial), as
+vLLM's ``scaled_fp8_quant`` and ``per_token_group_quant_fp8`` return them. Codes are specified
+bit for bit (``lanekit.reference.quant``): amax, amax / qmax and x / scale are each one correctly
+rounded fp32 operation, then the format's round half to even with saturation.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lanekit.quant import op as _lanes
+from lanekit.runtime.validate import int_at_least as _int_at_least
+from lanekit.runtime.validate import lane_for as _lane_for
+from lanekit.runtime.validate import shape as _shape
+from lanekit.runtime.validate import tensor as _tensor
+
+__all__ = ["quantize_fp8", "quantize_int8", "dequantize_fp8", "dequantize_int8"]
+
+_X_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+_GRANULARITIES = ("tensor", "token", "group")
+_OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _granularity(granularity, group_size):
+    if granularity not in _GRANULARITIES:
+        raise ValueError(f"granularity: expected one of {list(_GRANULARITIES)}, got {granularity!r}")
+    return _int_at_least("group_size", group_size, 1)
+
+
+def _scale_shape(x, granularity, group_size):
+    R, C = x.shape
+    return {"tensor": (1,), "token": (R, 1), "group": (R, -(-C // group_size))}[granularity]
+
+
+def _given_scale(scale, x, granularity, group_size):
+    if scale is None:
+        return None
+    _tensor("scale", scale, dtypes=(torch.float32,), like=x, like_name="x")
+    expected = _scale_shape(x, granularity, group_size)
+    if granularity == "tensor" and scale.numel() == 1:
+        return scale.reshape(1)
+    _shape("scale", scale, expected, f"the {granularity} scales of x {tuple(x.shape)}")
+    return scale
+
+
+def _x(x, lane):
+    _tensor("x", x, dtypes=_X_DTYPES, ndim=2)
+    return _lane_for(x, lane, "x")
+
+
+def quantize_fp8(x: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn,
+                 scale: torch.Tensor | None = None, granularity: str = "tensor",
+                 group_size: int = 128, *, lane: str | None = None):
+    """Symmetric fp8 quantization of the rows of x: ``x ~ codes * scale``.
+
+    Dynamic (``scale`` None): per scale's group of values, scale = amax / qmax (qmax = 448 for
+    e4m3fn, 57344 for e5m2; amax the largest |x| of the group), 1 for an all-zero group (the
+    project's convention, ``reference.numerics.quantize_groups``; its codes are 0). Static: the
+    given scale as it is. codes = x / scale, correctly rounded in fp32, saturated at +-qmax and
+    rounded half to even to ``dtype``: finite x never gives inf or NaN codes.
+
+    Arguments:
+        x: (R, C) fp16, bf16 or fp32 (fp64 on the reference lane only), any strides.
+        dtype: torch.float8_e4m3fn or torch.float8_e5m2.
+        scale: None (dynamic) or an fp32 tensor on x's device: one element for "tensor", (R, 1)
+            for "token", (R, ceil(C / group_size)) for "group".
+        granularity: "tensor" (one scale; dynamic: a global amax, two passes), "token" (one per
+            row) or "group" (one per ``group_size`` columns of a row, the last group partial).
+        group_size: an int >= 1, used by "group".
+        lane: "triton" or "reference"; default triton for CUDA/ROCm tensors, reference otherwise.
+
+    Returns:
+        codes: (R, C) in ``dtype``, contiguous.
+        scale: fp32, (1,), (R, 1) or (R, ceil(C / group_size)); the given one when static.
+
+    Raises:
+        TypeError: x or scale not a tensor or of an unsupported dtype; dtype not an fp8 dtype.
+        ValueError: x not 2-d; scale on another device or of the wrong shape; an unknown
+            granularity; group_size < 1; an unknown lane.
+
+    Source: vLLM's ``scaled_fp8_quant`` (per tensor, per token) and ``per_token_group_quant_fp8``
+    (per group, column-major scales not offered); the formats: OCP 8-bit floating point (OFP8).
+    """
+    chosen = _x(x, lane)
+    if dtype not in _FP8:
+        raise TypeError(f"dtype: expected torch.float8_e4m3fn or torch.float8_e5m2, got {dtype}")
+    group_size = _granularity(granularity, group_size)
+    scale = _given_scale(scale, x, granularity, group_size)
+    return getattr(_lanes, f"quantize_fp8_{chosen}")(x=x, dtype=dtype, scale=scale,
+                                                    granularity=granularity, group_size=group_size)
+
+
+def quantize_int8(x: torch.Tensor, scale: torch.Tensor | None = None, granularity: str = "token",
+                  group_size: int = 128, *, lane: str | None = None):
+    """Symmetric int8 quantization of the rows of x: ``x ~ codes * scale``.
+
+    codes = round half to even of x / scale (correctly rounded fp32), clamped to [-128, 127].
+    Dynamic (``scale`` None): scale = amax / 127 of each group; an all-zero group gets scale 0
+    and codes 0 (never NaN). Static: the given scale as it is, its sign included; where it is 0
+    the codes are 0.
+
+    Arguments:
+        x: (R, C) fp16, bf16 or fp32 (fp64 on the reference lane only), any strides.
+        scale: None (dynamic) or fp32 on x's device: one element for "tensor", (R, 1) for
+            "token", (R, ceil(C / group_size)) for "group".
+        granularity: "tensor", "token" (default, vLLM's per-token int8) or "group".
+        group_size: an int >= 1, used by "group".
+        lane: "triton" or "reference"; default triton for CUDA/ROCm tensors, reference otherwise.
+
+    Returns:
+        codes: (R, C) int8, contiguous.
+        scale: fp32 of the shape above; the given one when static.
+
+    Raises:
+        TypeError: x or scale not a tensor or of an unsupported dtype.
+        ValueError: x not 2-d; scale on another device or of the wrong shape; an unknown
+            granularity; group_size < 1; an unknown lane.
+
+    Source: vLLM's ``scaled_int8_quant`` (symmetric; its azp variant is not offered).
+    """
+    chosen = _x(x, lane)
+    group_size = _granularity(granularity, group_size)
+    scale = _given_scale(scale, x, granularity, group_size)
+    return getattr(_lanes, f"quantize_int8_{chosen}")(x=x, scale=scale, granularity=granularity,
+                                                     group_size=group_size)
+
+
+def _dequantize(codes, scale, granularity, group_size, output_dtype, lane, dtypes):
+    _tensor("codes", codes, dtypes=dtypes, ndim=2)
+    group_size = _granularity(granularity, group_size)
+    _tensor("scale", scale, dtypes=(torch.float32,), like=codes, like_name="codes")
+    if granularity == "tensor" and scale.numel() == 1:
+        scale = scale.reshape(1)
+    else:
+        _shape("scale", scale, _scale_shape(codes, granularity, group_size),
+               f"the {granularity} scales of codes {tuple(codes.shape)}")
+    if output_dtype not in _OUT_DTYPES:
+        raise TypeError(f"output_dtype: expected one of {[str(d) for d in _OUT_DTYPES]}, got {output_dtype}")
+    chosen = _lane_for(codes, lane, "codes")
+    return getattr(_lanes, f"dequantize_{chosen}")(codes=codes, scale=scale, granularity=granularity,
+                                                  group_size=group_size, output_dtype=output_dtype)
+
+
+_DEQ_DOC = """codes times their scale: ``y = codes * scale`` (fp32 product, rounded once to
+    ``output_dtype``), the inverse of :func:`{quant}` up to its rounding.
+
+    Arguments:
+        codes: (R, C) {codes}, any strides.
+        scale: fp32 on codes' device: one element for "tensor", (R, 1) for "token",
+            (R, ceil(C / group_size)) for "group".
+        granularity: "tensor", "token" or "group"; group_size: an int >= 1 ("group").
+        output_dtype: torch.float32 (default), torch.bfloat16 or torch.float16.
+        lane: "triton" or "reference"; default triton for CUDA/ROCm tensors, reference otherwise.
+
+    Returns:
+        (R, C) in output_dtype, contiguous.
+
+    Raises:
+        TypeError: a non-tensor or an unsupported dtype (codes, scale, output_dtype).
+        ValueError: codes not 2-d; scale on another device or of the wrong shape; an unknown
+            granularity; group_size < 1; an unknown lane.
+
+    Source: the dequantization of vLLM's fp8 / int8 schemes (``torch._scaled_mm``'s scale_a).
+    """
+
+
+def dequantize_fp8(codes: torch.Tensor, scale: torch.Tensor, granularity: str = "tensor",
+                   group_size: int = 128, output_dtype: torch.dtype = torch.float32, *,
+                   lane: str | None = None):
+    return _dequantize(codes, scale, granularity, group_size, output_dtype, lane, _FP8)
+
+
+def dequantize_int8(codes: torch.Tensor, scale: torch.Tensor, granularity: str = "token",
+                    group_size: int = 128, output_dtype: torch.dtype = torch.float32, *,
+                    lane: str | None = None):
+    return _dequantize(codes, scale, granularity, group_size, output_dtype, lane, (torch.int8,))
+
+
+dequantize_fp8.__doc__ = "fp8 " + _DEQ_DOC.format(quant="quantize_fp8", codes="torch.float8_e4m3fn or torch.float8_e5m2")
+dequantize_int8.__doc__ = "int8 " + _DEQ_DOC.format(quant="quantize_int8", codes="int8")

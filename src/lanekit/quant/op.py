@@ -1,0 +1,83 @@
+"""The quant family's lanes, and the custom ops that make the Triton lane opaque to
+torch.compile. Every lane takes the normalized keyword arguments that ``lanekit.quant.api``
+produces after validation; the reference lanes run the oracles of ``lanekit.reference.quant``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lanekit.reference import quant as ref
+from lanekit.runtime.custom_ops import call as _call
+from lanekit.runtime.custom_ops import custom_op as _custom_op
+
+Tensor = torch.Tensor
+
+
+def _kernels():
+    from lanekit.quant.kernels import quantize  # imported on first use: see runtime.lanes
+
+    return quantize
+
+
+def _scale_shape(x, granularity, group_size):
+    R, C = x.shape
+    if granularity == "tensor":
+        return (1,)
+    if granularity == "token":
+        return (R, 1)
+    return (R, -(-C // group_size))
+
+
+# ---- quantize_fp8, quantize_int8 ----
+
+@_custom_op("lanekit::quantize")
+def _quantize_op(x: Tensor, dtype: torch.dtype, scale: Tensor | None, granularity: str,
+                 group_size: int) -> tuple[Tensor, Tensor]:
+    return _kernels().quantize_fwd(x=x, dtype=dtype, scale=scale, granularity=granularity,
+                                   group_size=group_size)
+
+
+@_quantize_op.register_fake
+def _(x, dtype, scale, granularity, group_size):
+    return (x.new_empty(x.shape, dtype=dtype),
+            x.new_empty(_scale_shape(x, granularity, group_size), dtype=torch.float32))
+
+
+def quantize_fp8_triton(*, x, dtype, scale, granularity, group_size):
+    return _call(_quantize_op, x, dtype, scale, granularity, group_size)
+
+
+def quantize_fp8_reference(*, x, dtype, scale, granularity, group_size):
+    return ref.quantize_fp8(x, dtype, scale, granularity, group_size)
+
+
+def quantize_int8_triton(*, x, scale, granularity, group_size):
+    return _call(_quantize_op, x, torch.int8, scale, granularity, group_size)
+
+
+def quantize_int8_reference(*, x, scale, granularity, group_size):
+    return ref.quantize_int8(x, scale, granularity, group_size)
+
+
+# ---- dequantize_fp8, dequantize_int8 ----
+
+@_custom_op("lanekit::dequantize")
+def _dequantize_op(codes: Tensor, scale: Tensor, granularity: str, group_size: int,
+                   output_dtype: torch.dtype) -> Tensor:
+    return _kernels().dequantize_fwd(codes=codes, scale=scale, granularity=granularity,
+                                     group_size=group_size, output_dtype=output_dtype)
+
+
+@_dequantize_op.register_fake
+def _(codes, scale, granularity, group_size, output_dtype):
+    return codes.new_empty(codes.shape, dtype=output_dtype)
+
+
+def dequantize_triton(*, codes, scale, granularity, group_size, output_dtype):
+    return _call(_dequantize_op, codes, scale, granularity, group_size, output_dtype)
+
+
+def dequantize_reference(*, codes, scale, granularity, group_size, output_dtype):
+    """The oracle in float64, rounded once to ``output_dtype``."""
+    return ref.dequantize(codes, scale, granularity, group_size, output_dtype).to(output_dtype)

@@ -1,0 +1,83 @@
+"""Oracles of the quant family (``lanekit.quant``): fp8 and int8 quantization of rows, per
+tensor, per token (row) or per group of columns, and the matching dequantization.
+
+Codes are specified bit for bit: every step is one correctly rounded fp32 operation on x's
+values (exact in fp32 for fp16, bf16 and fp32 inputs): amax, scale = amax / qmax, x / scale,
+then the format's rounding (round half to even) with saturation (:func:`reference.numerics.to_codes`).
+Divisions are tensor by tensor: PyTorch's CUDA division by a Python scalar multiplies by the
+reciprocal, which is not the correctly rounded quotient.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lanekit.reference.numerics import QUANT_MAX, to_codes
+
+
+def _group_of(granularity: str, C: int, group_size: int) -> int:
+    return C if granularity in ("tensor", "token") else group_size
+
+
+def _groups(x: torch.Tensor, group: int):
+    """x (R, C) zero-extended to (R, G, group), G = ceil(C / group)."""
+    R, C = x.shape
+    G = -(-C // group) if C else 0
+    return torch.nn.functional.pad(x, (0, G * group - C)).view(R, G, group), G
+
+
+def _quantize(x, dtype, scale, granularity, group_size, zero_scale):
+    x = x.to(torch.float32)
+    R, C = x.shape
+    qmax = QUANT_MAX[dtype]
+    if scale is None:
+        if granularity == "tensor":
+            amax = x.abs().amax().reshape(1, 1) if x.numel() else torch.zeros(1, 1, device=x.device)
+        elif granularity == "token":
+            amax = x.abs().amax(-1, keepdim=True) if C else torch.zeros(R, 1, device=x.device)
+        else:
+            g, _ = _groups(x, _group_of(granularity, C, group_size))
+            amax = g.abs().amax(-1) if g.numel() else torch.zeros(R, g.shape[1], device=x.device)
+        s = torch.where(amax > 0, amax / torch.full_like(amax, qmax), torch.full_like(amax, zero_scale))
+    else:
+        s = scale.to(torch.float32).reshape(1, 1) if granularity == "tensor" else scale.to(torch.float32)
+    group = C if granularity == "tensor" else _group_of(granularity, C, group_size)
+    g, G = _groups(x, max(group, 1))
+    full = s.expand(R, G) if granularity == "tensor" else s
+    q = g / full.unsqueeze(-1)
+    if dtype == torch.int8:
+        q = torch.where(full.unsqueeze(-1) == 0, torch.zeros_like(q), q)   # a zero scale: codes 0
+    codes = to_codes(q, dtype).view(R, G * max(group, 1))[:, :C]
+    return codes, (s.reshape(1) if granularity == "tensor" else s)
+
+
+def quantize_fp8(x: torch.Tensor, dtype=torch.float8_e4m3fn, scale=None, granularity="tensor",
+                 group_size=128):
+    """Symmetric fp8 codes of x (R, C) and their fp32 scales: (1,) per tensor, (R, 1) per token,
+    (R, ceil(C / group_size)) per group. Dynamic (``scale`` None): scale = amax / qmax (448 for
+    e4m3, 57344 for e5m2), 1 for an all-zero group (``reference.numerics.quantize_groups``'s
+    convention); static: the given scale. codes = x / scale saturated at +-qmax, rounded half to
+    even. vLLM's ``scaled_fp8_quant`` / ``per_token_group_quant_fp8``."""
+    return _quantize(x, dtype, scale, granularity, group_size, 1.0)
+
+
+def quantize_int8(x: torch.Tensor, scale=None, granularity="token", group_size=128):
+    """Symmetric int8 codes of x (R, C): round half to even of x / scale clamped to [-128, 127];
+    dynamic scale amax / 127, 0 for an all-zero group (whose codes are 0); a given scale is used
+    as it is (its sign included; a zero scale gives codes 0). vLLM's ``scaled_int8_quant``
+    (symmetric)."""
+    return _quantize(x, torch.int8, scale, granularity, group_size, 0.0)
+
+
+def dequantize(codes: torch.Tensor, scale: torch.Tensor, granularity="tensor", group_size=128,
+               output_dtype=torch.float32):
+    """codes (R, C) times their scale, in float64 (the caller rounds to ``output_dtype``)."""
+    R, C = codes.shape
+    c = codes.to(torch.float64)
+    s = scale.to(torch.float64)
+    if granularity == "tensor":
+        return c * s.reshape(1, 1)
+    if granularity == "token":
+        return c * s.reshape(R, 1)
+    cols = torch.arange(C, device=codes.device) // group_size
+    return c * s[:, cols]
