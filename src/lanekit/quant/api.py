@@ -182,3 +182,65 @@ def dequantize_int8(codes: torch.Tensor, scale: torch.Tensor, granularity: str =
 
 dequantize_fp8.__doc__ = "fp8 " + _DEQ_DOC.format(quant="quantize_fp8", codes="torch.float8_e4m3fn or torch.float8_e5m2")
 dequantize_int8.__doc__ = "int8 " + _DEQ_DOC.format(quant="quantize_int8", codes="int8")
+
+
+__all__ += ["silu_and_mul_quant_fp8"]
+
+
+def silu_and_mul_quant_fp8(x: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn,
+                           scale: torch.Tensor | None = None, granularity: str = "token",
+                           group_size: int = 128, *, lane: str | None = None):
+    """SwiGLU fused with fp8 quantization: ``h = silu(x[:, :N]) * x[:, N:]``, then fp8 codes of h.
+
+    vLLM's ``silu_and_mul`` layout: the first half of each row is the gate, the second the up
+    projection. Where it is rounded: h is computed in fp32 from x's values and rounded once to
+    x's dtype (exactly what an unfused ``silu_and_mul`` returns), then quantized as
+    :func:`quantize_fp8` quantizes it: dynamic per token (scale amax / qmax of the row's N
+    values, 1 for an all-zero row) or per group of ``group_size`` columns, or static per tensor
+    (``scale`` given, ``granularity`` "tensor"). The oracle rounds float64 h to x's dtype at
+    the same point. (The fp32 silu of the kernel differs from float64 by a few fp32 steps,
+    which changes h only where it lies within them of a rounding boundary of x's dtype.)
+
+    Arguments:
+        x: (R, 2N) fp16 or bf16 (fp64 on the reference lane only), any strides. (fp32 is not
+            taken: its intermediate would be the kernel's fp32 silu, not correctly rounded, so
+            its codes could not be specified bit for bit.)
+        dtype: torch.float8_e4m3fn or torch.float8_e5m2.
+        scale: None (dynamic), or for granularity "tensor" a one-element fp32 tensor on x's device.
+        granularity: "token" (default; vLLM's per-token dynamic quant), "group" (dynamic, per
+            ``group_size`` columns of h) or "tensor" (static only: scale required).
+        group_size: an int >= 1, used by "group" (128: DeepSeek-V3's block quant).
+        lane: "triton" or "reference"; default triton for CUDA/ROCm tensors, reference otherwise.
+
+    Returns:
+        codes: (R, N) in ``dtype``; scale: fp32 (R, 1), (R, ceil(N / group_size)), or the given (1,).
+
+    Raises:
+        TypeError: x or scale not a tensor or of an unsupported dtype; dtype not an fp8 dtype.
+        ValueError: x not 2-d or of odd width; granularity "tensor" without a scale or a scale
+            with another granularity; scale on another device or not of one element; an unknown
+            granularity; group_size < 1; an unknown lane.
+
+    Source: vLLM's ``silu_and_mul`` (``vllm._custom_ops``) followed by ``scaled_fp8_quant`` /
+    ``per_token_group_quant_fp8``, fused as vLLM's ``silu_and_mul_quant`` and
+    ``silu_and_mul_per_token_group_quant`` do.
+    """
+    _tensor("x", x, dtypes=(torch.float16, torch.bfloat16, torch.float64), ndim=2)
+    chosen = _lane_for(x, lane, "x")
+    if x.shape[1] % 2:
+        raise ValueError(f"x: expected (R, 2N), an even width, got shape {tuple(x.shape)}")
+    if dtype not in _FP8:
+        raise TypeError(f"dtype: expected torch.float8_e4m3fn or torch.float8_e5m2, got {dtype}")
+    group_size = _granularity(granularity, group_size)
+    if (granularity == "tensor") != (scale is not None):
+        raise ValueError("scale: expected a static scale with granularity 'tensor' and none with 'token' "
+                         f"or 'group' (dynamic), got granularity {granularity!r} and "
+                         f"{'a' if scale is not None else 'no'} scale")
+    if scale is not None:
+        _tensor("scale", scale, dtypes=(torch.float32,), like=x, like_name="x")
+        if scale.numel() != 1:
+            raise ValueError(f"scale: expected one element (a per-tensor scale), got shape {tuple(scale.shape)}")
+        scale = scale.reshape(1)
+    return getattr(_lanes, f"silu_and_mul_quant_fp8_{chosen}")(
+        x=x, dtype=dtype, scale=scale, granularity=granularity, group_size=group_size,
+        intermediate_dtype=torch.float32 if x.dtype == torch.float64 else x.dtype)

@@ -81,3 +81,31 @@ def dequantize_triton(*, codes, scale, granularity, group_size, output_dtype):
 def dequantize_reference(*, codes, scale, granularity, group_size, output_dtype):
     """The oracle in float64, rounded once to ``output_dtype``."""
     return ref.dequantize(codes, scale, granularity, group_size, output_dtype).to(output_dtype)
+
+
+# ---- silu_and_mul_quant_fp8 ----
+
+@_custom_op("lanekit::silu_and_mul_quant_fp8")
+def _silu_and_mul_quant_op(x: Tensor, dtype: torch.dtype, scale: Tensor | None, granularity: str,
+                           group_size: int) -> tuple[Tensor, Tensor]:
+    from lanekit.quant.kernels import silu_mul
+
+    return silu_mul.silu_and_mul_quant_fp8_fwd(x=x, dtype=dtype, scale=scale,
+                                               granularity=granularity, group_size=group_size)
+
+
+@_silu_and_mul_quant_op.register_fake
+def _(x, dtype, scale, granularity, group_size):
+    R, N = x.shape[0], x.shape[1] // 2
+    shape = (1,) if granularity == "tensor" else (R, 1) if granularity == "token" else (R, -(-N // group_size))
+    return x.new_empty((R, N), dtype=dtype), x.new_empty(shape, dtype=torch.float32)
+
+
+def silu_and_mul_quant_fp8_triton(*, x, dtype, scale, granularity, group_size, intermediate_dtype):
+    # intermediate_dtype is x's dtype (the kernel rounds h to it); named for the float64 oracle
+    return _call(_silu_and_mul_quant_op, x, dtype, scale, granularity, group_size)
+
+
+def silu_and_mul_quant_fp8_reference(*, x, dtype, scale, granularity, group_size, intermediate_dtype):
+    """The oracle, the intermediate rounded to ``intermediate_dtype`` (x's dtype)."""
+    return ref.silu_and_mul_quant_fp8(x, dtype, scale, granularity, group_size, intermediate_dtype)

@@ -136,3 +136,31 @@ register(Op(
     samples=lambda device: _dequant_samples(device, False), outputs=(("y", EXACT),),
     doc="int8 codes times their scales (per tensor, token or group)",
 ))
+
+
+def _silu_samples(device):
+    for tag, R, C, xdtype, opts in [
+        ("13x54 bf16", 13, 54, torch.bfloat16, {}),
+        ("17x192 fp16", 17, 192, torch.float16, {}),
+        ("3x600 bf16, row 1 zero", 3, 600, torch.bfloat16, {"zero_rows": (1,)}),
+        ("1x1400 bf16", 1, 1400, torch.bfloat16, {}),
+        ("9x258 fp16 non-contiguous", 9, 258, torch.float16, {"noncontig": True}),
+        ("0x96 bf16", 0, 96, torch.bfloat16, {}),
+        ("6x0 bf16", 6, 0, torch.bfloat16, {}),
+    ]:
+        for dtype in (E4M3, E5M2):
+            for granularity, scale in (("token", False), ("group", False), ("tensor", True)):
+                name = f"silu_and_mul {tag} {dtype} {granularity}"
+                x = _x(name, R, C, xdtype, scale=3.0, **opts).to(device)
+                s = torch.tensor([0.004], dtype=torch.float32, device=device) if scale else None
+                yield Sample(name, dict(x=x, dtype=dtype, scale=s, granularity=granularity,
+                                        group_size=128, intermediate_dtype=xdtype))
+
+
+register(Op(
+    name="silu_and_mul_quant_fp8", family="quant", oracle="lanekit.reference.quant:silu_and_mul_quant_fp8",
+    lanes={"triton": "lanekit.quant.op:silu_and_mul_quant_fp8_triton",
+           "reference": "lanekit.quant.op:silu_and_mul_quant_fp8_reference"},
+    samples=_silu_samples, outputs=(("codes", CODES), ("scale", SCALES)),
+    doc="vLLM's silu_and_mul (first half gate) rounded to x's dtype, then fp8 per token / group / static",
+))

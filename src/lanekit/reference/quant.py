@@ -81,3 +81,15 @@ def dequantize(codes: torch.Tensor, scale: torch.Tensor, granularity="tensor", g
         return c * s.reshape(R, 1)
     cols = torch.arange(C, device=codes.device) // group_size
     return c * s[:, cols]
+
+
+def silu_and_mul_quant_fp8(x: torch.Tensor, dtype=torch.float8_e4m3fn, scale=None,
+                           granularity="token", group_size=128, intermediate_dtype=None):
+    """SwiGLU of x (R, 2N) (gate = x[:, :N], up = x[:, N:]), h = silu(gate) * up in float64
+    rounded to ``intermediate_dtype`` (x's dtype by default: the output of an unfused
+    ``silu_and_mul``), then :func:`quantize_fp8` of h: per token ((R, 1) scales), per group
+    ((R, ceil(N / group_size))), or static per tensor (``scale`` given, granularity "tensor")."""
+    N = x.shape[-1] // 2
+    g, u = x[:, :N].to(torch.float64), x[:, N:].to(torch.float64)
+    h = (g * torch.sigmoid(g) * u).to(intermediate_dtype or x.dtype)
+    return quantize_fp8(h, dtype, scale, granularity, group_size)
