@@ -15,7 +15,8 @@ from lanekit.reference.numerics import QUANT_MAX
 from lanekit.testing import assert_close, generator, noncontiguous, poisoned_outputs, randn, upcast
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-OPS = ["quantize_fp8", "quantize_int8", "dequantize_fp8", "dequantize_int8", "silu_and_mul_quant_fp8"]
+OPS = ["quantize_fp8", "quantize_int8", "dequantize_fp8", "dequantize_int8", "silu_and_mul_quant_fp8",
+       "hadamard_quantize_int8", "hadamard_dequantize_int8"]
 
 
 def _cases():
@@ -137,3 +138,24 @@ def test_reference_oracle_matches_numerics_quantize_groups():
         b = ref.quantize_fp8(x, granularity=gran, group_size=64)
         assert torch.equal(a[0].view(torch.uint8), b[0].view(torch.uint8))
         assert torch.equal(a[1].reshape(-1), b[1].reshape(-1))
+
+
+def test_hadamard_is_orthonormal_and_round_trips():
+    x = _x(3, 100, torch.float32)
+    codes, s = quant.hadamard_quantize_int8(x)
+    assert codes.shape == (3, 128) and s.shape == (3, 1)
+    y = quant.hadamard_dequantize_int8(codes, s, 100)
+    # the rotation keeps the 2-norm: the error is at most half a code per rotated column
+    err = (y - x).norm(dim=1)
+    assert (err <= 0.5 * s.squeeze(1) * 128 ** 0.5 * (1 + 1e-5)).all()
+
+
+def test_hadamard_bad_arguments():
+    x = _x(2, 9000)
+    with pytest.raises(ValueError, match="K <= 8192"):
+        quant.hadamard_quantize_int8(x)
+    codes = torch.zeros(2, 64, dtype=torch.int8, device=DEVICE)
+    with pytest.raises(ValueError, match="codes: expected"):
+        quant.hadamard_dequantize_int8(codes, torch.ones(2, 1, device=DEVICE), 100)
+    with pytest.raises(ValueError, match="scale"):
+        quant.hadamard_dequantize_int8(codes, torch.ones(2, device=DEVICE), 64)

@@ -244,3 +244,81 @@ def silu_and_mul_quant_fp8(x: torch.Tensor, dtype: torch.dtype = torch.float8_e4
     return getattr(_lanes, f"silu_and_mul_quant_fp8_{chosen}")(
         x=x, dtype=dtype, scale=scale, granularity=granularity, group_size=group_size,
         intermediate_dtype=torch.float32 if x.dtype == torch.float64 else x.dtype)
+
+
+__all__ += ["hadamard_quantize_int8", "hadamard_dequantize_int8"]
+
+
+def _max_width():
+    from lanekit.quant import tuning
+
+    return tuning.HADAMARD_MAX_WIDTH
+
+
+def hadamard_quantize_int8(x: torch.Tensor, *, lane: str | None = None):
+    """Rows rotated by a normalized Walsh-Hadamard transform, then per-token int8 (QuaRot /
+    SpinQuant-style outlier smoothing before an int8 GEMM).
+
+    Each row of x is zero-extended to KP = the next power of two >= K (1 for K = 0) and
+    multiplied by H_KP / sqrt(KP) (Sylvester's order: H_2 = [[1, 1], [1, -1]], H_2n = H_2 (x)
+    H_n). Steps (the oracle takes the same ones, so the codes are specified bit for bit):
+    log2(KP) butterfly stages in fp32, pairs h = 1, 2, 4, ... apart -> (a + b, a - b), then one
+    fp32 multiply by fp32(1 / sqrt(KP)); then :func:`quantize_int8` per token of the rotated
+    row (scale amax / 127, 0 and codes 0 for an all-zero row). The whole rotated width is
+    stored: a GEMM against weights rotated the same way needs all KP columns.
+
+    Arguments:
+        x: (R, K) fp16, bf16 or fp32 (fp64 on the reference lane only), any strides;
+            K <= 8192 (one row's rotation sits in one program's registers).
+        lane: "triton" or "reference"; default triton for CUDA/ROCm tensors, reference otherwise.
+
+    Returns:
+        codes: (R, KP) int8; scale: (R, 1) fp32.
+
+    Raises:
+        TypeError: x not a tensor or of an unsupported dtype.
+        ValueError: x not 2-d or K > 8192; an unknown lane.
+
+    Source: the transform of QuaRot (Ashkboos et al., 2024) and of the Hadamard kernels of
+    fast-hadamard-transform; int8 as vLLM's ``scaled_int8_quant``.
+    """
+    chosen = _x(x, lane)
+    if x.shape[1] > _max_width():
+        raise ValueError(f"x: expected (R, K) with K <= {_max_width()}, got shape {tuple(x.shape)}")
+    return getattr(_lanes, f"hadamard_quantize_int8_{chosen}")(x=x)
+
+
+def hadamard_dequantize_int8(codes: torch.Tensor, scale: torch.Tensor, K: int,
+                             output_dtype: torch.dtype = torch.float32, *, lane: str | None = None):
+    """The inverse of :func:`hadamard_quantize_int8`: (codes * scale) rotated back by the
+    same normalized transform (H_KP / sqrt(KP) is its own inverse), the first K columns.
+
+    Arguments:
+        codes: (R, KP) int8, KP a power of two <= 8192, any strides.
+        scale: (R, 1) fp32 on codes' device.
+        K: the original width, an int in [0, KP] with KP the next power of two >= K.
+        output_dtype: torch.float32 (default), torch.bfloat16 or torch.float16.
+        lane: "triton" or "reference"; default triton for CUDA/ROCm tensors, reference otherwise.
+
+    Returns:
+        (R, K) in output_dtype: fp32 steps (log2(KP) butterflies, one multiply), rounded once.
+
+    Raises:
+        TypeError: a non-tensor or an unsupported dtype; K not an int.
+        ValueError: codes not 2-d or of a width not KP = next power of two of K; scale of the
+            wrong shape or device; an unknown lane.
+    """
+    _tensor("codes", codes, dtypes=(torch.int8,), ndim=2)
+    R, KP = codes.shape
+    K = _int_at_least("K", K, 0)
+    want = 1 << max(K - 1, 0).bit_length()
+    if KP != want or KP > _max_width():
+        raise ValueError(f"codes: expected (R, {want}) (the next power of two >= K = {K}, at most "
+                         f"{_max_width()}), got shape {tuple(codes.shape)}")
+    _tensor("scale", scale, dtypes=(torch.float32,), like=codes, like_name="codes")
+    _shape("scale", scale, (R, 1), "one scale per row of codes")
+    if output_dtype not in _OUT_DTYPES:
+        raise TypeError(f"output_dtype: expected one of {[str(d) for d in _OUT_DTYPES]}, got {output_dtype}")
+    chosen = _lane_for(codes, lane, "codes")
+    return getattr(_lanes, f"hadamard_dequantize_int8_{chosen}")(codes=codes, scale=scale, K=K,
+                                                                output_dtype=output_dtype)

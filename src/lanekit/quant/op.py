@@ -109,3 +109,52 @@ def silu_and_mul_quant_fp8_triton(*, x, dtype, scale, granularity, group_size, i
 def silu_and_mul_quant_fp8_reference(*, x, dtype, scale, granularity, group_size, intermediate_dtype):
     """The oracle, the intermediate rounded to ``intermediate_dtype`` (x's dtype)."""
     return ref.silu_and_mul_quant_fp8(x, dtype, scale, granularity, group_size, intermediate_dtype)
+
+
+# ---- hadamard_quantize_int8, hadamard_dequantize_int8 ----
+
+def _hadamard():
+    from lanekit.quant.kernels import hadamard
+
+    return hadamard
+
+
+def _pow2(K):
+    return 1 << max(K - 1, 0).bit_length()
+
+
+@_custom_op("lanekit::hadamard_quantize_int8")
+def _hadamard_quant_op(x: Tensor) -> tuple[Tensor, Tensor]:
+    return _hadamard().hadamard_quantize_int8_fwd(x=x)
+
+
+@_hadamard_quant_op.register_fake
+def _(x):
+    R, K = x.shape
+    return x.new_empty((R, _pow2(K)), dtype=torch.int8), x.new_empty((R, 1), dtype=torch.float32)
+
+
+def hadamard_quantize_int8_triton(*, x):
+    return _call(_hadamard_quant_op, x)
+
+
+def hadamard_quantize_int8_reference(*, x):
+    return ref.hadamard_quantize_int8(x)
+
+
+@_custom_op("lanekit::hadamard_dequantize_int8")
+def _hadamard_dequant_op(codes: Tensor, scale: Tensor, K: int, output_dtype: torch.dtype) -> Tensor:
+    return _hadamard().hadamard_dequantize_int8_fwd(codes=codes, scale=scale, K=K, output_dtype=output_dtype)
+
+
+@_hadamard_dequant_op.register_fake
+def _(codes, scale, K, output_dtype):
+    return codes.new_empty((codes.shape[0], K), dtype=output_dtype)
+
+
+def hadamard_dequantize_int8_triton(*, codes, scale, K, output_dtype):
+    return _call(_hadamard_dequant_op, codes, scale, K, output_dtype)
+
+
+def hadamard_dequantize_int8_reference(*, codes, scale, K, output_dtype):
+    return ref.hadamard_dequantize_int8(codes, scale, K, output_dtype).to(output_dtype)

@@ -164,3 +164,56 @@ register(Op(
     samples=_silu_samples, outputs=(("codes", CODES), ("scale", SCALES)),
     doc="vLLM's silu_and_mul (first half gate) rounded to x's dtype, then fp8 per token / group / static",
 ))
+
+
+HADAMARD_DEQUANT = Tolerance(
+    name="hadamard_dequant",
+    ulps=1.0,
+    fp32_ulps=8.0,
+    reason="fp32 output after log2(KP) <= 13 fp32 butterfly stages and a multiply: measured up "
+           "to 1.4 fp32 steps at KP = 128 to 1024 (interpreter); eight steps",
+)
+
+_HADAMARD_SHAPES = [
+    ("13x27 bf16", 13, 27, torch.bfloat16, {}),
+    ("17x96 fp16", 17, 96, torch.float16, {}),
+    ("5x100 fp32 spread", 5, 100, torch.float32, {"spread": True}),
+    ("3x300 bf16, row 1 zero", 3, 300, torch.bfloat16, {"zero_rows": (1,)}),
+    ("1x700 bf16", 1, 700, torch.bfloat16, {}),
+    ("9x129 fp32 non-contiguous", 9, 129, torch.float32, {"noncontig": True}),
+    ("4x1 bf16", 4, 1, torch.bfloat16, {}),
+    ("0x96 bf16", 0, 96, torch.bfloat16, {}),
+    ("6x0 bf16", 6, 0, torch.bfloat16, {}),
+]
+
+
+def _hadamard_samples(device):
+    for tag, R, C, xdtype, opts in _HADAMARD_SHAPES:
+        name = f"hadamard {tag}"
+        yield Sample(name, dict(x=_x(name, R, C, xdtype, **opts).to(device)))
+
+
+def _hadamard_dequant_samples(device):
+    for tag, R, C, xdtype, opts in _HADAMARD_SHAPES:
+        for out_dtype in ((torch.float32, torch.bfloat16) if tag.startswith("13x27") else (torch.float32,)):
+            name = f"hadamard dequant {tag} -> {out_dtype}"
+            codes, s = _ref.hadamard_quantize_int8(_x(name, R, C, xdtype, **opts))
+            if opts.get("noncontig"):
+                codes = noncontiguous(codes)
+            yield Sample(name, dict(codes=codes.to(device), scale=s.to(device), K=C, output_dtype=out_dtype))
+
+
+register(Op(
+    name="hadamard_quantize_int8", family="quant", oracle="lanekit.reference.quant:hadamard_quantize_int8",
+    lanes={"triton": "lanekit.quant.op:hadamard_quantize_int8_triton",
+           "reference": "lanekit.quant.op:hadamard_quantize_int8_reference"},
+    samples=_hadamard_samples, outputs=(("codes", CODES), ("scale", SCALES)),
+    doc="rows rotated by H / sqrt(KP) (zero-extended to a power of two), then per-token int8",
+))
+register(Op(
+    name="hadamard_dequantize_int8", family="quant", oracle="lanekit.reference.quant:hadamard_dequantize_int8",
+    lanes={"triton": "lanekit.quant.op:hadamard_dequantize_int8_triton",
+           "reference": "lanekit.quant.op:hadamard_dequantize_int8_reference"},
+    samples=_hadamard_dequant_samples, outputs=(("y", HADAMARD_DEQUANT),),
+    doc="the inverse rotation of hadamard_quantize_int8's codes times their scales",
+))

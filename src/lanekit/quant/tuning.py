@@ -14,3 +14,8 @@ QUANT_WARPS: dict[str, int] = {"generic": 4}
 
 SPILL_ALLOWANCES: dict = {}
 MATRIX_ALLOWANCES: dict = {}
+
+# Warps of a Hadamard program (one row of KP <= 8192 fp32 values in registers: 64 per thread
+# at 4 warps at the largest width).
+HADAMARD_WARPS: dict[str, int] = {"generic": 4}
+HADAMARD_MAX_WIDTH = 8192

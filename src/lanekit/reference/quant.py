@@ -93,3 +93,42 @@ def silu_and_mul_quant_fp8(x: torch.Tensor, dtype=torch.float8_e4m3fn, scale=Non
     g, u = x[:, :N].to(torch.float64), x[:, N:].to(torch.float64)
     h = (g * torch.sigmoid(g) * u).to(intermediate_dtype or x.dtype)
     return quantize_fp8(h, dtype, scale, granularity, group_size)
+
+
+def _wht_fp32(x: torch.Tensor) -> torch.Tensor:
+    """The normalized Walsh-Hadamard transform of fp32 rows x (R, KP), KP a power of two, in
+    the kernel's steps: stages h = 1, 2, 4, ...: (a, b) h apart -> (a + b, a - b), each
+    correctly rounded in fp32, then times fp32(1 / sqrt(KP))."""
+    R, KP = x.shape
+    h = 1
+    while h < KP:
+        v = x.view(R, KP // (2 * h), 2, h)
+        a, b = v[:, :, 0], v[:, :, 1]
+        x = torch.stack((a + b, a - b), dim=2).reshape(R, KP)
+        h *= 2
+    norm = torch.tensor(1.0 / KP ** 0.5, dtype=torch.float32)
+    return x * norm
+
+
+def hadamard_quantize_int8(x: torch.Tensor):
+    """Rows of x (R, K) zero-extended to KP = the next power of two, rotated by the normalized
+    Walsh-Hadamard transform (:func:`_wht_fp32`, fp32 steps the kernel takes), then
+    :func:`quantize_int8` per token. Returns (codes int8 (R, KP), scale fp32 (R, 1))."""
+    R, K = x.shape
+    KP = 1 << max(K - 1, 0).bit_length()
+    y = torch.nn.functional.pad(x.to(torch.float32), (0, KP - K))
+    return quantize_int8(_wht_fp32(y), None, "token")
+
+
+def hadamard_dequantize_int8(codes: torch.Tensor, scale: torch.Tensor, K: int, output_dtype=torch.float32):
+    """The inverse: (codes * scale) rotated back by the normalized transform (its own inverse),
+    the first K columns; float64."""
+    R, KP = codes.shape
+    y = codes.to(torch.float64) * scale.to(torch.float64).reshape(R, 1)
+    h = 1
+    while h < KP:
+        v = y.view(R, KP // (2 * h), 2, h)
+        a, b = v[:, :, 0], v[:, :, 1]
+        y = torch.stack((a + b, a - b), dim=2).reshape(R, KP)
+        h *= 2
+    return (y / KP ** 0.5)[:, :K]
