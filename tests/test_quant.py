@@ -16,7 +16,7 @@ from lanekit.testing import assert_close, generator, noncontiguous, poisoned_out
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 OPS = ["quantize_fp8", "quantize_int8", "dequantize_fp8", "dequantize_int8", "silu_and_mul_quant_fp8",
-       "hadamard_quantize_int8", "hadamard_dequantize_int8"]
+       "hadamard_quantize_int8", "hadamard_dequantize_int8", "stochastic_round_fp8"]
 
 
 def _cases():
@@ -159,3 +159,60 @@ def test_hadamard_bad_arguments():
         quant.hadamard_dequantize_int8(codes, torch.ones(2, 1, device=DEVICE), 100)
     with pytest.raises(ValueError, match="scale"):
         quant.hadamard_dequantize_int8(codes, torch.ones(2, device=DEVICE), 64)
+
+
+def _neighbours(x, dtype):
+    """The two fp8 values around each fp32 x (lo <= x <= hi), from round-down and round-up
+    searches over the format's finite values."""
+    vals = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(dtype).float()
+    vals = torch.unique(vals[torch.isfinite(vals)])
+    idx = torch.searchsorted(vals, x.cpu().float().contiguous(), right=True)
+    lo = vals[(idx - 1).clamp(0, len(vals) - 1)]
+    hi = vals[idx.clamp(0, len(vals) - 1)]
+    exact = lo == x.cpu()
+    return lo, torch.where(exact, lo, hi)
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_stochastic_round_neighbours_reproducible_unbiased(dtype):
+    qmax = QUANT_MAX[dtype]
+    C, n = 48, 3000
+    base = randn(1, C, dtype=torch.float32, device="cpu", generator=generator("sr")) * \
+        torch.logspace(-8, 4, C, base=2.0)
+    x = base.expand(n, C).contiguous().to(DEVICE)
+    codes = quant.stochastic_round_fp8(x, dtype, seed=99, offset=12345)
+    c = codes.float().cpu()
+    lo, hi = _neighbours(base.clamp(-qmax, qmax), dtype)
+    # always one of the two neighbours of x, never inf or NaN
+    assert ((c == lo) | (c == hi)).all()
+    # both neighbours occur where x is not a code (a fixed rounding would pick one)
+    inexact = (lo != hi).squeeze(0)
+    assert ((c == lo) & inexact).any(0).sum() >= inexact.sum() - 2
+    assert ((c == hi) & inexact).any(0).sum() >= inexact.sum() - 2
+    # unbiased: the mean of n independent draws is x within 5 standard deviations
+    step = (hi - lo).squeeze(0)
+    err = (c.double().mean(0) - base.squeeze(0).double()).abs()
+    assert (err <= 5 * 0.5 * step.double() / n ** 0.5 + step.double() * 2 ** -24 + 1e-30).all()
+    # reproducible from (seed, offset); another offset or seed draws other numbers
+    again = quant.stochastic_round_fp8(x, dtype, seed=99, offset=12345)
+    assert torch.equal(again.view(torch.uint8), codes.view(torch.uint8))
+    other = quant.stochastic_round_fp8(x, dtype, seed=99, offset=12346)
+    assert not torch.equal(other.view(torch.uint8), codes.view(torch.uint8))
+    other = quant.stochastic_round_fp8(x, dtype, seed=100, offset=12345)
+    assert not torch.equal(other.view(torch.uint8), codes.view(torch.uint8))
+
+
+def test_stochastic_round_saturates_and_keeps_codes():
+    x = torch.tensor([[1e30, -1e30, 448.0, 1.25, -0.0, 2.0 ** -9]], device=DEVICE)
+    c = quant.stochastic_round_fp8(x, seed=3).float().cpu()
+    assert c.tolist() == [[448.0, -448.0, 448.0, 1.25, 0.0, 2.0 ** -9]]
+
+
+def test_stochastic_round_bad_arguments():
+    x = _x(2, 8)
+    with pytest.raises(TypeError, match="seed"):
+        quant.stochastic_round_fp8(x, seed=1.5)
+    with pytest.raises(ValueError, match="offset"):
+        quant.stochastic_round_fp8(x, offset=-1)
+    with pytest.raises(ValueError, match="seed"):
+        quant.stochastic_round_fp8(x, seed=2 ** 63)

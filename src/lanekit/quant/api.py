@@ -322,3 +322,53 @@ def hadamard_dequantize_int8(codes: torch.Tensor, scale: torch.Tensor, K: int,
     chosen = _lane_for(codes, lane, "codes")
     return getattr(_lanes, f"hadamard_dequantize_int8_{chosen}")(codes=codes, scale=scale, K=K,
                                                                 output_dtype=output_dtype)
+
+
+__all__ += ["stochastic_round_fp8"]
+
+
+def stochastic_round_fp8(x: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn, seed: int = 0,
+                         offset: int = 0, *, lane: str | None = None):
+    """Unbiased stochastic rounding of x's values to fp8 (no scale: x is already scaled).
+
+    Each value v (x's exact value in fp32; no detour through a 16-bit format) becomes one of its
+    two fp8 neighbours lo <= |v| < lo + step (step: the format's spacing at |v|, the subnormal
+    spacing below the least normal), the upper one with probability (|v| - lo) / step rounded
+    up to a multiple of 2^-24, so E[result] = v within 2^-24 * step; values already in the
+    format are unchanged. Saturating: |v| >= qmax gives +-qmax (448 e4m3fn, 57344 e5m2), never
+    inf or NaN for finite x; ``+-inf`` gives +-qmax; NaN input gives no specified code. The
+    sign is x's (a negative value rounded to zero gives -0).
+
+    The uniform draws are reproducible: the top 24 bits of Triton's Philox 4x32-10
+    (``tl.randint``) keyed by ``seed`` at counter ``offset + row * C + col`` (the logical
+    row-major index, whatever x's strides): equal (seed, offset) give equal codes on every
+    device and lane; a caller advancing ``offset`` by R * C per call draws fresh numbers.
+
+    Arguments:
+        x: (R, C) fp16, bf16 or fp32 (fp64 on the reference lane only), any strides.
+        dtype: torch.float8_e4m3fn or torch.float8_e5m2.
+        seed: an int in [0, 2^63).
+        offset: an int >= 0 with offset + R * C < 2^63.
+        lane: "triton" or "reference"; default triton for CUDA/ROCm tensors, reference otherwise.
+
+    Returns:
+        codes: (R, C) in ``dtype``.
+
+    Raises:
+        TypeError: x not a tensor or of an unsupported dtype; dtype not fp8; seed or offset not
+            an int.
+        ValueError: x not 2-d; seed or offset out of range; an unknown lane.
+
+    Source: stochastic rounding as in Gupta et al. 2015 ("Deep learning with limited numerical
+    precision") and the OCP MX spec's note on it; the generator is Triton's ``tl.randint``.
+    """
+    chosen = _x(x, lane)
+    if dtype not in _FP8:
+        raise TypeError(f"dtype: expected torch.float8_e4m3fn or torch.float8_e5m2, got {dtype}")
+    seed = _int_at_least("seed", seed, 0)
+    offset = _int_at_least("offset", offset, 0)
+    if seed >= 2 ** 63:
+        raise ValueError(f"seed: expected an int in [0, 2^63), got {seed}")
+    if offset + x.numel() >= 2 ** 63:
+        raise ValueError(f"offset: expected offset + R * C < 2^63, got {offset} with {x.numel()} values")
+    return getattr(_lanes, f"stochastic_round_fp8_{chosen}")(x=x, dtype=dtype, seed=seed, offset=offset)

@@ -158,3 +158,25 @@ def hadamard_dequantize_int8_triton(*, codes, scale, K, output_dtype):
 
 def hadamard_dequantize_int8_reference(*, codes, scale, K, output_dtype):
     return ref.hadamard_dequantize_int8(codes, scale, K, output_dtype).to(output_dtype)
+
+
+# ---- stochastic_round_fp8 ----
+
+@_custom_op("lanekit::stochastic_round_fp8")
+def _stochastic_round_op(x: Tensor, dtype: torch.dtype, seed: int, offset: int) -> Tensor:
+    from lanekit.quant.kernels import stochastic
+
+    return stochastic.stochastic_round_fp8_fwd(x=x, dtype=dtype, seed=seed, offset=offset)
+
+
+@_stochastic_round_op.register_fake
+def _(x, dtype, seed, offset):
+    return x.new_empty(x.shape, dtype=dtype)
+
+
+def stochastic_round_fp8_triton(*, x, dtype, seed, offset):
+    return _call(_stochastic_round_op, x, dtype, seed, offset)
+
+
+def stochastic_round_fp8_reference(*, x, dtype, seed, offset):
+    return ref.stochastic_round_fp8(x, dtype, seed, offset)

@@ -217,3 +217,24 @@ register(Op(
     samples=_hadamard_dequant_samples, outputs=(("y", HADAMARD_DEQUANT),),
     doc="the inverse rotation of hadamard_quantize_int8's codes times their scales",
 ))
+
+
+def _stochastic_samples(device):
+    for tag, R, C, xdtype, opts in _shapes():
+        for dtype in (E4M3, E5M2):
+            name = f"stochastic {tag} {dtype}"
+            x = _x(name, R, C, xdtype, **opts)
+            if R and C and xdtype == torch.float32:
+                # values across the format: subnormals, normals, beyond qmax, exact codes
+                x = x * torch.logspace(-10, 6, C, base=2.0 if dtype == E4M3 else 4.0)
+            yield Sample(name, dict(x=x.to(device), dtype=dtype, seed=1234567890123 if R % 2 else 7,
+                                    offset=2 ** 33 + 5 if R % 2 else 0))
+
+
+register(Op(
+    name="stochastic_round_fp8", family="quant", oracle="lanekit.reference.quant:stochastic_round_fp8",
+    lanes={"triton": "lanekit.quant.op:stochastic_round_fp8_triton",
+           "reference": "lanekit.quant.op:stochastic_round_fp8_reference"},
+    samples=_stochastic_samples, outputs=(("codes", CODES),),
+    doc="unbiased stochastic rounding to fp8 from Philox (tl.randint) at offset + row * C + col",
+))

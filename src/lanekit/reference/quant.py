@@ -132,3 +132,54 @@ def hadamard_dequantize_int8(codes: torch.Tensor, scale: torch.Tensor, K: int, o
         y = torch.stack((a + b, a - b), dim=2).reshape(R, KP)
         h *= 2
     return (y / KP ** 0.5)[:, :K]
+
+
+_FP8_FORMAT = {torch.float8_e4m3fn: (448.0, 3, -6), torch.float8_e5m2: (57344.0, 2, -14)}
+_M32 = 0xFFFFFFFF
+
+
+def philox_randint(seed: int, counters: torch.Tensor) -> torch.Tensor:
+    """Triton's ``tl.randint(seed, counters)`` (Philox 4x32, 10 rounds; int64 counters: low
+    word c0, high word c1; key: the seed's low and high words): the first output word, as
+    int64 in [0, 2^32). Plain integer arithmetic (numpy uint64: products of 32-bit words are
+    exact)."""
+    import numpy as np
+
+    c = counters.detach().cpu().to(torch.int64).numpy().astype(np.uint64)
+    m = np.uint64(_M32)
+    c0, c1 = c & m, (c >> np.uint64(32)) & m
+    c2 = np.zeros_like(c0)
+    c3 = np.zeros_like(c0)
+    s = seed & 0xFFFFFFFFFFFFFFFF
+    k0, k1 = np.uint64(s & _M32), np.uint64((s >> 32) & _M32)
+    A, B = np.uint64(0xD2511F53), np.uint64(0xCD9E8D57)
+    for _ in range(10):
+        p0, p2 = B * c2, A * c0            # < 2^64: exact
+        n0 = (p0 >> np.uint64(32)) ^ c1 ^ k0
+        n2 = (p2 >> np.uint64(32)) ^ c3 ^ k1
+        c1, c3 = p0 & m, p2 & m
+        c0, c2 = n0 & m, n2 & m
+        k0 = np.uint64((int(k0) + 0x9E3779B9) & _M32)
+        k1 = np.uint64((int(k1) + 0xBB67AE85) & _M32)
+    return torch.from_numpy(c0.astype(np.int64)).to(counters.device)
+
+
+def stochastic_round_fp8(x: torch.Tensor, dtype=torch.float8_e4m3fn, seed: int = 0, offset: int = 0):
+    """Each fp32 value of x (R, C) to one of its two neighbours in ``dtype``, the upper (in
+    magnitude) with probability (|x| - lo) / step, step the fp8 spacing at |x|; saturated at
+    +-qmax. The uniform draw is the top 24 bits of Philox's word at counter offset + row * C +
+    col (:func:`philox_randint`), up when it is < frac * 2^24 (so P(up) is frac rounded up to
+    a multiple of 2^-24). Returns codes in ``dtype`` (R, C)."""
+    qmax, mbits, emin = _FP8_FORMAT[dtype]
+    x = x.to(torch.float32)
+    R, C = x.shape
+    e = ((x.view(torch.int32) >> 23) & 0xFF) - 127
+    E = e.clamp(min=emin)
+    a = x.abs() * torch.pow(2.0, (mbits - E).clamp(max=127).to(torch.float64)).to(torch.float32)
+    lo = torch.floor(a)
+    counters = offset + torch.arange(R * C, dtype=torch.int64, device=x.device).view(R, C)
+    r = philox_randint(seed, counters)
+    up = (r >> 8).to(torch.float32) < (a - lo) * 16777216.0
+    step = torch.pow(2.0, (E - mbits).clamp(max=127).to(torch.float64)).to(torch.float32)
+    v = torch.minimum((lo + up.to(torch.float32)) * step, torch.full_like(lo, qmax))
+    return torch.where(torch.signbit(x), -v, v).to(dtype)     # x's sign, -0 included
