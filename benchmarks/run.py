@@ -17,12 +17,13 @@ import triton
 from rich.console import Console
 from rich.table import Table
 
-from benchmarks import attention, attention_fp32, attention_train, decode, layers, moe, prefill, report
+from benchmarks import attention, attention_fp32, attention_train, decode, layers, moe, prefill, quant, report
 
 FAMILIES = {"attention": attention, "attention_train": attention_train, "attention_fp32": attention_fp32,
-            "layers": layers, "decode": decode, "prefill": prefill, **moe.FAMILIES}
+            "layers": layers, "decode": decode, "prefill": prefill, **moe.FAMILIES,
+            **quant.FAMILIES}
 #: Names that stand for several families: ``python -m benchmarks.run moe``.
-GROUPS = {"moe": tuple(moe.FAMILIES)}
+GROUPS = {"moe": tuple(moe.FAMILIES), "quant": tuple(quant.FAMILIES)}
 
 
 def machine() -> dict:
