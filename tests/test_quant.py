@@ -216,3 +216,20 @@ def test_stochastic_round_bad_arguments():
         quant.stochastic_round_fp8(x, offset=-1)
     with pytest.raises(ValueError, match="seed"):
         quant.stochastic_round_fp8(x, seed=2 ** 63)
+
+
+def test_custom_ops_pass_opcheck():
+    from lanekit.quant import op
+
+    x = _x(5, 40)
+    cases = [
+        (op._quantize_op, (x, torch.float8_e4m3fn, None, "group", 16)),
+        (op._quantize_op, (x, torch.int8, None, "token", 128)),
+        (op._silu_and_mul_quant_op, (x, torch.float8_e5m2, None, "token", 128)),
+        (op._hadamard_quant_op, (x,)),
+        (op._stochastic_round_op, (x, torch.float8_e4m3fn, 3, 7)),
+    ]
+    codes, s = quant.quantize_int8(x)
+    cases.append((op._dequantize_op, (codes, s, "token", 128, torch.bfloat16)))
+    for o, args in cases:
+        torch.library.opcheck(o, args, test_utils=("test_schema", "test_faketensor"))
