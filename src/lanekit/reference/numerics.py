@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import torch
 
-QUANT_MAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
+QUANT_MAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 
 
 def to_codes(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """fp32 x (already divided by its scale) as ``dtype`` codes: rounded to nearest, ties to even,
-    clamped to the format's range (int8: [-128, 127]; e4m3: +-448, the cast rounding)."""
+    clamped to the format's range (int8: [-128, 127]; e4m3: +-448; e5m2: +-57344; the cast
+    rounding)."""
     if dtype == torch.int8:
         return torch.round(x).clamp(-128, 127).to(torch.int8)   # torch.round: ties to even
     return x.clamp(-QUANT_MAX[dtype], QUANT_MAX[dtype]).to(dtype)  # the cast rounds ties to even

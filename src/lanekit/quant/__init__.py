@@ -1,0 +1,8 @@
+"""Quantize kernels: fp8 (e4m3fn, e5m2) and int8 codes of rows, per tensor, per token or per
+group of columns, and their dequantization; vLLM's names and semantics (``scaled_fp8_quant``,
+``per_token_group_quant_fp8``, ``scaled_int8_quant``)."""
+
+from lanekit.quant import api as _api
+
+__all__ = [name for name in getattr(_api, "__all__", ())]
+globals().update({name: getattr(_api, name) for name in __all__})

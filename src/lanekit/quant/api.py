@@ -1,0 +1,374 @@
+"""Public quantize functions: validated, dispatched to a lane.
+
+Shapes: x (R, C), R rows (tokens) of C columns. Scales are fp32: (1,) per tensor, (R, 1) per
+token, (R, ceil(C / group_size)) per group of ``group_size`` columns (the last one partial), as
+vLLM's ``scaled_fp8_quant`` and ``per_token_group_quant_fp8`` return them. Codes are specified
+bit for bit (``lanekit.reference.quant``): amax, amax / qmax and x / scale are each one correctly
+rounded fp32 operation, then the format's round half to even with saturation.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lanekit.quant import op as _lanes
+from lanekit.runtime.validate import int_at_least as _int_at_least
+from lanekit.runtime.validate import lane_for as _lane_for
+from lanekit.runtime.validate import shape as _shape
+from lanekit.runtime.validate import tensor as _tensor
+
+__all__ = ["quantize_fp8", "quantize_int8", "dequantize_fp8", "dequantize_int8"]
+
+_X_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+_GRANULARITIES = ("tensor", "token", "group")
+_OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _granularity(granularity, group_size):
+    if granularity not in _GRANULARITIES:
+        raise ValueError(f"granularity: expected one of {list(_GRANULARITIES)}, got {granularity!r}")
+    return _int_at_least("group_size", group_size, 1)
+
+
+def _scale_shape(x, granularity, group_size):
+    R, C = x.shape
+    return {"tensor": (1,), "token": (R, 1), "group": (R, -(-C // group_size))}[granularity]
+
+
+def _given_scale(scale, x, granularity, group_size):
+    if scale is None:
+        return None
+    _tensor("scale", scale, dtypes=(torch.float32,), like=x, like_name="x")
+    expected = _scale_shape(x, granularity, group_size)
+    if granularity == "tensor" and scale.numel() == 1:
+        return scale.reshape(1)
+    _shape("scale", scale, expected, f"the {granularity} scales of x {tuple(x.shape)}")
+    return scale
+
+
+def _x(x, lane):
+    _tensor("x", x, dtypes=_X_DTYPES, ndim=2)
+    return _lane_for(x, lane, "x")
+
+
+def quantize_fp8(x: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn,
+                 scale: torch.Tensor | None = None, granularity: str = "tensor",
+                 group_size: int = 128, *, lane: str | None = None):
+    """Symmetric fp8 quantization of the rows of x: ``x ~ codes * scale``.
+
+    Dynamic (``scale`` None): per scale's group of values, scale = amax / qmax (qmax = 448 for
+    e4m3fn, 57344 for e5m2; amax the largest |x| of the group), 1 for an all-zero group (the
+    project's convention, ``reference.numerics.quantize_groups``; its codes are 0). Static: the
+    given scale as it is. codes = x / scale, correctly rounded in fp32, saturated at +-qmax and
+    rounded half to even to ``dtype``: finite x never gives inf or NaN codes.
+
+    Arguments:
+        x: (R, C) fp16, bf16 or fp32 (fp64 on the reference lane only), any strides.
+        dtype: torch.float8_e4m3fn or torch.float8_e5m2.
+        scale: None (dynamic) or an fp32 tensor on x's device: one element for "tensor", (R, 1)
+            for "token", (R, ceil(C / group_size)) for "group".
+        granularity: "tensor" (one scale; dynamic: a global amax, two passes), "token" (one per
+            row) or "group" (one per ``group_size`` columns of a row, the last group partial).
+        group_size: an int >= 1, used by "group".
+        lane: "triton" or "reference"; default triton for CUDA/ROCm tensors, reference otherwise.
+
+    Returns:
+        codes: (R, C) in ``dtype``, contiguous.
+        scale: fp32, (1,), (R, 1) or (R, ceil(C / group_size)); the given one when static.
+
+    Raises:
+        TypeError: x or scale not a tensor or of an unsupported dtype; dtype not an fp8 dtype.
+        ValueError: x not 2-d; scale on another device or of the wrong shape; an unknown
+            granularity; group_size < 1; an unknown lane.
+
+    Source: vLLM's ``scaled_fp8_quant`` (per tensor, per token) and ``per_token_group_quant_fp8``
+    (per group, column-major scales not offered); the formats: OCP 8-bit floating point (OFP8).
+    """
+    chosen = _x(x, lane)
+    if dtype not in _FP8:
+        raise TypeError(f"dtype: expected torch.float8_e4m3fn or torch.float8_e5m2, got {dtype}")
+    group_size = _granularity(granularity, group_size)
+    scale = _given_scale(scale, x, granularity, group_size)
+    return getattr(_lanes, f"quantize_fp8_{chosen}")(x=x, dtype=dtype, scale=scale,
+                                                    granularity=granularity, group_size=group_size)
+
+
+def quantize_int8(x: torch.Tensor, scale: torch.Tensor | None = None, granularity: str = "token",
+                  group_size: int = 128, *, lane: str | None = None):
+    """Symmetric int8 quantization of the rows of x: ``x ~ codes * scale``.
+
+    codes = round half to even of x / scale (correctly rounded fp32), clamped to [-128, 127].
+    Dynamic (``scale`` None): scale = amax / 127 of each group; an all-zero group gets scale 0
+    and codes 0 (never NaN). Static: the given scale as it is, its sign included; where it is 0
+    the codes are 0.
+
+    Arguments:
+        x: (R, C) fp16, bf16 or fp32 (fp64 on the reference lane only), any strides.
+        scale: None (dynamic) or fp32 on x's device: one element for "tensor", (R, 1) for
+            "token", (R, ceil(C / group_size)) for "group".
+        granularity: "tensor", "token" (default, vLLM's per-token int8) or "group".
+        group_size: an int >= 1, used by "group".
+        lane: "triton" or "reference"; default triton for CUDA/ROCm tensors, reference otherwise.
+
+    Returns:
+        codes: (R, C) int8, contiguous.
+        scale: fp32 of the shape above; the given one when static.
+
+    Raises:
+        TypeError: x or scale not a tensor or of an unsupported dtype.
+        ValueError: x not 2-d; scale on another device or of the wrong shape; an unknown
+            granularity; group_size < 1; an unknown lane.
+
+    Source: vLLM's ``scaled_int8_quant`` (symmetric; its azp variant is not offered).
+    """
+    chosen = _x(x, lane)
+    group_size = _granularity(granularity, group_size)
+    scale = _given_scale(scale, x, granularity, group_size)
+    return getattr(_lanes, f"quantize_int8_{chosen}")(x=x, scale=scale, granularity=granularity,
+                                                     group_size=group_size)
+
+
+def _dequantize(codes, scale, granularity, group_size, output_dtype, lane, dtypes):
+    _tensor("codes", codes, dtypes=dtypes, ndim=2)
+    group_size = _granularity(granularity, group_size)
+    _tensor("scale", scale, dtypes=(torch.float32,), like=codes, like_name="codes")
+    if granularity == "tensor" and scale.numel() == 1:
+        scale = scale.reshape(1)
+    else:
+        _shape("scale", scale, _scale_shape(codes, granularity, group_size),
+               f"the {granularity} scales of codes {tuple(codes.shape)}")
+    if output_dtype not in _OUT_DTYPES:
+        raise TypeError(f"output_dtype: expected one of {[str(d) for d in _OUT_DTYPES]}, got {output_dtype}")
+    chosen = _lane_for(codes, lane, "codes")
+    return getattr(_lanes, f"dequantize_{chosen}")(codes=codes, scale=scale, granularity=granularity,
+                                                  group_size=group_size, output_dtype=output_dtype)
+
+
+_DEQ_DOC = """codes times their scale: ``y = codes * scale`` (fp32 product, rounded once to
+    ``output_dtype``), the inverse of :func:`{quant}` up to its rounding.
+
+    Arguments:
+        codes: (R, C) {codes}, any strides.
+        scale: fp32 on codes' device: one element for "tensor", (R, 1) for "token",
+            (R, ceil(C / group_size)) for "group".
+        granularity: "tensor", "token" or "group"; group_size: an int >= 1 ("group").
+        output_dtype: torch.float32 (default), torch.bfloat16 or torch.float16.
+        lane: "triton" or "reference"; default triton for CUDA/ROCm tensors, reference otherwise.
+
+    Returns:
+        (R, C) in output_dtype, contiguous.
+
+    Raises:
+        TypeError: a non-tensor or an unsupported dtype (codes, scale, output_dtype).
+        ValueError: codes not 2-d; scale on another device or of the wrong shape; an unknown
+            granularity; group_size < 1; an unknown lane.
+
+    Source: the dequantization of vLLM's fp8 / int8 schemes (``torch._scaled_mm``'s scale_a).
+    """
+
+
+def dequantize_fp8(codes: torch.Tensor, scale: torch.Tensor, granularity: str = "tensor",
+                   group_size: int = 128, output_dtype: torch.dtype = torch.float32, *,
+                   lane: str | None = None):
+    return _dequantize(codes, scale, granularity, group_size, output_dtype, lane, _FP8)
+
+
+def dequantize_int8(codes: torch.Tensor, scale: torch.Tensor, granularity: str = "token",
+                    group_size: int = 128, output_dtype: torch.dtype = torch.float32, *,
+                    lane: str | None = None):
+    return _dequantize(codes, scale, granularity, group_size, output_dtype, lane, (torch.int8,))
+
+
+dequantize_fp8.__doc__ = "fp8 " + _DEQ_DOC.format(quant="quantize_fp8", codes="torch.float8_e4m3fn or torch.float8_e5m2")
+dequantize_int8.__doc__ = "int8 " + _DEQ_DOC.format(quant="quantize_int8", codes="int8")
+
+
+__all__ += ["silu_and_mul_quant_fp8"]
+
+
+def silu_and_mul_quant_fp8(x: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn,
+                           scale: torch.Tensor | None = None, granularity: str = "token",
+                           group_size: int = 128, *, lane: str | None = None):
+    """SwiGLU fused with fp8 quantization: ``h = silu(x[:, :N]) * x[:, N:]``, then fp8 codes of h.
+
+    vLLM's ``silu_and_mul`` layout: the first half of each row is the gate, the second the up
+    projection. Where it is rounded: h is computed in fp32 from x's values and rounded once to
+    x's dtype (exactly what an unfused ``silu_and_mul`` returns), then quantized as
+    :func:`quantize_fp8` quantizes it: dynamic per token (scale amax / qmax of the row's N
+    values, 1 for an all-zero row) or per group of ``group_size`` columns, or static per tensor
+    (``scale`` given, ``granularity`` "tensor"). The oracle rounds float64 h to x's dtype at
+    the same point. (The fp32 silu of the kernel differs from float64 by a few fp32 steps,
+    which changes h only where it lies within them of a rounding boundary of x's dtype.)
+
+    Arguments:
+        x: (R, 2N) fp16 or bf16 (fp64 on the reference lane only), any strides. (fp32 is not
+            taken: its intermediate would be the kernel's fp32 silu, not correctly rounded, so
+            its codes could not be specified bit for bit.)
+        dtype: torch.float8_e4m3fn or torch.float8_e5m2.
+        scale: None (dynamic), or for granularity "tensor" a one-element fp32 tensor on x's device.
+        granularity: "token" (default; vLLM's per-token dynamic quant), "group" (dynamic, per
+            ``group_size`` columns of h) or "tensor" (static only: scale required).
+        group_size: an int >= 1, used by "group" (128: DeepSeek-V3's block quant).
+        lane: "triton" or "reference"; default triton for CUDA/ROCm tensors, reference otherwise.
+
+    Returns:
+        codes: (R, N) in ``dtype``; scale: fp32 (R, 1), (R, ceil(N / group_size)), or the given (1,).
+
+    Raises:
+        TypeError: x or scale not a tensor or of an unsupported dtype; dtype not an fp8 dtype.
+        ValueError: x not 2-d or of odd width; granularity "tensor" without a scale or a scale
+            with another granularity; scale on another device or not of one element; an unknown
+            granularity; group_size < 1; an unknown lane.
+
+    Source: vLLM's ``silu_and_mul`` (``vllm._custom_ops``) followed by ``scaled_fp8_quant`` /
+    ``per_token_group_quant_fp8``, fused as vLLM's ``silu_and_mul_quant`` and
+    ``silu_and_mul_per_token_group_quant`` do.
+    """
+    _tensor("x", x, dtypes=(torch.float16, torch.bfloat16, torch.float64), ndim=2)
+    chosen = _lane_for(x, lane, "x")
+    if x.shape[1] % 2:
+        raise ValueError(f"x: expected (R, 2N), an even width, got shape {tuple(x.shape)}")
+    if dtype not in _FP8:
+        raise TypeError(f"dtype: expected torch.float8_e4m3fn or torch.float8_e5m2, got {dtype}")
+    group_size = _granularity(granularity, group_size)
+    if (granularity == "tensor") != (scale is not None):
+        raise ValueError("scale: expected a static scale with granularity 'tensor' and none with 'token' "
+                         f"or 'group' (dynamic), got granularity {granularity!r} and "
+                         f"{'a' if scale is not None else 'no'} scale")
+    if scale is not None:
+        _tensor("scale", scale, dtypes=(torch.float32,), like=x, like_name="x")
+        if scale.numel() != 1:
+            raise ValueError(f"scale: expected one element (a per-tensor scale), got shape {tuple(scale.shape)}")
+        scale = scale.reshape(1)
+    return getattr(_lanes, f"silu_and_mul_quant_fp8_{chosen}")(
+        x=x, dtype=dtype, scale=scale, granularity=granularity, group_size=group_size,
+        intermediate_dtype=torch.float32 if x.dtype == torch.float64 else x.dtype)
+
+
+__all__ += ["hadamard_quantize_int8", "hadamard_dequantize_int8"]
+
+
+def _max_width():
+    from lanekit.quant import tuning
+
+    return tuning.HADAMARD_MAX_WIDTH
+
+
+def hadamard_quantize_int8(x: torch.Tensor, *, lane: str | None = None):
+    """Rows rotated by a normalized Walsh-Hadamard transform, then per-token int8 (QuaRot /
+    SpinQuant-style outlier smoothing before an int8 GEMM).
+
+    Each row of x is zero-extended to KP = the next power of two >= K (1 for K = 0) and
+    multiplied by H_KP / sqrt(KP) (Sylvester's order: H_2 = [[1, 1], [1, -1]], H_2n = H_2 (x)
+    H_n). Steps (the oracle takes the same ones, so the codes are specified bit for bit):
+    log2(KP) butterfly stages in fp32, pairs h = 1, 2, 4, ... apart -> (a + b, a - b), then one
+    fp32 multiply by fp32(1 / sqrt(KP)); then :func:`quantize_int8` per token of the rotated
+    row (scale amax / 127, 0 and codes 0 for an all-zero row). The whole rotated width is
+    stored: a GEMM against weights rotated the same way needs all KP columns.
+
+    Arguments:
+        x: (R, K) fp16, bf16 or fp32 (fp64 on the reference lane only), any strides;
+            K <= 8192 (one row's rotation sits in one program's registers).
+        lane: "triton" or "reference"; default triton for CUDA/ROCm tensors, reference otherwise.
+
+    Returns:
+        codes: (R, KP) int8; scale: (R, 1) fp32.
+
+    Raises:
+        TypeError: x not a tensor or of an unsupported dtype.
+        ValueError: x not 2-d or K > 8192; an unknown lane.
+
+    Source: the transform of QuaRot (Ashkboos et al., 2024) and of the Hadamard kernels of
+    fast-hadamard-transform; int8 as vLLM's ``scaled_int8_quant``.
+    """
+    chosen = _x(x, lane)
+    if x.shape[1] > _max_width():
+        raise ValueError(f"x: expected (R, K) with K <= {_max_width()}, got shape {tuple(x.shape)}")
+    return getattr(_lanes, f"hadamard_quantize_int8_{chosen}")(x=x)
+
+
+def hadamard_dequantize_int8(codes: torch.Tensor, scale: torch.Tensor, K: int,
+                             output_dtype: torch.dtype = torch.float32, *, lane: str | None = None):
+    """The inverse of :func:`hadamard_quantize_int8`: (codes * scale) rotated back by the
+    same normalized transform (H_KP / sqrt(KP) is its own inverse), the first K columns.
+
+    Arguments:
+        codes: (R, KP) int8, KP a power of two <= 8192, any strides.
+        scale: (R, 1) fp32 on codes' device.
+        K: the original width, an int in [0, KP] with KP the next power of two >= K.
+        output_dtype: torch.float32 (default), torch.bfloat16 or torch.float16.
+        lane: "triton" or "reference"; default triton for CUDA/ROCm tensors, reference otherwise.
+
+    Returns:
+        (R, K) in output_dtype: fp32 steps (log2(KP) butterflies, one multiply), rounded once.
+
+    Raises:
+        TypeError: a non-tensor or an unsupported dtype; K not an int.
+        ValueError: codes not 2-d or of a width not KP = next power of two of K; scale of the
+            wrong shape or device; an unknown lane.
+    """
+    _tensor("codes", codes, dtypes=(torch.int8,), ndim=2)
+    R, KP = codes.shape
+    K = _int_at_least("K", K, 0)
+    want = 1 << max(K - 1, 0).bit_length()
+    if KP != want or KP > _max_width():
+        raise ValueError(f"codes: expected (R, {want}) (the next power of two >= K = {K}, at most "
+                         f"{_max_width()}), got shape {tuple(codes.shape)}")
+    _tensor("scale", scale, dtypes=(torch.float32,), like=codes, like_name="codes")
+    _shape("scale", scale, (R, 1), "one scale per row of codes")
+    if output_dtype not in _OUT_DTYPES:
+        raise TypeError(f"output_dtype: expected one of {[str(d) for d in _OUT_DTYPES]}, got {output_dtype}")
+    chosen = _lane_for(codes, lane, "codes")
+    return getattr(_lanes, f"hadamard_dequantize_int8_{chosen}")(codes=codes, scale=scale, K=K,
+                                                                output_dtype=output_dtype)
+
+
+__all__ += ["stochastic_round_fp8"]
+
+
+def stochastic_round_fp8(x: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn, seed: int = 0,
+                         offset: int = 0, *, lane: str | None = None):
+    """Unbiased stochastic rounding of x's values to fp8 (no scale: x is already scaled).
+
+    Each value v (x's exact value in fp32; no detour through a 16-bit format) becomes one of its
+    two fp8 neighbours lo <= |v| < lo + step (step: the format's spacing at |v|, the subnormal
+    spacing below the least normal), the upper one with probability (|v| - lo) / step rounded
+    up to a multiple of 2^-24, so E[result] = v within 2^-24 * step; values already in the
+    format are unchanged. Saturating: |v| >= qmax gives +-qmax (448 e4m3fn, 57344 e5m2), never
+    inf or NaN for finite x; ``+-inf`` gives +-qmax; NaN input gives no specified code. The
+    sign is x's (a negative value rounded to zero gives -0).
+
+    The uniform draws are reproducible: the top 24 bits of Triton's Philox 4x32-10
+    (``tl.randint``) keyed by ``seed`` at counter ``offset + row * C + col`` (the logical
+    row-major index, whatever x's strides): equal (seed, offset) give equal codes on every
+    device and lane; a caller advancing ``offset`` by R * C per call draws fresh numbers.
+
+    Arguments:
+        x: (R, C) fp16, bf16 or fp32 (fp64 on the reference lane only), any strides.
+        dtype: torch.float8_e4m3fn or torch.float8_e5m2.
+        seed: an int in [0, 2^63).
+        offset: an int >= 0 with offset + R * C < 2^63.
+        lane: "triton" or "reference"; default triton for CUDA/ROCm tensors, reference otherwise.
+
+    Returns:
+        codes: (R, C) in ``dtype``.
+
+    Raises:
+        TypeError: x not a tensor or of an unsupported dtype; dtype not fp8; seed or offset not
+            an int.
+        ValueError: x not 2-d; seed or offset out of range; an unknown lane.
+
+    Source: stochastic rounding as in Gupta et al. 2015 ("Deep learning with limited numerical
+    precision") and the OCP MX spec's note on it; the generator is Triton's ``tl.randint``.
+    """
+    chosen = _x(x, lane)
+    if dtype not in _FP8:
+        raise TypeError(f"dtype: expected torch.float8_e4m3fn or torch.float8_e5m2, got {dtype}")
+    seed = _int_at_least("seed", seed, 0)
+    offset = _int_at_least("offset", offset, 0)
+    if seed >= 2 ** 63:
+        raise ValueError(f"seed: expected an int in [0, 2^63), got {seed}")
+    if offset + x.numel() >= 2 ** 63:
+        raise ValueError(f"offset: expected offset + R * C < 2^63, got {offset} with {x.numel()} values")
+    return getattr(_lanes, f"stochastic_round_fp8_{chosen}")(x=x, dtype=dtype, seed=seed, offset=offset)
