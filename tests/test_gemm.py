@@ -17,12 +17,15 @@ from lanekit.testing import CODES, assert_close, generator, poisoned_outputs, up
 
 OPS = ["scaled_mm", "int8_mm", "mx_mm", "w8a8_linear", "fp8_linear", "w8a16_linear"]
 LANES = ["triton", "reference"]
+# the registered samples and the kernel-level tests run where the Triton lane runs: the GPU when
+# there is one (natively), else the CPU (interpreted); public-function tests stay on the CPU
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 E4M3 = torch.float8_e4m3fn
 
 
 def _cases():
     for name in OPS:
-        for s in get_op(name).samples("cpu"):
+        for s in get_op(name).samples(DEVICE):
             yield pytest.param(name, s, id=f"{name}: {s.name}")
 
 
@@ -94,6 +97,7 @@ def test_activation_codes_equal_the_oracles():
     x = torch.randn(9, 300).bfloat16()
     x[2] = 0
     x[4] = torch.tensor([127.0, 2.5, -2.5, -127.5, -128.0, 0.5, 1.5] + [0.0] * 293).bfloat16()
+    x = x.to(DEVICE)
     codes, scale = quant_rows(x, torch.int8, 300)
     rc, rs = ref.quantize_int8_rows(x)
     assert_close(codes, rc, CODES)

@@ -93,7 +93,7 @@ def quantize_int8_rows(x: torch.Tensor, scale: torch.Tensor | None = None):
     if scale is not None:
         s = scale.to(torch.float32).reshape(1)
         return to_codes(x / s.reshape(1, 1), torch.int8), s
-    amax = x.abs().amax(-1) if x.shape[1] else torch.zeros(x.shape[0])
+    amax = x.abs().amax(-1) if x.shape[1] else x.new_zeros(x.shape[0])
     s = amax / torch.full_like(amax, 127.0)
     safe = torch.where(s > 0, s, torch.ones_like(s))
     codes = torch.where(s.reshape(-1, 1) > 0, to_codes(x / safe.reshape(-1, 1), torch.int8),
@@ -118,7 +118,7 @@ def fp8_linear(x, weight, weight_scale, bias=None, x_scale=None, block_size=None
     lead, K = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(x.shape[:-1].numel(), K)
     if K == 0:      # nothing to quantize: the empty sum, plus bias
-        y = _finish(torch.zeros(x2.shape[0], weight.shape[0], dtype=torch.float64), bias, x.dtype)
+        y = _finish(x2.new_zeros(x2.shape[0], weight.shape[0], dtype=torch.float64), bias, x.dtype)
         return y.reshape(*lead, weight.shape[0])
     if block_size is not None:
         codes, s = quantize_groups(x2, BLOCK, torch.float8_e4m3fn)

@@ -30,9 +30,11 @@ I32 = torch.int32
 
 def _sorted_topk(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The k largest of ``scores`` (..., n) along the last dim, highest first, equal values by the
-    lower index (a stable descending sort). Returns (values, indices int64)."""
-    values, indices = torch.sort(scores, dim=-1, descending=True, stable=True)
-    return values[..., :k], indices[..., :k]
+    lower index (a stable descending sort; NaN ranks above every number). Returns (values,
+    indices int64). Sorted on the CPU: CUDA's stable sort does not keep tied NaNs in index order
+    (seen on an H100: an all-NaN row of group scores came back as groups 2, 3, 0, 1)."""
+    values, indices = torch.sort(scores.cpu(), dim=-1, descending=True, stable=True)
+    return values[..., :k].to(scores.device), indices[..., :k].to(scores.device)
 
 
 def topk_softmax(gating_output: torch.Tensor, topk: int, renormalize: bool = False):
