@@ -4,6 +4,7 @@ read, any page_size, PagedKVCache's lifecycle, merge_attn_states against attenti
 bad input, and (GPU) more than 2^31 elements."""
 
 import math
+import pickle
 
 import numpy as np
 
@@ -585,6 +586,11 @@ def test_write_takes_slices_of_what_append_returned_but_not_copies_or_changed_te
         cache.write(x, x, slots)
     with pytest.raises(ValueError, match="^slot_mapping: expected the tensor this cache's append"):
         KV.PagedKVCache(8, 2, 2, 16, torch.float32, device).write(x, x, cache.append(2, 5))   # another cache's
+    copy = pickle.loads(pickle.dumps(cache))    # a copy keeps the sequences, not the tensors' identities
+    assert copy.sequences == [0, 1, 2] and copy.seq_len(2) == 5
+    with pytest.raises(ValueError, match="^slot_mapping: expected the tensor this cache's append"):
+        copy.write(x[:2], x[:2], cache.append(3, 2))
+    copy.write(x[:2], x[:2], copy.append(3, 2))
 
 
 def test_numpy_and_0d_tensor_ints_are_ints_and_floats_are_type_errors(device):

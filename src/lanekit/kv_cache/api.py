@@ -384,6 +384,11 @@ class PagedKVCache:
         self._appends = 0
         self._handed: dict[int, tuple[weakref.ref, int, int, np.ndarray]] = {}
 
+    def __getstate__(self):
+        # what append handed out is known by tensor identity, which a copy made by pickling does
+        # not keep: the copy forgets it (and refuses those tensors); the slots held stay recorded
+        return {**self.__dict__, "_handed": {}}
+
     @classmethod
     def allocate(cls, num_blocks: int, page_size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu",
