@@ -2,7 +2,9 @@
 """Set up lanekit in a virtual environment of its own (.venv) and run its checks and tests.
 
     python3 dev.py check [ARGS]     lanekit check ARGS: every op on every lane, against its oracle
-    python3 dev.py test [ARGS]      the test suite: pytest ARGS (e.g. -k attention, -n 2, -x)
+    python3 dev.py test [ARGS]      the test suite: pytest ARGS (e.g. -k attention, -x), spread over
+                                    the cores with pytest-xdist's -n auto unless ARGS choose
+                                    (-n 2; -n 0 runs them in this process; --pdb does too)
     python3 dev.py lanekit ARGS     any lanekit command, e.g. `lanekit matrix`
     python3 dev.py setup            only create or update .venv
 
@@ -54,7 +56,19 @@ def main(argv):
         return run([str(python), "-m", "lanekit", "check", *args])
     if command == "lanekit":
         return run([str(python), "-m", "lanekit", *args])
-    return run([str(python), "-m", "pytest", *args])
+    return run([str(python), "-m", "pytest", *_parallel(python, args), *args])
+
+
+def _parallel(python, args):
+    """``-n auto`` (pytest-xdist: one worker per core) unless the arguments choose a number of
+    workers, turn xdist off or debug (--pdb, --trace: one process), or the venv lacks
+    pytest-xdist (the test extra installs it)."""
+    chosen = any(a in ("-n", "--numprocesses", "--dist", "no:xdist", "--pdb", "--trace")
+                 or a.startswith(("-n", "--numprocesses=")) for a in args)
+    if chosen or subprocess.call([str(python), "-c", "import xdist"], cwd=REPO,
+                                 stderr=subprocess.DEVNULL) != 0:
+        return []
+    return ["-n", "auto"]
 
 
 def setup(triton=None):

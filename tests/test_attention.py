@@ -5,6 +5,7 @@ Every registered sample is checked on every lane by tests/test_check.py (lanekit
 
 import math
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -210,6 +211,11 @@ BAD_INPUTS = {
     "scale is a bool": (dict(softmax_scale=True), ValueError, "softmax_scale"),
     "scale beyond fp32": (dict(softmax_scale=1e300), ValueError, "softmax_scale"),
     "causal not a bool": (dict(causal="yes"), TypeError, "causal: expected a bool"),
+    "causal an int": (dict(causal=1), TypeError, "causal: expected a bool, got int"),
+    "deterministic not a bool": (dict(deterministic="x"), TypeError, "deterministic: expected a bool, got str"),
+    "return_attn_probs not a bool": (dict(return_attn_probs="no"), TypeError, "return_attn_probs: expected a bool"),
+    "dropout_seed a float": (dict(dropout_seed=1.0), TypeError, "dropout_seed: expected an int"),
+    "dropout_offset negative": (dict(dropout_offset=-1), ValueError, "dropout_offset: expected an int in"),
 }
 
 
@@ -222,7 +228,8 @@ def test_bad_input_raises_a_clear_error_and_launches_nothing(case, device, monke
     k = torch.randn(spec.get("k_B", 1), 5, Hkv, spec.get("k_D", D), device=device).to(spec.get("k_dtype", dtype))
     v = torch.randn(1, 5, Hkv, D, device=device).to(dtype)
     kw = {}
-    for key in ("window_size", "dropout_p", "softcap", "softmax_scale", "causal"):
+    for key in ("window_size", "dropout_p", "softcap", "softmax_scale", "causal", "deterministic",
+                "return_attn_probs", "dropout_seed", "dropout_offset"):
         if key in spec:
             kw[key] = spec[key]
     if "attn_bias" in spec:
@@ -245,6 +252,16 @@ def test_bad_input_raises_a_clear_error_and_launches_nothing(case, device, monke
     with pytest.raises(exc, match=message):
         lanekit.flash_attn_func(q, k, v, **kw)
     assert all(torch.equal(a, b) for a, b in zip(snapshot, (k, v)))
+
+
+def test_numpy_and_0d_tensor_ints_and_bools_are_taken_as_python_ones(device):
+    q, k, v = qkv(1, 5, 7, 2, 1, 16, device, dtype=torch.float32)
+    want = lanekit.flash_attn_func(q, k, v, 0.1, None, True, (3, 0), return_attn_probs=True, dropout_seed=5,
+                                   dropout_offset=2)
+    got = lanekit.flash_attn_func(q, k, v, 0.1, None, np.bool_(True), (np.int64(3), torch.tensor(0)),
+                                  deterministic=torch.tensor(False), return_attn_probs=np.bool_(True),
+                                  dropout_seed=np.uint32(5), dropout_offset=torch.tensor(2))
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]) and got[2] is None
 
 
 # Every example compiles a kernel variant on the GPU (seconds each): a dozen keeps the run short.

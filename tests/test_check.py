@@ -4,6 +4,7 @@ lane of any op is reported failing, with its sample names and a non-zero exit.""
 import importlib
 import json
 import math
+import warnings
 
 import pytest
 import torch
@@ -176,3 +177,39 @@ def test_unknown_op_or_lane_is_a_usage_error(capsys):
     assert "unknown op no_such_op" in capsys.readouterr().out
     with pytest.raises(ValueError, match="unknown lane"):
         check.plan(lanes=["cuda"])
+
+
+def test_an_unwritable_json_path_fails_before_the_run(monkeypatch, tmp_path, capsys):
+    def no_run(*args, **kwargs):
+        raise AssertionError("the checks ran")
+
+    monkeypatch.setattr(check, "run_checks", no_run)
+    (tmp_path / "a-file").write_text("")
+    for path, why in ((tmp_path / "a-file" / "run.json", f"{tmp_path / 'a-file'} is a file, not a folder"),
+                      (tmp_path, "it is a folder")):
+        assert main(["check", "--json", str(path)]) == 2
+        assert f"lanekit check: --json {path}: cannot write there ({why})\n" in capsys.readouterr().out
+    assert (tmp_path / "a-file").read_text() == ""
+
+
+def test_the_error_legend_is_printed_in_lines_no_terminal_breaks(capsys):
+    assert main(["check", "--op", "rms_norm", "--lane", "reference"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("error: "))
+    legend = lines[start:next(i for i, line in enumerate(lines) if line.startswith("all lanes passed"))]
+    assert len(legend) >= 2 and all(len(line.rstrip()) <= 80 for line in legend), legend
+    assert "steps allowed" in legend[0] and "one unit of the output format" in " ".join(legend)
+
+
+def test_the_interpreters_expected_numpy_warnings_are_not_shown(device):
+    # the interpreter runs the kernels in NumPy, which warns where the GPU silently gives inf (exp
+    # overflowing in gelu's tanh here): `lanekit check` printed those before its table
+    if device != "cpu":
+        pytest.skip("no interpreter: Triton runs natively")
+    filters = list(warnings.filters)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        result = check.check_lane(OPS["geglu"], "triton", device)
+    assert result.status == "interpreted"
+    assert [str(w.message) for w in seen if issubclass(w.category, RuntimeWarning)] == []
+    assert warnings.filters == filters   # the process's own filters are left as they were

@@ -2,8 +2,10 @@
 (decode over a contiguous or paged cache, split-KV): the issue's cases against the oracle, outputs
 poisoned with NaN, pages and keys that must not be read filled with NaN, and bad input."""
 
+import importlib
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -398,6 +400,8 @@ BAD_KVCACHE = {
     "v_cache is k_cache with append": "v_cache", "one tensor for both scales with append": "v_cache_scale",
     "expanded cache with append": "k_cache", "two sequences append into one page": "block_table",
     "an append over another sequence's cached token": "block_table",
+    "a cache that requires grad with append": "k_cache", "return_softmax_lse not a bool": "return_softmax_lse",
+    "rotary_interleaved an int": "rotary_interleaved", "cache_seqlens a bool": "cache_seqlens",
 }
 
 
@@ -450,6 +454,15 @@ def test_kvcache_bad_input_raises_and_writes_nothing(device, case):
         vc = kc
     elif case == "expanded cache with append":       # one row of memory behind every sequence
         kc = kc[:1].expand(2, 16, 2, 32)
+    elif case == "a cache that requires grad with append":   # the append is not differentiable
+        kc = kc.float().requires_grad_()
+        q, vc, kw["k"], kw["v"] = q.float(), vc.float(), k.float(), k.float()
+    elif case == "return_softmax_lse not a bool":
+        kw["return_softmax_lse"] = "yes"
+    elif case == "rotary_interleaved an int":
+        kw["rotary_interleaved"] = 1
+    elif case == "cache_seqlens a bool":
+        kw["cache_seqlens"] = True
     before = [t.clone() for t in (kc, vc, kw.get("k_cache_scale"), kw.get("v_cache_scale")) if t is not None]
     with pytest.raises((ValueError, TypeError), match=rf"^{BAD_KVCACHE[case]}: .*expected"):
         lanekit.flash_attn_with_kvcache(q, kc, vc, **kw)
@@ -532,6 +545,86 @@ def test_reference_lane_takes_an_empty_batch_and_float64(device):
     empty = lanekit.flash_attn_with_kvcache(q[:0], kc, kc, cache_seqlens=seqlens[:0], block_table=no_pages,
                                             lane="reference")
     assert empty.shape == (0, 1, 4, 32)
+
+
+@pytest.mark.parametrize("lane", LANES)
+def test_an_empty_batch_with_a_contiguous_cache_gives_empty_results(device, lane):
+    # B = 0 sequences: a contiguous cache of B rows has none, and FlashAttention's layout allows it
+    q = torch.zeros(0, 1, 4, 16, device=device)
+    kc, vc, k = torch.zeros(0, 8, 2, 16, device=device), torch.zeros(0, 8, 2, 16, device=device), torch.zeros(0, 1, 2, 16, device=device)
+    none = torch.zeros(0, dtype=torch.int32, device=device)
+    for kw in (dict(), dict(cache_seqlens=none), dict(k=k, v=k, cache_seqlens=none, causal=True)):
+        out, lse = lanekit.flash_attn_with_kvcache(q, kc, vc, return_softmax_lse=True, lane=lane, **kw)
+        assert out.shape == (0, 1, 4, 16) and lse.shape == (0, 4, 1) and lse.dtype == torch.float32
+    with pytest.raises(ValueError, match=r"^k_cache: expected S_cache, Hkv and D >= 1"):
+        lanekit.flash_attn_with_kvcache(q, kc[:, :0], vc[:, :0], lane=lane)
+
+
+def test_kvcache_takes_numpy_and_0d_tensor_ints_and_bools(device):
+    g = gen(11)
+    q = randn(2, 1, 4, 32, dtype=torch.float32, device=device, generator=g)
+    kc = randn(2, 16, 2, 32, dtype=torch.float32, device=device, generator=g)
+    angles = torch.rand(32, 8, generator=g)
+    cos, sin = angles.cos().to(device), angles.sin().to(device)
+    want = lanekit.flash_attn_with_kvcache(q, kc, kc, rotary_cos=cos, rotary_sin=sin, cache_seqlens=9,
+                                           num_splits=2, return_softmax_lse=True, rotary_interleaved=False,
+                                           max_seqlen_k=12)
+    got = lanekit.flash_attn_with_kvcache(q, kc, kc, rotary_cos=cos, rotary_sin=sin, cache_seqlens=torch.tensor(9),
+                                          num_splits=np.int64(2), return_softmax_lse=np.bool_(True),
+                                          rotary_interleaved=torch.tensor(False), max_seqlen_k=np.int32(12))
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+class _Grids:
+    """A kernel stand-in that records the grid of every launch and runs the kernel, unless the
+    grid's first dimension passes ``most`` (then it fails at once rather than run for minutes)."""
+
+    def __init__(self, kernel, most):
+        self.kernel, self.most, self.grids = kernel, most, []
+
+    def __getitem__(self, grid):
+        self.grids.append(grid)
+        assert grid[0] <= self.most, f"a grid of {grid} for 7 tokens"
+        return self.kernel[grid]
+
+
+def test_varlen_grid_follows_the_tokens_there_not_max_seqlen(device, monkeypatch):
+    # max_seqlen_q = 10**7 for 7 tokens launched 10**7 / BLOCK_M programs that found no row
+    # (minutes interpreted): every grid is bounded by the tokens in q and k, forward and backward
+    fwd, bwd = (importlib.import_module(f"lanekit.attention.kernels.{m}") for m in ("fwd", "bwd"))
+    q, k, v, cq, ck = varlen_inputs(device, [3, 4], [5, 2], Hq=2, Hkv=1, D=16, dtype=torch.float32)
+    dout = randn(*q.shape, dtype=torch.float32, device=device, generator=gen(12))
+
+    def run(max_q, max_k):
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        with poisoned_outputs():
+            out = lanekit.flash_attn_varlen_func(*leaves, cq, ck, max_q, max_k, causal=True, lane="triton")
+            grads = torch.autograd.grad(out, leaves, dout)
+        return out, grads
+
+    want = run(4, 5)
+    recorders = {}
+    for module, name in ((fwd, "_flash_attn_fwd_kernel"), (bwd, "_flash_attn_bwd_dkdv_kernel"),
+                         (bwd, "_flash_attn_bwd_dq_kernel")):
+        recorders[name] = _Grids(getattr(module, name), most=1)
+        monkeypatch.setattr(module, name, recorders[name])
+    got = run(10**7, np.int64(10**7))
+    assert torch.equal(got[0], want[0]) and all(map(torch.equal, got[1], want[1]))
+    for name, recorder in recorders.items():
+        (grid,) = recorder.grids
+        assert grid[0] == 1 and grid[2] == 2, (name, grid)   # 7 queries, 7 keys: one block of each
+    assert_close(want[0], oracle_varlen(q, k, v, cq, ck, [3, 4], [5, 2])[0], ATTENTION_FWD)
+
+
+def test_varlen_flags_and_ints_follow_the_one_rule(device):
+    q, k, v, cq, ck = varlen_inputs(device, [2, 3], [4, 4], Hq=2, Hkv=2, D=16)
+    want = lanekit.flash_attn_varlen_func(q, k, v, cq, ck, 3, 4, causal=True)
+    assert torch.equal(lanekit.flash_attn_varlen_func(q, k, v, cq, ck, np.int64(3), torch.tensor(4),
+                                                      causal=np.bool_(True)), want)
+    for kw, arg in ((dict(return_attn_probs="no"), "return_attn_probs"), (dict(deterministic="x"), "deterministic"),
+                    (dict(causal=1), "causal"), (dict(window_size=(2.0, 0)), "window_size")):
+        with pytest.raises(TypeError, match=f"^{arg}: expected"):
+            lanekit.flash_attn_varlen_func(q, k, v, cq, ck, 3, 4, **kw)
 
 
 @pytest.mark.parametrize("case", ["cu_seqlens not ending at total", "decreasing", "longer than max_seqlen",

@@ -187,6 +187,8 @@ def test_linears_reject():
     w = torch.zeros(8, 64, dtype=E4M3)
     with pytest.raises(ValueError, match="block_size"):
         gemm.fp8_linear(x, w, torch.ones(1, 1), block_size=[64, 64])
+    with pytest.raises(ValueError, match="block_size"):   # floats are not ints (fused_moe's block_shape alike)
+        gemm.fp8_linear(x, w, torch.ones(1, 1), block_size=[128.0, 128.0])
     with pytest.raises(ValueError, match="weight_scale"):
         gemm.fp8_linear(x, w, torch.ones(8), block_size=[128, 128])
     with pytest.raises(ValueError, match="x_scale"):

@@ -4,6 +4,7 @@ read, any page_size, PagedKVCache's lifecycle, merge_attn_states against attenti
 bad input, and (GPU) more than 2^31 elements."""
 
 import math
+import pickle
 
 import numpy as np
 
@@ -475,7 +476,7 @@ def test_bad_standalone_calls_name_the_argument(device, call, arg, error):
         call(x)
 
 
-def test_a_sequence_id_may_be_any_hashable_value_and_numpy_or_tensor_ints_count_as_ints(device):
+def test_a_sequence_id_is_an_int_str_bytes_or_tuple_and_numpy_or_tensor_ints_count_as_ints(device):
     cache = KV.PagedKVCache(8, 2, 1, 16, device=device)
     assert cache.append(("req", 2), 3).tolist() == [0, 1, 2]        # a tuple is one id: a list holds several
     assert cache.sequences == [("req", 2)] and cache.seq_len(("req", 2)) == 3
@@ -517,6 +518,130 @@ def test_bad_paged_kv_cache_calls_name_the_argument_and_change_nothing(device):
     assert (cache.k_cache == 0).all()
 
 
+@pytest.mark.parametrize("bad", [torch.tensor(1.0), np.float64(2.0), 2.0, True, np.bool_(False), None,
+                                 torch.tensor(1, dtype=torch.bool), ("req", 1.5), [[1]], object()],
+                         ids=["float tensor", "numpy float", "float", "bool", "numpy bool", "None",
+                              "bool tensor", "tuple holding a float", "list in a list", "object"])
+def test_a_sequence_id_that_is_not_an_int_str_bytes_or_tuple_of_them_is_a_type_error(device, bad):
+    # a float tensor would be keyed by identity (its pages never reachable again), np.float64(2.0)
+    # would be the id 2
+    cache = KV.PagedKVCache(8, 2, 1, 16, device=device)
+    cache.append(2, 3)
+    with pytest.raises(TypeError, match="^seq_ids: expected ids that are ints, str, bytes or tuples of them"):
+        cache.append(bad, 1)
+    with pytest.raises(TypeError, match="^seq_id: "):
+        cache.free(bad)
+    assert cache.sequences == [2] and cache.seq_len(2) == 3 and cache.num_free_pages == 6
+    assert cache.append(b"r", 1).tolist() == [4] and cache.seq_len(np.int64(2)) == cache.seq_len(torch.tensor(2)) == 3
+
+
+def _filled(cache, seq_ids, lengths, value):
+    """Append to the sequences and write ``value`` into every new slot; returns the slot_mapping."""
+    slots = cache.append(seq_ids, lengths)
+    x = torch.full((slots.shape[0], 2, 16), float(value), dtype=cache.dtype, device=cache.device)
+    cache.write(x, x, slots)
+    return slots
+
+
+@pytest.mark.parametrize("lane", LANES)
+@pytest.mark.parametrize("given_back", ["free", "trim"])
+def test_writing_slots_given_back_since_is_refused_and_changes_nothing(device, lane, given_back):
+    # after free(0) and append(1, 4) the pool hands sequence 0's pages to sequence 1: sequence 0's
+    # old slot_mapping names sequence 1's slots now, and must not overwrite them
+    cache = KV.PagedKVCache(4, 2, 2, 16, torch.float32, device, lane=lane)
+    old = _filled(cache, 0, 3, 1.0)
+    if given_back == "free":
+        cache.free(0)
+        assert _filled(cache, 1, 4, 2.0).tolist()[:3] == old.tolist()
+        holder, expected = 1, torch.full((1, 4, 2, 16), 2.0, device=device)
+    else:
+        cache.trim(0, 2)
+        assert _filled(cache, 0, 2, 3.0).tolist() == old.tolist()[1:]
+        holder, expected = 0, torch.tensor([1.0, 3.0, 3.0], device=device)[None, :, None, None].expand(1, 3, 2, 16)
+    pool = (cache.k_cache.clone(), cache.v_cache.clone())
+    x = torch.full((3, 2, 16), 9.0, device=device)
+
+    with pytest.raises(ValueError, match="^slot_mapping: expected slots that the sequences hold now, got the "
+                                         "result of an append whose slots were given back since"):
+        cache.write(x, x, old)
+    with pytest.raises(ValueError, match="^slot_mapping: expected the tensor this cache's append"):
+        cache.write(x, x, old.clone())          # a copy of the values cannot say whose they are either
+    assert torch.equal(cache.k_cache, pool[0]) and torch.equal(cache.v_cache, pool[1])
+    assert torch.equal(cache.gather(holder)[0], expected)
+
+
+def test_write_takes_slices_of_what_append_returned_but_not_copies_or_changed_tensors(device):
+    cache = KV.PagedKVCache(8, 2, 2, 16, torch.float32, device, lane="reference")
+    slots = cache.append([0, 1], [3, 2])
+    x = randn(5, 2, 16, dtype=torch.float32, device=device, generator=gen(3))
+    cache.write(x[:2], x[:2], slots[:2])        # a prefill in chunks
+    cache.write(x[2:], x[2:], slots[2:])
+    k, v = cache.gather([0, 1])
+    assert torch.equal(k[0], x[:3]) and torch.equal(v[1, :2], x[3:])
+    for other in (slots.clone(), torch.cat((slots[:2], slots[2:])), slots.to(torch.int32)):
+        with pytest.raises(ValueError, match="^slot_mapping: expected the tensor this cache's append"):
+            cache.write(x, x, other)
+    slots[0] = slots[4]                         # changed in place: its values are no longer the cache's
+    with pytest.raises(ValueError, match="^slot_mapping: expected the tensor this cache's append"):
+        cache.write(x, x, slots)
+    with pytest.raises(ValueError, match="^slot_mapping: expected the tensor this cache's append"):
+        KV.PagedKVCache(8, 2, 2, 16, torch.float32, device).write(x, x, cache.append(2, 5))   # another cache's
+    copy = pickle.loads(pickle.dumps(cache))    # a copy keeps the sequences, not the tensors' identities
+    assert copy.sequences == [0, 1, 2] and copy.seq_len(2) == 5
+    with pytest.raises(ValueError, match="^slot_mapping: expected the tensor this cache's append"):
+        copy.write(x[:2], x[:2], cache.append(3, 2))
+    copy.write(x[:2], x[:2], copy.append(3, 2))
+
+
+def test_numpy_and_0d_tensor_ints_are_ints_and_floats_are_type_errors(device):
+    cache = KV.PagedKVCache(np.int64(8), torch.tensor(2), 2, 16, torch.float32, device)
+    slots = cache.append([0, 1], [np.int32(3), torch.tensor(2)])
+    cache.write(torch.ones(5, 2, 16, device=device), torch.ones(5, 2, 16, device=device), slots)
+    table, lens = cache.block_table([0, 1], max_pages=np.int64(3)), cache.cache_seqlens([0, 1])
+    for max_seqlen in (np.int64(6), torch.tensor(6), 6):
+        k, _ = KV.gather_cache(cache.k_cache, cache.v_cache, table, lens, max_seqlen=max_seqlen)
+        assert k.shape == (2, 6, 2, 16) and (k[0, :3] == 1).all() and (k[0, 3:] == 0).all()
+    with pytest.raises(ValueError, match=r"^max_seqlen: expected an int >= 3 \(the longest sequence\), got 2$"):
+        KV.gather_cache(cache.k_cache, cache.v_cache, table, lens, max_seqlen=np.int64(2))
+    for call, arg in ((lambda: KV.gather_cache(cache.k_cache, cache.v_cache, table, lens, max_seqlen=6.0), "max_seqlen"),
+                      (lambda: cache.trim(0, 1.0), "n"), (lambda: cache.trim(0, True), "n"),
+                      (lambda: cache.block_table([0], max_pages=2.0), "max_pages"),
+                      (lambda: cache.append(0, np.float64(1.0)), "num_tokens"),
+                      (lambda: KV.PagedKVCache(4.0, 2, 2, 16, device=device), "num_blocks")):
+        with pytest.raises(TypeError, match=f"^{arg}: expected an int"):
+            call()
+    cache.trim(np.int64(0), np.int64(1))
+    assert cache.seq_len(0) == 2 and cache.sequences == [0, 1]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the machine has a GPU")
+def test_a_cache_on_a_device_this_machine_lacks_is_a_clear_error():
+    with pytest.raises(ValueError, match=r"^device: expected a device this machine has, got 'cuda' "
+                                         r"\(torch\.cuda\.is_available\(\) is False"):
+        KV.PagedKVCache(4, 2, 2, 16, device="cuda")
+    with pytest.raises(ValueError, match="^device: expected a device name"):
+        KV.PagedKVCache(4, 2, 2, 16, device="gpu")
+    with pytest.raises(TypeError, match="^device: expected a str or torch.device, got int"):
+        KV.PagedKVCache(4, 2, 2, 16, device=0)
+
+
+@pytest.mark.parametrize("lane", LANES)
+def test_a_cache_that_requires_grad_is_not_written_in_grad_mode(device, lane):
+    # the write is not differentiable: autograd would silently miss it (or, for a leaf, PyTorch
+    # refuses in-place writes); refused before anything is written, as under no_grad it goes
+    args = _write_args(device, None)
+    args["k_cache"] = args["k_cache"].float().requires_grad_()
+    args["v_cache"] = args["v_cache"].float()
+    args["key"], args["value"] = args["key"].float(), args["value"].float()
+    before = args["k_cache"].detach().clone()
+    with pytest.raises(ValueError, match="^k_cache: expected a tensor that does not require grad"):
+        KV.reshape_and_cache(**args, lane=lane)
+    assert torch.equal(args["k_cache"].detach(), before)
+    with torch.no_grad():
+        KV.reshape_and_cache(**args, lane=lane)
+    assert not torch.equal(args["k_cache"].detach(), before)
+
+
 # ---- GPU only ----
 
 def test_write_gather_and_merge_under_torch_compile(device):
@@ -555,3 +680,18 @@ def test_a_cache_of_more_than_2_to_the_31_elements(device):
     k, v = KV.gather_cache(k_cache, v_cache, table, torch.tensor([page_size], dtype=torch.int32, device=device))
     assert torch.equal(k[0, -1], key[0]) and torch.equal(v[0, -1], key[0])
     assert torch.equal(k_cache[0, 0], key[1]) and (k[0, :-1] == 0).all()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="device syncs are a GPU's")
+def test_a_write_through_the_cache_reads_nothing_back_from_the_device(device):
+    cache = KV.PagedKVCache(64, 16, 2, 64, torch.bfloat16, device)
+    slots = cache.append([0, 1], [20, 5])
+    key = randn(25, 2, 64, dtype=torch.bfloat16, device=device, generator=gen(9))
+    cache.write(key, key, slots)               # compiles the kernel
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        cache.write(key * 2, key, slots)        # the slots are checked on the host, from append's record
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(cache.gather([0])[0][0], (key[:20] * 2).to(torch.bfloat16))

@@ -4,6 +4,7 @@ gradients through the fused residual, torch.compile, bad input, more than 2^31 e
 
 import dataclasses
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -128,6 +129,77 @@ def test_inplace_rotary_is_differentiable(device, lane):
     x64 = f64(x.detach()).requires_grad_()
     (dx_ref,) = torch.autograd.grad(ref.apply_rotary(x64, f64(theta.cos()), f64(theta.sin())), x64, f64(dy))
     assert_close(dx, dx_ref, "eltwise")
+
+
+def _unwritable(case, device):
+    """A tensor (1, 5, 2, 64) that autograd refuses to see written in place, with grad mode on."""
+    x = torch.randn(2, 5, 2, 64, device=device)
+    if case == "leaf that requires grad":
+        return x[:1].clone().requires_grad_()
+    if case == "view of such a leaf":
+        return x.requires_grad_()[:1]
+    if case == "one of unbind's views":
+        return (x.requires_grad_() * 1).split(1)[0]
+    if case == "view made under no_grad":
+        y = x.requires_grad_() * 1
+        with torch.no_grad():
+            return y[:1]
+    with torch.inference_mode():   # "inference tensor"
+        return x[:1].clone()
+
+
+_UNWRITABLE = ["leaf that requires grad", "view of such a leaf", "one of unbind's views",
+               "view made under no_grad", "inference tensor"]
+
+
+@pytest.mark.parametrize("lane", LANES)
+@pytest.mark.parametrize("case", _UNWRITABLE)
+def test_inplace_rotary_of_a_tensor_autograd_may_not_write_is_refused_before_it_runs(device, lane, case):
+    # the Triton lane used to rotate x, then autograd raised: a failed call that changed its input
+    x = _unwritable(case, device)
+    before = x.detach().clone()
+    theta = torch.rand(8, 32, device=device)
+    with pytest.raises(ValueError, match=r"^x: expected a tensor (autograd lets be written in place|that can be "
+                                         r"written in place) \(inplace=True\), got an? "):
+        L.apply_rotary(x, theta.cos(), theta.sin(), inplace=True, lane=lane)
+    assert torch.equal(x.detach(), before)
+    out = L.apply_rotary(x.detach().clone(), theta.cos(), theta.sin(), lane=lane)   # what the call would give
+    if case != "inference tensor":    # as PyTorch, an in-place write of a leaf under no_grad goes
+        with torch.no_grad():
+            L.apply_rotary(x, theta.cos(), theta.sin(), inplace=True, lane=lane)
+        assert torch.equal(x.detach(), out)
+
+
+@pytest.mark.parametrize("lane", LANES)
+def test_swiglu_out_that_requires_grad_is_refused_and_left_alone(device, lane):
+    gate = torch.randn(4, 16, device=device)
+    out = torch.zeros(4, 8, device=device, requires_grad=True)
+    with pytest.raises(ValueError, match=r"^out: expected a tensor that does not require grad \(out= writes it"):
+        L.swiglu(gate, out=out, lane=lane)
+    assert (out.detach() == 0).all()
+    with torch.no_grad():
+        L.swiglu(gate, out=out, lane=lane)
+    assert torch.equal(out.detach(), L.swiglu(gate, lane=lane))
+
+
+def test_rotary_takes_numpy_and_0d_tensor_ints_and_bools_and_refuses_other_types(device):
+    x = torch.randn(7, 2, 32, device=device)
+    cs = torch.rand(16, 16, device=device)
+    cu = torch.tensor([0, 3, 7], dtype=torch.int32, device=device)
+    want = L.apply_rotary(x, cs, cs, cu_seqlens=cu, max_seqlen=4, seqlen_offsets=2, rotary_dim=32,
+                          interleaved=True)
+    for ints in (dict(max_seqlen=np.int64(4), seqlen_offsets=np.int32(2), rotary_dim=np.int64(32),
+                      interleaved=np.bool_(True)),
+                 dict(max_seqlen=torch.tensor(4), seqlen_offsets=torch.tensor(2, dtype=torch.int32),
+                      rotary_dim=torch.tensor(32), interleaved=torch.tensor(True))):
+        assert torch.equal(L.apply_rotary(x, cs, cs, cu_seqlens=cu, **ints), want)
+    for kwargs, arg in ((dict(rotary_dim=32.0), "rotary_dim"), (dict(max_seqlen=4.0), "max_seqlen"),
+                        (dict(seqlen_offsets=2.0), "seqlen_offsets"), (dict(interleaved=1), "interleaved"),
+                        (dict(inplace="no"), "inplace"), (dict(max_seqlen=True), "max_seqlen")):
+        with pytest.raises(TypeError, match=rf"^{arg}: expected an? "):
+            L.apply_rotary(x, cs, cs, cu_seqlens=cu, **kwargs)
+    with pytest.raises(TypeError, match="^interleaved: expected a bool, got int"):
+        L.rms_norm_rope(x[None], x[None], None, None, cs, cs, interleaved=0)
 
 
 def test_swiglu_writes_a_noncontiguous_out_slice_and_nothing_else(device):

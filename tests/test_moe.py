@@ -192,6 +192,24 @@ def test_routing_of_nan_logits_gives_the_oracles_in_range_ids(device, lane, rout
     assert torch.equal(weights.isnan().cpu(), r_weights.isnan().cpu())
 
 
+def test_routing_flags_and_ints_follow_the_one_rule(device):
+    # NumPy and 0-d tensor bools and ints are Python's; an int or a str for a flag is a TypeError
+    import numpy as np
+
+    x = _logits(3, 8, torch.float32, device)
+    want = lanekit.moe.topk_softmax(x, 2, renormalize=True)
+    for got in (lanekit.moe.topk_softmax(x, np.int64(2), renormalize=np.bool_(True)),
+                lanekit.moe.topk_softmax(x, torch.tensor(2), renormalize=torch.tensor(True))):
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    for flag in (1, "no", None):
+        with pytest.raises(TypeError, match="^renormalize: expected a bool"):
+            lanekit.moe.topk_softmax(x, 2, renormalize=flag)
+    h, w1, w2 = (torch.zeros(*shape, dtype=torch.bfloat16, device=device) for shape in ((3, 16), (8, 4, 16), (8, 16, 2)))
+    for name in ("apply_router_weight_on_input", "use_fp8_w8a8", "per_channel_quant"):
+        with pytest.raises(TypeError, match=f"^{name}: expected a bool, got str"):
+            lanekit.moe.fused_moe(h, w1, w2, *want, **{name: "no"})
+
+
 @pytest.mark.parametrize("lane", ROUTE_LANES)
 def test_routing_rejects_bad_input_before_any_launch(device, lane):
     x = _logits(3, 8, torch.float32, device)

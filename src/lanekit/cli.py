@@ -113,6 +113,11 @@ def _check(args) -> int:
     except ValueError as e:
         console.print(f"lanekit check: {e}", style="red", markup=False, highlight=False)
         return 2
+    problem = _unwritable(args.json) if args.json else None
+    if problem:  # said now, not after the whole run
+        console.print(f"lanekit check: --json {args.json}: cannot write there ({problem})", style="red",
+                      markup=False, highlight=False, soft_wrap=True)
+        return 2
     start = time.perf_counter()
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=Console(stderr=True), transient=True) as progress:
@@ -129,9 +134,8 @@ def _check(args) -> int:
     elapsed = time.perf_counter() - start
 
     console.print(_table(run))
-    console.print("error: the comparison closest to its limit over all samples and outputs, in steps of "
-                  "the output format at max |oracle| / the steps its tolerance allows", style="dim",
-                  markup=False, highlight=False)
+    for line in ERROR_LEGEND:   # short lines, so that no terminal of 80 columns breaks a phrase
+        console.print(line, style="dim", markup=False, highlight=False)
     failures = _failures(run)
     if failures:
         console.print(failures)
@@ -147,6 +151,35 @@ def _check(args) -> int:
         console.print(f"wrote {args.json}", markup=False, highlight=False)
     return 1 if failing else 0
 
+
+def _unwritable(path: str) -> str | None:
+    """Why ``path`` cannot be written (its folder made, the file opened for writing), or None.
+    An existing file is left as it is; a new one is not left behind."""
+    from pathlib import Path
+
+    path = Path(path)
+    if path.is_dir():
+        return "it is a folder"
+    folder = next((p for p in path.parents if p.exists()), None)
+    if folder is not None and not folder.is_dir():
+        return f"{folder} is a file, not a folder"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        existed = path.exists()
+        with open(path, "a"):
+            pass
+        if not existed:
+            path.unlink()
+    except OSError as e:
+        return f"{e.strerror or type(e).__name__}: {e.filename}" if e.filename else str(e)
+    return None
+
+
+ERROR_LEGEND = (
+    "error: steps off / steps allowed, for the comparison nearest its tolerance",
+    "       (over every sample and output; a step is one unit of the output format",
+    "       at the oracle's largest magnitude)",
+)
 
 _STYLES = {"native": "green", "interpreted": "green", "reference": "cyan", "failing": "bold red",
            "not run": "yellow"}

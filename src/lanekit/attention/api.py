@@ -10,7 +10,8 @@ from lanekit.attention import op as _lanes
 from lanekit.attention import tuning
 from lanekit.kv_cache import checks
 from lanekit.runtime.lanes import triton_interpreted
-from lanekit.runtime.validate import check_outputs, int_at_least, is_int, is_real, lane_for, tensor
+from lanekit.runtime.validate import (check_inplace, check_outputs, flag, int_at_least, int_in, is_int,
+                                      is_real, lane_for, tensor)
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
@@ -43,7 +44,8 @@ def _check_heads(q_shape, D: int, Dv: int, Hq: int, Hkv: int, kv_name: str = "k,
 
 def _options(D: int, Sq: int, Sk: int, dropout_p, softmax_scale, softcap, causal, window_size):
     """Check the scalar options of the attention functions; returns (softmax_scale, left, right)
-    with the default scale filled in and the causal mask folded into the window."""
+    with the default scale filled in and the causal mask folded into the window. Ints and bools
+    follow runtime.validate's one rule (NumPy's and 0-d tensors count; a bool is not an int)."""
     if not (is_real(dropout_p) and 0.0 <= dropout_p < 1.0):
         raise ValueError(f"dropout_p: expected a float in [0, 1), got {dropout_p!r}")
     if softmax_scale is None:
@@ -52,12 +54,11 @@ def _options(D: int, Sq: int, Sk: int, dropout_p, softmax_scale, softcap, causal
         raise ValueError(f"softmax_scale: expected a finite float (fp32 range) or None, got {softmax_scale!r}")
     if not (is_real(softcap) and softcap >= 0 and math.isfinite(softcap)):
         raise ValueError(f"softcap: expected a finite float >= 0, got {softcap!r}")
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal: expected a bool, got {type(causal).__name__}")
+    causal = flag("causal", causal)
     if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
-            or not all(isinstance(w, int) and not isinstance(w, bool) for w in window_size)):
+            or not all(map(is_int, window_size))):
         raise TypeError(f"window_size: expected a pair of ints (left, right), got {window_size!r}")
-    left, right = window_size
+    left, right = (int(w) for w in window_size)
     if left < -1 or right < -1:
         raise ValueError(f"window_size: expected values >= -1 (-1 is unbounded), got {tuple(window_size)}")
     # A side that reaches past every key is unbounded (FlashAttention also turns window sizes
@@ -82,13 +83,18 @@ def _alibi(alibi_slopes, B: int, Hq: int, q: torch.Tensor) -> torch.Tensor | Non
 
 
 def _dropout_seed(dropout_p: float, dropout_seed, dropout_offset) -> int:
-    """The Philox seed of the dropout mask: checked, or drawn from PyTorch's CPU generator."""
+    """The Philox seed and offset of the dropout mask as Python ints: checked, the seed drawn from
+    PyTorch's CPU generator when None."""
+    checked = {}
     for name, val in (("dropout_offset", dropout_offset),) + ((("dropout_seed", dropout_seed),) if dropout_seed is not None else ()):
-        if not isinstance(val, int) or isinstance(val, bool) or not 0 <= val < 2**63:
-            raise ValueError(f"{name}: expected an int in [0, 2**63), got {val!r}")
+        if not is_int(val):
+            raise TypeError(f"{name}: expected an int in [0, 2**63), got {type(val).__name__}")
+        if not 0 <= int(val) < 2**63:
+            raise ValueError(f"{name}: expected an int in [0, 2**63), got {int(val)!r}")
+        checked[name] = int(val)
     if dropout_p > 0 and dropout_seed is None:
-        dropout_seed = int(torch.randint(0, 2**62, (1,), device="cpu").item())
-    return dropout_seed or 0
+        return int(torch.randint(0, 2**62, (1,), device="cpu").item()), checked["dropout_offset"]
+    return checked.get("dropout_seed", 0), checked["dropout_offset"]
 
 
 def flash_attn_func(
@@ -152,7 +158,10 @@ def flash_attn_func(
         testing only) is not materialized.
 
     Raises:
-        TypeError: an argument is not a tensor, or has an unsupported dtype, or dtypes differ.
+        TypeError: an argument is not a tensor, or has an unsupported dtype, or dtypes differ; a
+            flag (causal, deterministic, return_attn_probs) not a bool, or a window size or
+            dropout seed/offset not an int (NumPy's and 0-d tensors count, floats and bools do
+            not).
         ValueError: wrong rank or shape, Hq not a multiple of Hkv, head dim outside 1..256,
             devices differ, window sizes below -1, dropout_p outside [0, 1), softcap < 0, a bias
             or mask not broadcastable to (B, Hq, Sq, Sk), or an unknown lane.
@@ -181,6 +190,8 @@ def flash_attn_func(
     Dv = v.shape[3]
     _check_heads(q.shape, D, Dv, Hq, Hkv)
     softmax_scale, left, right = _options(D, Sq, Sk, dropout_p, softmax_scale, softcap, causal, window_size)
+    flag("deterministic", deterministic)
+    return_attn_probs = flag("return_attn_probs", return_attn_probs)
     shape4 = (B, Hq, Sq, Sk)
     alibi_slopes = _alibi(alibi_slopes, B, Hq, q)
     if attn_bias is not None:
@@ -190,7 +201,7 @@ def flash_attn_func(
     if attn_mask is not None:
         tensor("attn_mask", attn_mask, dtypes=(torch.bool,), ndim=(0, 1, 2, 3, 4), like=q, like_name="q")
         attn_mask = _broadcast_4d("attn_mask", attn_mask, shape4)
-    dropout_seed = _dropout_seed(dropout_p, dropout_seed, dropout_offset)
+    dropout_seed, dropout_offset = _dropout_seed(dropout_p, dropout_seed, dropout_offset)
     chosen = lane_for(q, lane, "q")
     # The lane functions the registry names (ops.py), looked up by attribute rather than through
     # the registry's importlib, which torch.compile cannot trace.
@@ -353,7 +364,9 @@ def flash_attn_varlen_func(
         cu_seqlens_q, cu_seqlens_k: (B + 1,) int32, the cumulative lengths: 0, then
             non-decreasing up to total_q (total_k; with a block table, the sequence's cached
             tokens, each at most max_pages * page_size).
-        max_seqlen_q, max_seqlen_k: ints, at least every sequence's length (they size the grid).
+        max_seqlen_q, max_seqlen_k: ints, at least every sequence's length. Bounds, not sizes:
+            the grid covers no more than the tokens in q and k (a generous bound costs nothing);
+            max_seqlen_k also spaces the dropout counters (below).
         dropout_p, softmax_scale, causal, window_size, softcap, deterministic, dropout_seed,
         dropout_offset, lane: as :func:`flash_attn_func`. The dropout draw of (head h, packed
             query row r, key j) has Philox counter dropout_offset + (h * total_q + r) *
@@ -369,7 +382,8 @@ def flash_attn_varlen_func(
         -inf for a row that sees no key.
 
     Raises:
-        TypeError: a non-tensor, an unsupported dtype, cu_seqlens or block_table not int32.
+        TypeError: a non-tensor, an unsupported dtype, cu_seqlens or block_table not int32; a
+            max_seqlen not an int, a flag not a bool.
         ValueError: wrong ranks or shapes, cu_seqlens not from 0 to the total or decreasing, a
             sequence longer than its max_seqlen, a block_table too short for a sequence or naming
             a page that does not exist, and the errors of :func:`flash_attn_func`. The values of
@@ -404,8 +418,10 @@ def flash_attn_varlen_func(
             checks.pages(block_table, cu_seqlens_k.diff(), k.shape[0], k.shape[1])
     softmax_scale, left, right = _options(D, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
                                           softcap, causal, window_size)
+    flag("deterministic", deterministic)
+    return_attn_probs = flag("return_attn_probs", return_attn_probs)
     alibi_slopes = _alibi(alibi_slopes, B, Hq, q)
-    dropout_seed = _dropout_seed(dropout_p, dropout_seed, dropout_offset)
+    dropout_seed, dropout_offset = _dropout_seed(dropout_p, dropout_seed, dropout_offset)
 
     chosen = lane_for(q, lane, "q")
     out, lse = getattr(_lanes, f"flash_attn_varlen_{chosen}")(
@@ -514,7 +530,8 @@ def flash_attn_with_kvcache(
 
     Arguments:
         q: (B, Sq, Hq, D), fp16, bf16 or fp32 (fp64 on the reference lane).
-        k_cache, v_cache: (B_cache, S_cache, Hkv, D) and (..., Dv), or paged (num_blocks,
+        k_cache, v_cache: (B_cache, S_cache, Hkv, D) and (..., Dv) (B_cache may be 0 with a
+            batch of 0: empty results), or paged (num_blocks >= 1,
             page_size, Hkv, D) with ``block_table``, any page_size >= 1; q's dtype, or int8 /
             torch.float8_e4m3fn codes with ``k_cache_scale``/``v_cache_scale``. Written in place
             when k, v are given.
@@ -556,15 +573,17 @@ def flash_attn_with_kvcache(
         autograd graph (train through :func:`flash_attn_func` or :func:`flash_attn_varlen_func`).
 
     Raises:
-        TypeError: a non-tensor, an unsupported dtype, index tensors not int32, a num_splits
-            or cache_seqlens of another type.
+        TypeError: a non-tensor, an unsupported dtype, index tensors not int32, a num_splits,
+            max_seqlen_k or cache_seqlens of another type (an int: Python's, NumPy's or a 0-d
+            tensor), a flag (causal, rotary_interleaved, return_softmax_lse) not a bool.
         ValueError: wrong shapes; cache_seqlens, cache_leftpad or a new token past the cache's
             capacity (S_cache; for a paged cache, block_table's pages: named block_table) or
             negative; cache_seqlens None with k, v; leftpad past cache_seqlens; a page that does
             not exist; repeated cache_batch_idx rows with an append; with an append, a paged
             slot written twice or where a sequence's cached token lies (a page shared beyond
             its cached tokens), a cache (or scale) whose elements share memory (an expanded
-            view) or that overlaps q, k or v, and two of the written tensors (caches, scales)
+            view) or that overlaps q, k or v, or that requires grad in grad mode (the append is
+            not differentiable) or is an inference tensor outside inference mode, and two of the written tensors (caches, scales)
             starting at the same element (one tensor passed for both); rotary
             positions past S_ro; scales missing or superfluous; num_splits outside 0..128;
             max_seqlen_k below a sequence's key count (outside a capture) or negative; and
@@ -575,13 +594,15 @@ def flash_attn_with_kvcache(
     Semantics: FlashAttention 2.7's ``flash_attn_with_kvcache`` (Dao et al.); beyond it: any
     page_size, paged caches with num_splits and with cache_leftpad, quantized caches.
     """
-    S_new = _kvcache_tensors(q, k_cache, v_cache, k, v, k_cache_scale, v_cache_scale)
+    S_new = _kvcache_tensors(q, k_cache, v_cache, k, v, k_cache_scale, v_cache_scale, block_table is not None)
     cache_seqlens, capacity = _kvcache_indices(q, k_cache, S_new, cache_seqlens, cache_batch_idx,
                                                cache_leftpad, block_table)
     S_ro = _kvcache_rotary(q, rotary_cos, rotary_sin, rotary_interleaved)
+    rotary_interleaved = bool(rotary_interleaved)
     num_splits = _split_count(num_splits)
     B, Sq, Hq, D = q.shape
     softmax_scale, left, right = _options(D, Sq, capacity, 0.0, softmax_scale, softcap, causal, window_size)
+    return_softmax_lse = flag("return_softmax_lse", return_softmax_lse)
     alibi_slopes = _alibi(alibi_slopes, B, Hq, q)
 
     max_used = None
@@ -612,14 +633,15 @@ def flash_attn_with_kvcache(
 
 # ---- flash_attn_with_kvcache's checks, in the order it runs them ----
 
-def _kvcache_tensors(q, k_cache, v_cache, k, v, k_cache_scale, v_cache_scale) -> int:
-    """q, the caches (the KV-cache ops' own checks: v_cache like k_cache, non-empty, the scales of
-    a codes cache) and the new k, v; an append writes the caches (and their scales) in place, each
-    element once, into no input. Returns S_new (0 without k, v)."""
+def _kvcache_tensors(q, k_cache, v_cache, k, v, k_cache_scale, v_cache_scale, paged: bool) -> int:
+    """q, the caches (the KV-cache ops' own checks: v_cache like k_cache, non-empty but for a
+    contiguous cache's rows, the scales of a codes cache) and the new k, v; an append writes the
+    caches (and their scales) in place, each element once, into no input, none that autograd
+    would track. Returns S_new (0 without k, v)."""
     tensor("q", q, dtypes=_DTYPES + (torch.float64,), ndim=4)
     tensor("k_cache", k_cache, dtypes=(q.dtype,) + checks.CODE_DTYPES, ndim=4, like=q, like_name="q")
     B, Sq, Hq, D = q.shape
-    checks.caches(k_cache, v_cache, k_cache_scale, v_cache_scale, float64=q.dtype == torch.float64)
+    checks.caches(k_cache, v_cache, k_cache_scale, v_cache_scale, float64=q.dtype == torch.float64, paged=paged)
     Hkv, Dv = k_cache.shape[2], v_cache.shape[3]
     if k_cache.shape[3] != D:
         raise ValueError(f"k_cache: expected head dim {D} (that of q), got {k_cache.shape[3]}")
@@ -637,8 +659,12 @@ def _kvcache_tensors(q, k_cache, v_cache, k, v, k_cache_scale, v_cache_scale) ->
             raise ValueError(f"{name}: expected shape ({B}, S_new, {Hkv}, {d}) on {q.device} (q's batch, "
                              f"the cache's heads and head dim), got {tuple(t.shape)} on {t.device}")
     if S_new:
-        check_outputs((("k_cache", k_cache), ("v_cache", v_cache), ("k_cache_scale", k_cache_scale),
-                       ("v_cache_scale", v_cache_scale)), q, k, v)
+        written = (("k_cache", k_cache), ("v_cache", v_cache), ("k_cache_scale", k_cache_scale),
+                   ("v_cache_scale", v_cache_scale))
+        check_outputs(written, q, k, v)
+        for name, t in written:
+            if t is not None:
+                check_inplace(name, t, "the append of k, v", differentiable=False)
     return S_new
 
 
@@ -701,19 +727,13 @@ def _kvcache_rotary(q, rotary_cos, rotary_sin, rotary_interleaved) -> int | None
         rotary_dim = 2 * rotary_cos.shape[1]
         if not 0 < rotary_dim <= D:
             raise ValueError(f"rotary_cos: expected rotary_dim = 2 * shape[1] in 2..{D} (the head dim), got {rotary_dim}")
-    if not isinstance(rotary_interleaved, bool):
-        raise TypeError(f"rotary_interleaved: expected a bool, got {type(rotary_interleaved).__name__}")
+    flag("rotary_interleaved", rotary_interleaved)
     return rotary_cos.shape[0] if rotary_cos is not None else None
 
 
 def _split_count(num_splits) -> int:
     """num_splits: an int in 0..MAX_SPLITS (0: the heuristic picks)."""
-    if not is_int(num_splits):
-        raise TypeError(f"num_splits: expected an int in 0..{MAX_SPLITS} (0: a heuristic), got "
-                        f"{type(num_splits).__name__}")
-    if not 0 <= num_splits <= MAX_SPLITS:
-        raise ValueError(f"num_splits: expected an int in 0..{MAX_SPLITS} (0: a heuristic), got {num_splits!r}")
-    return int(num_splits)
+    return int_in("num_splits", num_splits, 0, MAX_SPLITS, " (0: a heuristic)")
 
 
 def _check_cache_values(cache_seqlens, cache_leftpad, cache_batch_idx, block_table, S_new, capacity,

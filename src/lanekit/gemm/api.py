@@ -231,7 +231,8 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     """
     N, K = _linear_args(x, weight, (torch.float8_e4m3fn,), bias)
     if block_size is not None:
-        if list(block_size) != [BLOCK, BLOCK]:
+        if (not isinstance(block_size, (list, tuple)) or not all(map(_v.is_int, block_size))
+                or list(block_size) != [BLOCK, BLOCK]):   # [128.0, 128.0] too, as fused_moe's block_shape
             raise ValueError(f"block_size: expected [128, 128] or None, got {block_size!r}")
         if x_scale is not None:
             raise ValueError("x_scale: expected None with block_size (the activations are quantized "

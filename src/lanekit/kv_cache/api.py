@@ -19,7 +19,8 @@ Any page_size from 1 up. The data moves in Triton kernels; the host only validat
 from __future__ import annotations
 
 import heapq
-from collections.abc import Hashable, Iterable
+import weakref
+from collections.abc import Callable, Hashable, Iterable
 
 import numpy as np
 import torch
@@ -27,8 +28,8 @@ import torch
 from lanekit.kv_cache import checks, op as _lanes
 from lanekit.kv_cache.checks import CODE_DTYPES as _CODE_DTYPES, DTYPES as _DTYPES
 from lanekit.runtime.lanes import select_lane
-from lanekit.runtime.validate import (check_outputs, int_at_least, is_int, lane_for, shape as _shape,
-                                      tensor as _tensor)
+from lanekit.runtime.validate import (check_inplace, check_outputs, device as _device, int_at_least, int_in,
+                                      is_int, lane_for, shape as _shape, tensor as _tensor)
 
 
 def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
@@ -66,11 +67,21 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Ten
             for codes or given for values, a scale <= 0 or not finite, tensors on different
             devices; a cache or cache scale whose elements share memory (an expanded view), that
             overlaps an input, or that starts where another of them does (one tensor passed for
-            both). Nothing is written then.
+            both), or that requires grad in grad mode (the write is not differentiable) or is an
+            inference tensor outside inference mode. Nothing is written then.
 
     Source: vLLM's ``reshape_and_cache_flash`` (slot_mapping, padding slots) into FlashAttention's
     paged layout; per-(token, head) scales and the rounding are lanekit's (docs/semantics.md).
     """
+    _write(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale, k_cache_scale, v_cache_scale, lane)
+
+
+def _write(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale, k_cache_scale, v_cache_scale,
+           lane, held: Callable[[], torch.Tensor] | None = None) -> None:
+    """:func:`reshape_and_cache`'s checks, then the write. ``held``: called once the arguments'
+    metadata passed, it checks the slots against what the caller knows (:meth:`PagedKVCache.write`'s
+    record of its appends) and returns the non-negative ones on the host, in range and each once,
+    which saves reading them back from the device; None: they are read back and checked here."""
     quantized = checks.caches(k_cache, v_cache, k_cache_scale, v_cache_scale)
     blocks, page_size, H, D = k_cache.shape
     Dv = v_cache.shape[3]
@@ -81,11 +92,16 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Ten
     _shape("value", value, (N, H, Dv), "(N, Hkv, Dv), N as key's, Hkv and Dv as v_cache's")
     checks.index_vector("slot_mapping", slot_mapping, N, "(N,), one slot per token of key", like=k_cache,
                         dtypes=checks.SLOT_DTYPES)
-    used = slot_mapping[slot_mapping >= 0]
+    used = slot_mapping[slot_mapping >= 0] if held is None else held()
     if used.numel():
-        check_outputs((("k_cache", k_cache), ("v_cache", v_cache), ("k_cache_scale", k_cache_scale),
-                       ("v_cache_scale", v_cache_scale)), key, value, slot_mapping, k_scale, v_scale)
-        checks.slots("slot_mapping", used, page_size, blocks)
+        outputs = (("k_cache", k_cache), ("v_cache", v_cache), ("k_cache_scale", k_cache_scale),
+                   ("v_cache_scale", v_cache_scale))
+        check_outputs(outputs, key, value, slot_mapping, k_scale, v_scale)
+        for name, t in outputs:
+            if t is not None:
+                check_inplace(name, t, "the write", differentiable=False)
+        if held is None:
+            checks.slots("slot_mapping", used, page_size, blocks)
     scales = {}
     for name, given in (("k_scale", k_scale), ("v_scale", v_scale)):
         if given is None:
@@ -129,7 +145,8 @@ def gather_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torc
         (k, v): (B, max_seqlen, Hkv, D) and (B, max_seqlen, Hkv, Dv) in ``dtype``.
 
     Raises:
-        TypeError: a non-tensor, an unsupported dtype, block_table or cache_seqlens not int32.
+        TypeError: a non-tensor, an unsupported dtype, block_table or cache_seqlens not int32,
+            max_seqlen not an int (Python's, NumPy's or a 0-d integer tensor).
         ValueError: mismatched shapes; a length beyond the pages its row holds; a used page out of
             [0, num_blocks); max_seqlen too small; scales missing or superfluous; devices.
 
@@ -148,8 +165,8 @@ def gather_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torc
     longest = int(held.max()) if held.numel() else 0
     if max_seqlen is None:
         max_seqlen = longest
-    elif not (isinstance(max_seqlen, int) and not isinstance(max_seqlen, bool) and max_seqlen >= longest):
-        raise ValueError(f"max_seqlen: expected an int >= the longest sequence ({longest}), got {max_seqlen!r}")
+    else:
+        max_seqlen = int_at_least("max_seqlen", max_seqlen, longest, " (the longest sequence)")
     chosen = lane_for(k_cache, lane, "k_cache")
     return getattr(_lanes, f"gather_cache_{chosen}")(
         k_cache=k_cache, v_cache=v_cache, block_table=block_table, cache_seqlens=cache_seqlens.contiguous(),
@@ -266,13 +283,31 @@ class KVCacheFullError(RuntimeError):
     """The page pool of a :class:`PagedKVCache` cannot hold the tokens asked for."""
 
 
+def _seq_id(name: str, s):
+    """One sequence id as the cache keys it: an int (Python's, NumPy's or a 0-d integer tensor:
+    all the same id as the int they equal), a str, bytes, or a tuple of these (such as (request,
+    beam)). Anything else is a TypeError: a float (np.float64(2.0) would be the id 2, a float
+    tensor an id of its own that nothing could name again), a bool, None, a list."""
+    if isinstance(s, (str, bytes)):
+        return s
+    if is_int(s):
+        return int(s)
+    if isinstance(s, np.ndarray) and s.ndim == 0 and np.issubdtype(s.dtype, np.integer):
+        return int(s)
+    if isinstance(s, tuple):
+        return tuple(_seq_id(name, x) for x in s)
+    raise TypeError(f"{name}: expected ids that are ints, str, bytes or tuples of them, got "
+                    f"{type(s).__name__} {s!r}")
+
+
 class PagedKVCache:
     """A paged KV cache for one attention layer: the pages, a pool of free pages, and sequences.
 
     The tensors are FlashAttention's paged layout (see this module's docstring): ``k_cache`` and
     ``v_cache`` (num_blocks, page_size, Hkv, D), and for a codes cache ``k_scale`` and ``v_scale``
-    (num_blocks, page_size, Hkv) fp32. Sequences, by any hashable id (an int, a str, a tuple such
-    as (request, beam); methods taking ``seq_ids`` take one id or a list of them), own pages taken
+    (num_blocks, page_size, Hkv) fp32. Sequences, by id (an int, a str, bytes, or a tuple of
+    those such as (request, beam); NumPy and 0-d tensor ints are the ints they equal; methods
+    taking ``seq_ids`` take one id or a list of them), own pages taken
     from the pool as they grow (:meth:`append`) and give them back when they shrink or end (:meth:`trim`,
     :meth:`free`). The pool hands out its lowest-numbered free page first, which keeps the pages in
     use close together: decode reads pages spread over a whole large pool a little slower than
@@ -280,6 +315,11 @@ class PagedKVCache:
     order or handed out round robin; docs/performance.md, the decode note). The bookkeeping is host
     Python; writes and reads are the Triton kernels of :func:`reshape_and_cache` and
     :func:`gather_cache`.
+
+    The cache remembers which append handed out each slot: :meth:`write` takes only the tensors
+    append returned, and only while the sequences still hold their slots, so a slot_mapping kept
+    past a :meth:`free` or :meth:`trim` (whose pages a later append may have given to another
+    sequence) is refused rather than overwriting that sequence's tokens.
 
     Example::
 
@@ -306,22 +346,26 @@ class PagedKVCache:
             num_blocks, page_size, num_kv_heads, head_dim: ints >= 1.
             dtype: the model's dtype, fp16, bf16 or fp32: what :meth:`write` takes and
                 :meth:`gather` returns.
-            device: where the pages live.
+            device: where the pages live (a str or torch.device).
             kv_dtype: None to store values in ``dtype``; torch.int8 or torch.float8_e4m3fn to
                 store codes with per-(slot, head) fp32 scales.
             lane: passed to every operation (None: by device).
 
         Raises:
-            ValueError: a size < 1, an unknown lane. TypeError: an unsupported dtype or kv_dtype.
+            ValueError: a size < 1, an unknown lane, a device this machine does not have ("cuda"
+                with no GPU visible). TypeError: a size not an int, an unsupported dtype or
+                kv_dtype, a device not a str or torch.device.
         """
-        for name, v in (("num_blocks", num_blocks), ("page_size", page_size),
-                        ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
-            int_at_least(name, v, 1)
+        sizes = [int_at_least(name, v, 1) for name, v in (
+            ("num_blocks", num_blocks), ("page_size", page_size), ("num_kv_heads", num_kv_heads),
+            ("head_dim", head_dim))]
+        num_blocks, page_size, num_kv_heads, head_dim = sizes
         if dtype not in _DTYPES:
             raise TypeError(f"dtype: expected one of {[str(d) for d in _DTYPES]}, got {dtype!r}")
         if kv_dtype is not None and kv_dtype not in _CODE_DTYPES:
             raise TypeError(f"kv_dtype: expected None, torch.int8 or torch.float8_e4m3fn, got {kv_dtype!r}")
-        select_lane(torch.device(device), lane)  # an unknown lane fails here, not at the first write
+        device = _device("device", device)
+        select_lane(device, lane)  # an unknown lane fails here, not at the first write
         self.page_size, self.dtype, self.kv_dtype, self.lane = page_size, dtype, kv_dtype, lane
         shape = (num_blocks, page_size, num_kv_heads, head_dim)
         self.k_cache = torch.zeros(shape, dtype=kv_dtype or dtype, device=device)
@@ -333,6 +377,17 @@ class PagedKVCache:
         self._free = list(range(num_blocks))     # a min-heap: the lowest free page goes first
         self._pages: dict[Hashable, list[int]] = {}
         self._lengths: dict[Hashable, int] = {}
+        # Which append handed out each slot, while a sequence holds it (-1: nobody holds it), and
+        # what each append returned: its tensor (weakly, by id), that tensor's version then, and
+        # its slots on the host. write() checks a returned tensor against these on the host.
+        self._holder = np.full(num_blocks * page_size, -1, dtype=np.int64)
+        self._appends = 0
+        self._handed: dict[int, tuple[weakref.ref, int, int, np.ndarray]] = {}
+
+    def __getstate__(self):
+        # what append handed out is known by tensor identity, which a copy made by pickling does
+        # not keep: the copy forgets it (and refuses those tensors); the slots held stay recorded
+        return {**self.__dict__, "_handed": {}}
 
     @classmethod
     def allocate(cls, num_blocks: int, page_size: int, num_kv_heads: int, head_dim: int,
@@ -365,31 +420,35 @@ class PagedKVCache:
         """The pages of ``seq_id``, in order (a copy)."""
         return list(self._pages[self._known(seq_id)])
 
-    def _known(self, seq_id):
+    def _known(self, seq_id, name: str = "seq_id"):
+        """The id as the cache keys it (:func:`_seq_id`), which must be a sequence held."""
+        seq_id = _seq_id(name, seq_id)
         if seq_id not in self._lengths:
-            raise ValueError(f"seq_id: expected one of the sequences held {self.sequences}, got {seq_id!r}")
+            raise ValueError(f"{name}: expected one of the sequences held {self.sequences}, got {seq_id!r}")
         return seq_id
 
     def _ids(self, seq_ids, *, known: bool) -> list:
         """A list of distinct ids: one id is a str, bytes, a tuple (such as (request, beam)) or any
-        hashable value that is not iterable; anything else iterable (a list, range, generator,
-        tensor or array) holds several. NumPy and 0-d tensor integers stand for the ints they equal."""
+        value that is not iterable (an int, a 0-d tensor or array); anything else iterable (a list,
+        range, generator, tensor or array) holds several. Each as :func:`_seq_id` keys it."""
         if (isinstance(seq_ids, (str, bytes, tuple)) or not isinstance(seq_ids, Iterable)
                 or (isinstance(seq_ids, (torch.Tensor, np.ndarray)) and seq_ids.ndim == 0)):
             ids = [seq_ids]
         else:
             ids = list(seq_ids)
-        ids = [int(s) if isinstance(s, np.integer) or (isinstance(s, torch.Tensor) and s.dim() == 0
-                                                       and not s.is_floating_point()) else s for s in ids]
-        for s in ids:
-            if not isinstance(s, Hashable):
-                raise TypeError(f"seq_ids: expected hashable ids, got a {type(s).__name__}")
+        ids = [_seq_id("seq_ids", s) for s in ids]
         if len(set(ids)) != len(ids):
             raise ValueError(f"seq_ids: expected distinct ids, got {ids}")
         if known:
             for s in ids:
-                self._known(s)
+                self._known(s, "seq_ids")
         return ids
+
+    def _slots(self, seq_id, start: int, stop: int) -> np.ndarray:
+        """The slots of positions [start, stop) of ``seq_id`` (its pages must cover them)."""
+        pos = np.arange(start, stop, dtype=np.int64)
+        pages = np.asarray(self._pages[seq_id], dtype=np.int64)
+        return pages[pos // self.page_size] * self.page_size + pos % self.page_size
 
     def append(self, seq_ids: Hashable | Iterable[Hashable], num_tokens: int | Iterable[int]) -> torch.Tensor:
         """Make room for ``num_tokens[i]`` new tokens at the end of sequence ``seq_ids[i]`` (a new id
@@ -397,11 +456,13 @@ class PagedKVCache:
 
         Returns:
             slot_mapping (N,) int64 on the cache's device, N = sum(num_tokens): the slots of the
-            new tokens, sequence by sequence, in order; pass it to :meth:`write`.
+            new tokens, sequence by sequence, in order; pass it to :meth:`write` (or slices of
+            it), unchanged: the cache knows this tensor and checks it without reading it back.
 
         Raises:
             KVCacheFullError: the pool has fewer free pages than the new tokens need; nothing is
                 changed then. ValueError: ids repeated, counts negative or of another length.
+                TypeError: an id not an int, str, bytes or a tuple of them; a count not an int.
         """
         ids = self._ids(seq_ids, known=False)
         if is_int(num_tokens):
@@ -422,23 +483,85 @@ class PagedKVCache:
             raise KVCacheFullError(
                 f"append: the new tokens need {sum(need)} more pages of {ps} slots, the pool has "
                 f"{len(self._free)} free of {self.num_blocks} (free or trim a sequence first)")
-        slots = []
+        slots = [np.zeros(0, dtype=np.int64)]
         for s, n, k in zip(ids, counts, need):
             pages = self._pages.setdefault(s, [])
             start = self._lengths.setdefault(s, 0)
             pages += [heapq.heappop(self._free) for _ in range(k)]
-            pos = torch.arange(start, start + n)
-            slots.append(torch.tensor(pages, dtype=torch.int64)[pos // ps] * ps + pos % ps
-                         if n else torch.zeros(0, dtype=torch.int64))
+            slots.append(self._slots(s, start, start + n))
             self._lengths[s] = start + n
-        return torch.cat(slots).to(self.device) if slots else torch.zeros(0, dtype=torch.int64, device=self.device)
+        host = np.concatenate(slots)
+        self._appends += 1
+        self._holder[host] = self._appends
+        out = torch.from_numpy(host.copy()).to(self.device)
+        handed = self._handed
+        key = id(out)
+        ref = weakref.ref(out, lambda r: handed.pop(key, None) if handed.get(key, (None,))[0] is r else None)
+        handed[key] = (ref, out._version, self._appends, host)
+        return out
+
+    def _holders(self, slots: np.ndarray) -> str:
+        """Who holds each of ``slots`` now, for an error: 'sequence 1's position 3', 'no sequence'."""
+        said = []
+        for slot in slots[:3].tolist():
+            page, offset = divmod(slot, self.page_size)
+            owner = next(((s, i * self.page_size + offset) for s, pages in self._pages.items()
+                          for i, p in enumerate(pages) if p == page), None)
+            if owner is None or owner[1] >= self._lengths[owner[0]]:
+                said.append(f"slot {slot}: no sequence")
+            else:
+                said.append(f"slot {slot}: sequence {owner[0]!r}'s position {owner[1]}")
+        return "; ".join(said) + (" ..." if len(slots) > 3 else "")
+
+    def _written_slots(self, slot_mapping: torch.Tensor) -> torch.Tensor:
+        """The slots :meth:`write` writes, on the host, read from the cache's own record of what
+        :meth:`append` handed out (nothing is read back from the device): slot_mapping must be a
+        tensor append returned, or a slice of one, unchanged since, and every one of its slots
+        still held by the append that handed it out. The values of another tensor cannot say
+        whose slots they are (after free(0) and append(1, 4), sequence 0's old slots are sequence
+        1's new ones), so it is refused."""
+        base = slot_mapping if slot_mapping._base is None else slot_mapping._base
+        handed = self._handed.get(id(base))
+        if (handed is None or handed[0]() is not base or handed[1] != base._version
+                or slot_mapping.dtype != base.dtype):
+            raise ValueError(
+                "slot_mapping: expected the tensor this cache's append() returned (or a slice of it), "
+                "unchanged, got a tensor it did not hand out (a copy, a concatenation, or one changed in "
+                "place), whose slots it cannot tell the owner of; place tokens by hand with "
+                "lanekit.kv_cache.reshape_and_cache on cache.k_cache and cache.v_cache")
+        _, _, append, host = handed
+        n, step = slot_mapping.shape[0], slot_mapping.stride(0)
+        first = slot_mapping.storage_offset() - base.storage_offset()
+        host = host[first: first + step * (n - 1) + 1: step] if n and step else np.repeat(host[first:first + 1], n)
+        stale = host[self._holder[host] != append]
+        if stale.size:
+            raise ValueError(
+                f"slot_mapping: expected slots that the sequences hold now, got the result of an append "
+                f"whose slots were given back since by free() or trim(), now {self._holders(stale)}")
+        written = torch.from_numpy(host)
+        checks.slots("slot_mapping", written, self.page_size)   # a view may name a slot twice (stride 0)
+        return written
 
     def write(self, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor,
               k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None:
-        """:func:`reshape_and_cache` of key, value (N, Hkv, D) into this cache at ``slot_mapping``
-        (from :meth:`append`); a codes cache quantizes them and stores their scales."""
-        reshape_and_cache(key, value, self.k_cache, self.v_cache, slot_mapping, k_scale, v_scale,
-                          k_cache_scale=self.k_scale, v_cache_scale=self.v_scale, lane=self.lane)
+        """:func:`reshape_and_cache` of key, value (N, Hkv, D) into this cache at ``slot_mapping``,
+        a tensor :meth:`append` returned (or a slice of it, such as one chunk of a prefill); a
+        codes cache quantizes them and stores their scales.
+
+        The cache keeps, on the host, which append handed out each slot and which slots each
+        sequence holds, so the write goes only where the tokens belong and nothing is read back
+        from the device: a slot_mapping whose slots were given back since (:meth:`free`,
+        :meth:`trim`) is refused, even where a later append handed the same slots to another
+        sequence. To place tokens elsewhere, call :func:`reshape_and_cache` on ``k_cache`` and
+        ``v_cache`` (and the scales).
+
+        Raises:
+            ValueError: a slot_mapping append did not return (a copy, a concatenation, a tensor
+                changed in place), or holding slots given back since; and the errors of
+                :func:`reshape_and_cache`. Nothing is written then.
+        """
+        _write(key, value, self.k_cache, self.v_cache, slot_mapping, k_scale, v_scale, self.k_scale,
+               self.v_scale, self.lane, held=lambda: self._written_slots(slot_mapping))
 
     def block_table(self, seq_ids: Hashable | Iterable[Hashable], max_pages: int | None = None) -> torch.Tensor:
         """(B, max_pages) int32 on the cache's device: row b lists the pages of ``seq_ids[b]``,
@@ -446,11 +569,9 @@ class PagedKVCache:
         of them holds."""
         ids = self._ids(seq_ids, known=True)
         widest = max((len(self._pages[s]) for s in ids), default=0)
-        width = widest if max_pages is None else max_pages
-        if not (is_int(width) and width >= widest):
-            raise ValueError(f"max_pages: expected an int >= {widest} (the most pages a sequence holds), "
-                             f"got {max_pages!r}")
-        table = torch.zeros(len(ids), int(width), dtype=torch.int32)
+        width = widest if max_pages is None else int_at_least(
+            "max_pages", max_pages, widest, " (the most pages a sequence holds)")
+        table = torch.zeros(len(ids), width, dtype=torch.int32)
         for b, s in enumerate(ids):
             table[b, : len(self._pages[s])] = torch.tensor(self._pages[s], dtype=torch.int32)
         return table.to(self.device)
@@ -471,18 +592,22 @@ class PagedKVCache:
 
     def free(self, seq_id: Hashable) -> None:
         """Forget ``seq_id`` and give its pages back to the pool."""
-        self._known(seq_id)
+        seq_id = self._known(seq_id)
+        self._holder[self._slots(seq_id, 0, self._lengths[seq_id])] = -1
         for page in self._pages.pop(seq_id):
             heapq.heappush(self._free, page)
         del self._lengths[seq_id]
 
     def trim(self, seq_id: Hashable, n: int) -> None:
         """Drop the last ``n`` tokens of ``seq_id`` (0 <= n <= its length); pages left empty go
-        back to the pool. The sequence stays, possibly empty."""
-        length = self._lengths[self._known(seq_id)]
-        if not (is_int(n) and 0 <= n <= length):
-            raise ValueError(f"n: expected an int in [0, {length}] (the length of sequence {seq_id!r}), got {n!r}")
-        keep = length - int(n)
+        back to the pool. The sequence stays, possibly empty.
+
+        Raises:
+            TypeError: n not an int. ValueError: n outside [0, the length]; an id not held."""
+        seq_id = self._known(seq_id)
+        length = self._lengths[seq_id]
+        keep = length - int_in("n", n, 0, length, f" (the length of sequence {seq_id!r})")
+        self._holder[self._slots(seq_id, keep, length)] = -1
         pages = self._pages[seq_id]
         kept = -(-keep // self.page_size)
         for page in pages[kept:]:

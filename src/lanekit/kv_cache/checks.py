@@ -22,18 +22,20 @@ SLOT_DTYPES = (torch.int32, torch.int64)
 
 # ---- metadata: dtypes, shapes, devices ----
 
-def caches(k_cache, v_cache, k_cache_scale, v_cache_scale, float64: bool = False) -> bool:
+def caches(k_cache, v_cache, k_cache_scale, v_cache_scale, float64: bool = False, paged: bool = True) -> bool:
     """Check the caches (and a quantized cache's scales); returns whether they hold codes.
-    ``float64``: float64 caches are accepted too (the reference lane's attention takes them)."""
+    ``float64``: float64 caches are accepted too (the reference lane's attention takes them).
+    ``paged``: a paged cache needs a page at least; a contiguous (B_cache, S_cache, Hkv, D) one
+    (``paged=False``) may have no rows, as a batch of 0 sequences has."""
     _tensor("k_cache", k_cache, dtypes=CACHE_DTYPES + ((torch.float64,) if float64 else ()), ndim=4)
     _tensor("v_cache", v_cache, dtypes=(k_cache.dtype,), ndim=4, like=k_cache)
     blocks, page_size, H, D = k_cache.shape
     if tuple(v_cache.shape[:3]) != (blocks, page_size, H):
         raise ValueError(f"v_cache: expected (num_blocks, page_size, Hkv, Dv) = ({blocks}, {page_size}, "
                          f"{H}, Dv) as k_cache's, got {tuple(v_cache.shape)}")
-    if blocks * page_size * H == 0 or D == 0 or v_cache.shape[3] == 0:
-        raise ValueError(f"k_cache: expected num_blocks, page_size, Hkv and D >= 1, got "
-                         f"{tuple(k_cache.shape)} (v_cache {tuple(v_cache.shape)})")
+    if (blocks == 0 and paged) or page_size * H == 0 or D == 0 or v_cache.shape[3] == 0:
+        sizes = "num_blocks, page_size, Hkv and D >= 1" if paged else "S_cache, Hkv and D >= 1"
+        raise ValueError(f"k_cache: expected {sizes}, got {tuple(k_cache.shape)} (v_cache {tuple(v_cache.shape)})")
     quantized = k_cache.dtype in CODE_DTYPES
     for name, scale in (("k_cache_scale", k_cache_scale), ("v_cache_scale", v_cache_scale)):
         if quantized:

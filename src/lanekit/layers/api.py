@@ -7,7 +7,8 @@ import math
 import torch
 
 from lanekit.layers import op as _lanes
-from lanekit.runtime.validate import (check_writable as _check_writable, is_int as _is_int,
+from lanekit.runtime.validate import (check_inplace as _check_inplace, check_writable as _check_writable,
+                                      flag as _flag, int_at_least as _int_at_least, is_int as _is_int,
                                       is_real as _is_real, lane_for as _lane, shape as _shape,
                                       tensor as _tensor)
 
@@ -165,8 +166,11 @@ def _rotary_common(name, x, cos, sin, rotary_dim, position_ids, seqlen_offsets, 
         raise ValueError(f"sin: expected cos's shape {tuple(cos.shape)}, got {tuple(sin.shape)}")
     if rotary_dim is None:
         rotary_dim = 2 * cos.shape[1]
-    if not (isinstance(rotary_dim, int) and not isinstance(rotary_dim, bool)
-            and 0 < rotary_dim <= D and rotary_dim % 2 == 0):
+    if not _is_int(rotary_dim):
+        raise TypeError(f"rotary_dim: expected an even int in [2, {D}] ({name}'s head dim), got "
+                        f"{type(rotary_dim).__name__}")
+    rotary_dim = int(rotary_dim)
+    if not (0 < rotary_dim <= D and rotary_dim % 2 == 0):
         raise ValueError(f"rotary_dim: expected an even int in [2, {D}] ({name}'s head dim), got {rotary_dim!r}")
     if cos.shape[1] != rotary_dim // 2:
         raise ValueError(f"cos: expected (S_ro, rotary_dim / 2) = (S_ro, {rotary_dim // 2}), got {tuple(cos.shape)}")
@@ -182,12 +186,13 @@ def _rotary_common(name, x, cos, sin, rotary_dim, position_ids, seqlen_offsets, 
             raise ValueError(f"position_ids: expected values in [0, {cos.shape[0]}) (cos's rows), got "
                              f"[{int(position_ids.min())}, {int(position_ids.max())}]")
         position_ids = position_ids.expand(tokens)
-    if isinstance(seqlen_offsets, torch.Tensor):
+    if _is_int(seqlen_offsets):
+        seqlen_offsets = _int_at_least("seqlen_offsets", seqlen_offsets, 0, " (or a (B,) int tensor)")
+    elif isinstance(seqlen_offsets, torch.Tensor):
         _tensor("seqlen_offsets", seqlen_offsets, dtypes=(torch.int32, torch.int64), ndim=1, like=x)
-    elif not (_is_int(seqlen_offsets) and seqlen_offsets >= 0):
-        raise ValueError(f"seqlen_offsets: expected an int >= 0 or a (B,) int tensor, got {seqlen_offsets!r}")
     else:
-        seqlen_offsets = int(seqlen_offsets)
+        raise TypeError(f"seqlen_offsets: expected an int >= 0 or a (B,) int tensor, got "
+                        f"{type(seqlen_offsets).__name__}")
     if position_ids is not None and (isinstance(seqlen_offsets, torch.Tensor) or seqlen_offsets != 0):
         raise ValueError("seqlen_offsets: position_ids give every position already; pass one or the other")
     if isinstance(seqlen_offsets, torch.Tensor):
@@ -229,7 +234,9 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interlea
         rotary_dim: features rotated, even, at most D; default ``2 * cos.shape[1]``.
         position_ids: int32/int64 positions, (B, S) or (1, S) for 4-d x, (T,) for packed x;
             default: the token's index in its sequence plus ``seqlen_offsets``.
-        inplace: write into x (and return it). Differentiable too.
+        inplace: write into x (and return it). Differentiable too, where autograd allows writing x
+            in place (not a leaf that requires grad, nor a view of one, as PyTorch's own in-place
+            ops).
         cu_seqlens: (B + 1,) int32 cumulative sequence lengths of packed x (FlashAttention's
             varlen layout); each sequence's positions start at 0 (+ seqlen_offsets).
         max_seqlen: the longest sequence in cu_seqlens; computed from it (a device sync) if None.
@@ -240,9 +247,13 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interlea
         (x's shape) in x's dtype. Differentiable in x (the backward rotates back); not in cos/sin.
 
     Raises:
-        TypeError: a non-tensor, an unsupported dtype.
+        TypeError: a non-tensor, an unsupported dtype; interleaved or inplace not a bool;
+            rotary_dim, max_seqlen or seqlen_offsets not an int.
         ValueError: x not 3-d or 4-d; cos/sin of the wrong shape or too few rows for the positions
-            used; rotary_dim odd, non-positive or over D; position_ids or cu_seqlens malformed.
+            used; rotary_dim odd, non-positive or over D; position_ids or cu_seqlens malformed;
+            with inplace=True, an x that autograd refuses to see written in place (a leaf that
+            requires grad, a view of one, a view made under no_grad or by unbind/split, an
+            inference tensor outside inference mode): said before anything runs, x unchanged.
 
     Source: Su et al., "RoFormer" (2021); conventions of FlashAttention's ``apply_rotary_emb``.
     """
@@ -262,8 +273,8 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interlea
         longest = int(lengths.max()) if lengths.numel() else 0
         if max_seqlen is None:
             max_seqlen = longest
-        elif not (_is_int(max_seqlen) and max_seqlen >= longest):
-            raise ValueError(f"max_seqlen: expected an int >= the longest sequence ({longest}), got {max_seqlen!r}")
+        else:
+            max_seqlen = _int_at_least("max_seqlen", max_seqlen, longest, " (the longest sequence)")
         if isinstance(seqlen_offsets, torch.Tensor) and seqlen_offsets.shape[0] != cu_seqlens.shape[0] - 1:
             raise ValueError(f"seqlen_offsets: expected ({cu_seqlens.shape[0] - 1},), got {tuple(seqlen_offsets.shape)}")
         _check_rope_range(max_seqlen, cos, seqlen_offsets, position_ids)
@@ -274,11 +285,10 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interlea
         if isinstance(seqlen_offsets, torch.Tensor) and x.dim() == 4 and seqlen_offsets.shape[0] != x.shape[0]:
             raise ValueError(f"seqlen_offsets: expected ({x.shape[0]},), got {tuple(seqlen_offsets.shape)}")
         _check_rope_range(x.shape[1] if x.dim() == 4 else x.shape[0], cos, seqlen_offsets, position_ids)
-    for name, flag in (("interleaved", interleaved), ("inplace", inplace)):
-        if not isinstance(flag, bool):
-            raise TypeError(f"{name}: expected a bool, got {type(flag).__name__}")
+    interleaved, inplace = _flag("interleaved", interleaved), _flag("inplace", inplace)
     if inplace:
         _check_writable("x", x)
+        _check_inplace("x", x, "inplace=True")
     chosen = _lane(x, lane)
     return getattr(_lanes, f"apply_rotary_{chosen}")(
         x=x, cos=cos, sin=sin, interleaved=interleaved, rotary_dim=rotary_dim,
@@ -295,8 +305,7 @@ def _qk_common(q, k, q_weight, k_weight, cos, sin, eps, offset, interleaved, rot
                          f"as q's, got {tuple(k.shape)}")
     _feature_param("q_weight", q_weight, q, "(D,), the head dim")
     _feature_param("k_weight", k_weight, q, "(D,), the head dim")
-    if not isinstance(interleaved, bool):
-        raise TypeError(f"interleaved: expected a bool, got {type(interleaved).__name__}")
+    _flag("interleaved", interleaved)
     rotary_dim, position_ids, seqlen_offsets = _rotary_common("q", q, cos, sin, rotary_dim, position_ids,
                                                               seqlen_offsets)
     if isinstance(seqlen_offsets, torch.Tensor) and seqlen_offsets.shape[0] != q.shape[0]:
@@ -431,6 +440,7 @@ def _glu(name, gate, up, out, activation, lane):
         if torch.is_grad_enabled() and (gate.requires_grad or (up is not None and up.requires_grad)):
             raise ValueError(f"out: {name} with out= does not support autograd (as PyTorch's out= "
                              "functions); call it without out= to differentiate")
+        _check_inplace("out", out, "out=", differentiable=False)
     chosen = _lane(gate, lane, "gate")
     return getattr(_lanes, f"glu_{chosen}")(gate=gate, up=up, activation=activation, out=out)
 
@@ -455,7 +465,8 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor | None = None, *, out: torch.Ten
 
     Raises:
         TypeError: a non-tensor or an unsupported dtype. ValueError: shapes that do not match,
-        an odd fused width, out= with autograd.
+        an odd fused width, out= with autograd (gate, up or out requiring grad in grad mode), an
+        out that is an inference tensor outside inference mode.
 
     Source: Shazeer, "GLU Variants Improve Transformer" (2020); Llama's MLP.
     """

@@ -18,6 +18,7 @@ from lanekit.moe import op as _lanes
 from lanekit.runtime import errors as _errors
 from lanekit.runtime.errors import check_indices_eagerly as _check_indices_eagerly
 from lanekit.runtime.lanes import select_lane as _select_lane
+from lanekit.runtime.validate import flag as _flag
 from lanekit.runtime.validate import int_at_least as _int_at_least
 from lanekit.runtime.validate import is_int as _is_int
 from lanekit.runtime.validate import is_real as _is_real
@@ -46,12 +47,6 @@ def _gating(gating_output, topk, lane):
     if topk > E:
         raise ValueError(f"topk: expected an int in [1, E = {E}] (gating_output's experts), got {topk}")
     return E, topk, _lane_for(gating_output, lane, "gating_output")
-
-
-def _flag(name, value):
-    if not isinstance(value, bool):
-        raise TypeError(f"{name}: expected a bool, got {type(value).__name__}")
-    return value
 
 
 def topk_softmax(gating_output: torch.Tensor, topk: int, renormalize: bool = False, *,
@@ -447,11 +442,7 @@ def _check_fused_moe_indices(topk_ids, expert_map, num_global, num_local):
 
 
 def _fused_moe_quant_flags(use_fp8_w8a8, use_int8_w8a16, per_channel_quant, block_shape) -> bool:
-    """Whether the experts are quantized; the flags' types and combinations checked."""
-    for name, flag in (("use_fp8_w8a8", use_fp8_w8a8), ("use_int8_w8a16", use_int8_w8a16),
-                       ("per_channel_quant", per_channel_quant)):
-        if not isinstance(flag, bool):
-            raise TypeError(f"{name}: expected a bool, got {type(flag).__name__}")
+    """Whether the experts are quantized; the flags' combinations checked (their types: fused_moe)."""
     if use_fp8_w8a8 and use_int8_w8a16:
         raise ValueError("use_int8_w8a16: expected one quantization scheme, got use_fp8_w8a8 and use_int8_w8a16")
     if block_shape is not None:
@@ -580,6 +571,9 @@ def fused_moe(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
     """
     _tensor("hidden_states", hidden_states, dtypes=_FUSED_DTYPES, ndim=2)
     M, K = hidden_states.shape
+    use_fp8_w8a8, use_int8_w8a16, per_channel_quant = (
+        _flag("use_fp8_w8a8", use_fp8_w8a8), _flag("use_int8_w8a16", use_int8_w8a16),
+        _flag("per_channel_quant", per_channel_quant))
     quantized = _fused_moe_quant_flags(use_fp8_w8a8, use_int8_w8a16, per_channel_quant, block_shape)
     for name, w in (("w1", w1), ("w2", w2)):
         _tensor(name, w, ndim=3, like=hidden_states, like_name="hidden_states")
@@ -616,8 +610,7 @@ def fused_moe(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
         raise ValueError(f"topk_ids: expected 1 <= topk <= {num_global} (the experts), got topk = {topk}")
     if activation not in ("silu", "gelu"):
         raise ValueError(f"activation: expected 'silu' or 'gelu', got {activation!r}")
-    if not isinstance(apply_router_weight_on_input, bool):
-        raise TypeError(f"apply_router_weight_on_input: expected a bool, got {type(apply_router_weight_on_input).__name__}")
+    apply_router_weight_on_input = _flag("apply_router_weight_on_input", apply_router_weight_on_input)
     if apply_router_weight_on_input and topk != 1:
         raise ValueError(f"apply_router_weight_on_input: expected topk = 1 (as vLLM), got topk = {topk}")
     if quantized:

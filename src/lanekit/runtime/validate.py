@@ -20,17 +20,71 @@ def is_real(x) -> bool:
 
 
 def is_int(x) -> bool:
+    """An integer: Python's or NumPy's (not a bool: True would silently mean 1), or a 0-d tensor of
+    an integer dtype (its value is read back where it is used: on a GPU, one sync). Floats are not
+    ints, whatever their value."""
+    if isinstance(x, torch.Tensor):
+        return x.dim() == 0 and not (x.dtype.is_floating_point or x.dtype.is_complex or x.dtype == torch.bool)
     return isinstance(x, numbers.Integral) and not isinstance(x, (bool, np.bool_))
 
 
-def int_at_least(name: str, value, low: int = 0) -> int:
-    """``value`` as a Python int: a TypeError unless an int (Python's or NumPy's, not a bool), a
-    ValueError if below ``low``."""
+def is_flag(x) -> bool:
+    """A bool: Python's or NumPy's, or a 0-d torch.bool tensor (never an int, a str or None)."""
+    if isinstance(x, torch.Tensor):
+        return x.dim() == 0 and x.dtype == torch.bool
+    return isinstance(x, (bool, np.bool_))
+
+
+def flag(name: str, value) -> bool:
+    """``value`` as a Python bool: a TypeError unless :func:`is_flag` (``causal=1`` and
+    ``return_attn_probs="no"`` are refused alike)."""
+    if not is_flag(value):
+        raise TypeError(f"{name}: expected a bool, got {type(value).__name__}")
+    return bool(value)
+
+
+def int_at_least(name: str, value, low: int = 0, what: str = "") -> int:
+    """``value`` as a Python int: a TypeError unless :func:`is_int`, a ValueError if below ``low``
+    (``what`` says where low comes from: " (the longest sequence)")."""
     if not is_int(value):
-        raise TypeError(f"{name}: expected an int >= {low}, got {type(value).__name__}")
+        raise TypeError(f"{name}: expected an int >= {low}{what}, got {type(value).__name__}")
+    value = int(value)
     if value < low:
-        raise ValueError(f"{name}: expected an int >= {low}, got {value!r}")
-    return int(value)
+        raise ValueError(f"{name}: expected an int >= {low}{what}, got {value!r}")
+    return value
+
+
+def int_in(name: str, value, low: int, high: int, what: str = "") -> int:
+    """``value`` as a Python int: a TypeError unless :func:`is_int`, a ValueError outside
+    [low, high] (``what`` says where the bounds come from)."""
+    if not is_int(value):
+        raise TypeError(f"{name}: expected an int in [{low}, {high}]{what}, got {type(value).__name__}")
+    value = int(value)
+    if not low <= value <= high:
+        raise ValueError(f"{name}: expected an int in [{low}, {high}]{what}, got {value!r}")
+    return value
+
+
+def device(name: str, value) -> torch.device:
+    """``value`` (a str such as "cuda:1", or a torch.device) as a torch.device this process can
+    allocate on: a TypeError for another type, a ValueError naming the device for a name torch
+    does not know, a backend with no device here (CUDA or ROCm, say, with no GPU visible) or an
+    index past the devices there are."""
+    if not isinstance(value, (str, torch.device)):
+        raise TypeError(f"{name}: expected a str or torch.device, got {type(value).__name__}")
+    try:
+        dev = torch.device(value)
+    except RuntimeError:
+        raise ValueError(f"{name}: expected a device name such as 'cpu', 'cuda' or 'cuda:1', got {value!r}") from None
+    backend = getattr(torch, dev.type, None) if dev.type not in ("cpu", "meta") else None
+    if backend is not None and hasattr(backend, "is_available") and hasattr(backend, "device_count"):
+        if not backend.is_available():
+            raise ValueError(f"{name}: expected a device this machine has, got {str(dev)!r} "
+                             f"(torch.{dev.type}.is_available() is False: no such device is visible)")
+        if dev.index is not None and dev.index >= backend.device_count():
+            raise ValueError(f"{name}: expected a device this machine has, got {str(dev)!r} "
+                             f"(torch.{dev.type}.device_count() is {backend.device_count()})")
+    return dev
 
 
 def _span(t: torch.Tensor) -> tuple[int, int]:
@@ -74,6 +128,47 @@ def check_outputs(outputs: tuple[tuple[str, torch.Tensor | None], ...], *inputs:
             raise ValueError(f"{name}: expected memory of its own (both are written), got the memory "
                              f"of {first[t.data_ptr()]}")
         first[t.data_ptr()] = name
+
+
+_VIEW_ORIGINS = {"NO_GRAD_MODE": "created under torch.no_grad()",
+                 "MULTI_OUTPUT_NODE": "one of several views one call returned (unbind, split, chunk)",
+                 "INFERENCE_MODE": "created under torch.inference_mode()",
+                 "IN_CUSTOM_FUNCTION": "returned by a custom autograd Function"}
+
+
+def check_inplace(name: str, t: torch.Tensor, what: str, *, differentiable: bool = True) -> None:
+    """``t`` may be written in place by a call (``what`` names the option that writes it:
+    "inplace=True", "out=", "the append of k, v"): a ValueError where PyTorch's autograd would
+    refuse the write, said before anything runs (a kernel launched first would change t and
+    autograd raise after). Refused: an inference tensor outside torch.inference_mode(); with
+    grad mode on and t requiring grad, a leaf (a parameter, say), a view of a leaf, or a view
+    autograd cannot rebase (made under no_grad, or one of several views of one call); and,
+    where the write is not ``differentiable`` (a cache append, an out= result), any t that
+    requires grad, whose gradient would silently be wrong. Reads only metadata."""
+    if t.is_inference() and not torch.is_inference_mode_enabled():
+        raise ValueError(f"{name}: expected a tensor that can be written in place ({what}), got an "
+                         "inference tensor outside torch.inference_mode() (PyTorch refuses in-place "
+                         "writes to it); clone it, or call under torch.inference_mode()")
+    if not (torch.is_grad_enabled() and t.requires_grad):
+        return
+    fix = f"pass a tensor that does not require grad, call under torch.no_grad(), or drop {what}"
+    if not differentiable:
+        raise ValueError(f"{name}: expected a tensor that does not require grad ({what} writes it, and "
+                         f"that write is not differentiable), got requires_grad=True; {fix}")
+    if t._is_view():
+        try:
+            origin = str(torch._C._autograd._get_creation_meta(t)).rpartition(".")[2]
+        except RuntimeError:  # a view autograd keeps no record of (not differentiable)
+            origin = ""
+        if origin in _VIEW_ORIGINS:
+            raise ValueError(f"{name}: expected a tensor autograd lets be written in place ({what}), got a "
+                             f"view {_VIEW_ORIGINS[origin]} (PyTorch refuses in-place writes to it); {fix}")
+        if t._base.is_leaf:
+            raise ValueError(f"{name}: expected a tensor autograd lets be written in place ({what}), got a "
+                             f"view of a leaf that requires grad (PyTorch refuses in-place writes to it); {fix}")
+    elif t.is_leaf:
+        raise ValueError(f"{name}: expected a tensor autograd lets be written in place ({what}), got a "
+                         f"leaf that requires grad (PyTorch refuses in-place writes to it); {fix}")
 
 
 def tensor(name: str, t, *, dtypes=None, ndim=None, like: torch.Tensor | None = None,

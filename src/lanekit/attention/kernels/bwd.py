@@ -602,8 +602,12 @@ def flash_attn_bwd(
                 *rows_out.stride(), *rows_dout.stride(), Hq, rows, Dv,
                 BLOCK_M=pre_m, BLOCK_DV=block_dv, HAS_DLSE=dlse is not None,
             )
+        # varlen: a sequence holds at most k.shape[0] keys and q.shape[0] queries, whatever
+        # max_seqlen_k and max_seqlen_q say (they size only the grid and the dropout counters)
+        key_blocks = triton.cdiv(min(Sk, k.shape[0]) if varlen else Sk, cfg_kv.block_n)
+        query_blocks = triton.cdiv(min(Sq, total_q) if varlen else Sq, cfg_q.block_m)
         if Sk > 0:
-            _flash_attn_bwd_dkdv_kernel[(triton.cdiv(Sk, cfg_kv.block_n), Hkv, B)](
+            _flash_attn_bwd_dkdv_kernel[(key_blocks, Hkv, B)](
                 q, k, v, dout, lse2, delta, dk, dv, dbias if dbias is not None else q, *operands,
                 *_strides_bthd(q, varlen), *_strides_bthd(k, varlen), *_strides_bthd(v, varlen),
                 *_strides_bthd(dout, varlen), *_strides_bthd(dk, varlen), *_strides_bthd(dv, varlen),
@@ -613,7 +617,7 @@ def flash_attn_bwd(
                 **cfg_kv.options(),
             )
         if Sq > 0:
-            _flash_attn_bwd_dq_kernel[(triton.cdiv(Sq, cfg_q.block_m), Hq, B)](
+            _flash_attn_bwd_dq_kernel[(query_blocks, Hq, B)](
                 q, k, v, dout, lse2, delta, dq, *operands,
                 *_strides_bthd(q, varlen), *_strides_bthd(k, varlen), *_strides_bthd(v, varlen),
                 *_strides_bthd(dout, varlen), *_strides_bthd(dq, varlen),

@@ -321,7 +321,10 @@ def flash_attn_fwd(
     # that they would overflow; the block's own start is always int64.
     tile_strides = [*q.stride(), *k.stride(), *v.stride(), *_strides4(attn_bias), *_strides4(mask)]
     int64_tiles = max(tile_strides) * max(cfg.block_m, cfg.block_n, block_d, block_dv) >= 2**31
-    grid = (triton.cdiv(Sq, cfg.block_m), Hq, B)
+    # A varlen sequence holds at most total_q queries: a larger max_seqlen_q would only add
+    # programs that find no row (10**7 for 7 tokens took minutes interpreted).
+    rows = min(Sq, total_q) if varlen else Sq
+    grid = (triton.cdiv(rows, cfg.block_m), Hq, B)
     # Triton launches on the current device: make it q's.
     with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
         _flash_attn_fwd_kernel[grid](
