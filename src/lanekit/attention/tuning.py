@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lanekit.runtime.tuning import INTERPRETER, TileConfig, block16, arch_id, lookup
+from lanekit.runtime.tuning import INTERPRETER, TileConfig, arch_id, arch_row, block16, lookup
 
 
 # flash_attn_fwd: keyed by the padded head dim (max of Dqk and Dv, rounded up to a power of two, at
@@ -323,6 +323,43 @@ def resident_programs(device: torch.device, cfg: TileConfig, stage_bytes: int) -
     by_smem = smem // max(cfg.num_stages * stage_bytes + 1024, 1)   # ~1 KB a program for the runtime
     by_threads = threads // (cfg.num_warps * getattr(props, "warp_size", 32))
     return max(1, min(by_smem, by_threads, 32))
+
+
+# flash_mla_with_kvcache (MLA decode, attention/kernels/mla.py): block_m rows of (query, head) pairs
+# that share each cached row (BLOCK_H), block_n cached rows a step. One table row per architecture,
+# for the one head dim MLA has (576 = 512 latent + 64 rope; other sizes take the same row). The
+# accumulator is block_m x 512 fp32 and both q chunks stay resident, so block_m is what the
+# registers allow; the cache tile (block_n x 576) is what the loop streams. What was tried, and
+# the roofline that bounds it: docs/tuning/mla.md.
+FLASH_MLA_KVCACHE: dict[str, TileConfig] = {
+    # a portable guess that compiles everywhere: 32 cached rows a step, 4 warps
+    "generic": TileConfig(64, 32, 4, 1),
+    # Hopper: 64 heads a program (wgmma's 64 rows per warpgroup; H = 128 is two programs reading
+    # the same rows side by side, as FlashMLA splits its 128 heads), 2 warpgroups splitting the
+    # 512-wide accumulator, 64 cached rows a step double-buffered (2 x 72 KB of shared memory
+    # beside q's 72 KB: within the H100's and H200's 227 KB). Chosen from the compile report
+    # (no spill), not yet timed.
+    "sm90": TileConfig(64, 64, 8, 2),
+}
+# The merge of split partials reads num_splits x MLA_MERGE_CHUNK fp32 values a step: 512-wide
+# values in four chunks keep 128 splits x 128 features at 128 registers a thread (4 warps).
+MLA_MERGE_CHUNK = 128
+
+
+def mla_tile(device: torch.device, rows: int, *, interpreted: bool = False) -> TileConfig:
+    """The MLA decode tile for ``device`` (FLASH_MLA_KVCACHE's row of its architecture, or the
+    generic one; the interpreter's own under Triton's interpreter). ``rows``: Sq * H / Hkv, the
+    (query, head) rows that share a cached row; read at each call, so a sweep replacing a row is
+    seen."""
+    if interpreted:
+        return INTERPRETER
+    return arch_row(FLASH_MLA_KVCACHE, device)
+
+
+def mla_block_h(cfg: TileConfig, rows: int) -> int:
+    """The MLA kernel's block of (query, head) rows: cfg.block_m, or the least power of two at
+    least 16 that holds ``rows`` (H = 16 heads: one block of 16)."""
+    return min(cfg.block_m, block16(rows))
 
 
 # ---- compile allowances (lanekit targets): where a kernel may spill, or use another matrix
