@@ -201,8 +201,9 @@ def flash_mla_with_kvcache(
             on different devices; an unknown lane. The index values (block_table, cache_seqlens)
             are not read back (no device sync): a length outside [0, max_pages * page_size] is
             clamped into it and a page id outside [0, num_blocks) masked (its keys count for
-            nothing), both recorded for :func:`lanekit.check_errors`; with LANEKIT_CHECK_INDICES=1
-            they are checked on the host first and raise ValueError here.
+            nothing), both recorded for :func:`lanekit.check_errors`; with LANEKIT_CHECK_INDICES=1,
+            and on the reference lane with CPU tensors, they are checked on the host first and
+            raise ValueError here.
 
     Semantics: FlashMLA (DeepSeek), ``flash_mla_interface.flash_mla_with_kvcache`` (dense
     decoding); beyond it: fp16, int8, fp8 e4m3 and e5m2 caches with lanekit's per-(slot, head)
@@ -264,7 +265,8 @@ def flash_mla_with_kvcache(
     if max_seqlen_k is not None:
         max_seqlen_k = int_at_least("max_seqlen_k", max_seqlen_k)
     chosen = lane_for(q, lane, "q")
-    if errors.check_indices_eagerly():
+    if errors.check_indices_eagerly() or (chosen == "reference" and not q.is_cuda):
+        # (the reference lane indexes with the values on the host anyway: checking them costs nothing there)
         _check_index_values(block_table, cache_seqlens, num_blocks, page_size)
 
     if num_splits == 0:

@@ -342,7 +342,7 @@ def _merge_splits_kernel(
         tl.store(Out + b * stride_ob + i * stride_om + h * stride_oh + offs_d * stride_od,
                  out.to(Out.dtype.element_ty), mask=offs_d < Dv)
     tl.store(Lse + b * stride_lob + h * stride_loh + i * stride_lom,
-             tl.where(total == 0.0, float("-inf"), m_safe + tl.log(total)))
+             tl.where(total == 0.0, float("-inf"), m_safe + tl.log(tl.where(total == 0.0, 1.0, total))))
 
 
 def flash_attn_kvcache(
