@@ -328,3 +328,16 @@ def test_no_device_sync_and_cuda_graph_replay():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(captured[0], eager[0]) and torch.equal(captured[1], eager[1])
+
+
+def test_mla_benchmark_cases_run_and_check_on_the_cpu():
+    # benchmarks.mla runs on the GPU only in the lead's sessions: its inputs, check and peers run here
+    from benchmarks import mla, run
+
+    assert set(run.GROUPS["mla"]) == set(mla.FAMILIES) <= set(run.FAMILIES)
+    names = [m.name(c) for m in mla.FAMILIES.values() for c in m.cases(False)]
+    assert len(names) == len(set(names)) == 16 and "mla B=64 Sk=32k H=128 bf16" in names
+    assert mla.flops(dict(sk=4096, H=128, cache="bf16")) / mla.cache_bytes(dict(sk=4096, H=128, cache="bf16")) \
+        == 2 * 128 * (576 + 512) / 1152
+    lines = mla.smoke("cpu")
+    assert len(lines) == 8 and all(": ok, " in line for line in lines), lines
