@@ -341,3 +341,19 @@ def test_mla_benchmark_cases_run_and_check_on_the_cpu():
         == 2 * 128 * (576 + 512) / 1152
     lines = mla.smoke("cpu")
     assert len(lines) == 8 and all(": ok, " in line for line in lines), lines
+
+
+@pytest.mark.skipif(not ON_GPU, reason="more than 2^31 elements needs GPU memory")
+def test_a_cache_past_2_31_elements_is_addressed_in_int64():
+    # 58300 pages of 64 rows of 576: 2.15e9 elements (4.3 GB bf16); the sequences read the last pages
+    blocks = 58300
+    cache = torch.zeros(blocks, 64, 1, 576, dtype=torch.bfloat16, device="cuda")
+    assert cache.numel() > 2**31
+    g = torch.Generator(device="cuda").manual_seed(5)
+    cache[-8:] = torch.randn(8, 64, 1, 576, generator=g, device="cuda").to(torch.bfloat16)
+    table = torch.arange(blocks - 8, blocks, dtype=torch.int32, device="cuda").reshape(2, 4)
+    lens = torch.tensor([256, 130], dtype=torch.int32, device="cuda")
+    q = torch.randn(2, 1, 16, 576, generator=g, device="cuda").to(torch.bfloat16)
+    kw = dict(q=q, k_cache=cache, block_table=table, cache_seqlens=lens, head_dim_v=512,
+              softmax_scale=576 ** -0.5, causal=False, num_splits=3, k_cache_scale=None)
+    check(kw, "triton")

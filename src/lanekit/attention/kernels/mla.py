@@ -156,6 +156,7 @@ def _flash_mla_kvcache_kernel(
     out = acc / l_safe[:, None]
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
     i64 = i.to(tl.int64)
+    split = split.to(tl.int64)                # the partials may pass 2^31 elements
     tl.store(Out + split * stride_os + b * stride_ob + i64[:, None] * stride_om + h[:, None] * stride_oh
              + offs_v[None, :] * stride_od, out.to(Out.dtype.element_ty),
              mask=row_in[:, None] & (offs_v[None, :] < DV))
