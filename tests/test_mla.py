@@ -27,7 +27,7 @@ def call(kw, lane, **extra):
 
 def oracle(kw):
     return ref.flash_mla_with_kvcache(
-        upcast(kw["q"]), upcast(kw["k_cache"]), kw["block_table"], kw["cache_seqlens"], kw["head_dim_v"],
+        upcast(kw["q"]), kw["k_cache"], kw["block_table"],   # (the oracle upcasts the pages it reads) kw["cache_seqlens"], kw["head_dim_v"],
         softmax_scale=kw["softmax_scale"], causal=kw["causal"], k_cache_scale=upcast(kw["k_cache_scale"]))
 
 
