@@ -26,8 +26,9 @@ def call(kw, lane, **extra):
 
 
 def oracle(kw):
+    # the cache as it is: the oracle upcasts the pages it reads
     return ref.flash_mla_with_kvcache(
-        upcast(kw["q"]), kw["k_cache"], kw["block_table"],   # (the oracle upcasts the pages it reads) kw["cache_seqlens"], kw["head_dim_v"],
+        upcast(kw["q"]), kw["k_cache"], kw["block_table"], kw["cache_seqlens"], kw["head_dim_v"],
         softmax_scale=kw["softmax_scale"], causal=kw["causal"], k_cache_scale=upcast(kw["k_cache_scale"]))
 
 
