@@ -125,10 +125,10 @@ def _flash_mla_kvcache_kernel(
                      mask=live[:, None] & (offs_v[None, :] < DV), other=0.0)          # [BLOCK_N, BLOCK_DV]
         kv = kv.to(Q.dtype.element_ty)       # codes are exact in 16 bits; values already are
         s = tl.dot(q_nope, tl.trans(kv))                                              # [BLOCK_H, BLOCK_N]
-        if D_ROPE > 0:
+        if D_ROPE > 0:  # the rope chunk accumulates into the same scores (no second tile of them)
             k_pe = tl.load(kv_head + row[:, None] + (DV + offs_r)[None, :] * stride_kd,
                            mask=live[:, None] & (offs_r[None, :] < D_ROPE), other=0.0)
-            s += tl.dot(q_pe, tl.trans(k_pe.to(Q.dtype.element_ty)))
+            s = tl.dot(q_pe, tl.trans(k_pe.to(Q.dtype.element_ty)), s)
         if QUANTIZED:
             scale = tl.load(Scale + page * stride_sp + (offs_n % PAGE_SIZE).to(tl.int64) * stride_sn
                             + hk * stride_sh, mask=live, other=0.0)                    # [BLOCK_N]
@@ -144,7 +144,8 @@ def _flash_mla_kvcache_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         if QUANTIZED:
             p = p * scale[None, :]
-        acc = acc * alpha[:, None] + tl.dot(p.to(kv.dtype), kv)
+        # rescaled, then accumulated into by the product itself: no second [BLOCK_H, BLOCK_DV] tile
+        acc = tl.dot(p.to(kv.dtype), kv, acc * alpha[:, None])
         m_i = m_new
 
     bad = bad_len | (tl.max(bad_keys, 0) > 0)
