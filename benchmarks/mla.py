@@ -9,7 +9,8 @@ table give lanekit's fraction of the GPU's HBM peak (H100 SXM 3.35 TB/s, H200 4.
 name) and its TFLOP/s: at H=128 each cached row feeds 2 * 128 * (576 + 512) FLOPs, which puts bf16
 above the H200's ridge point (docs/tuning/mla.md). The peer is the PyTorch a model would write
 without a kernel: gather the sequence's pages, dequantize, q K^T, softmax, P V, in bf16 (fp32
-softmax), in batched matmuls. lanekit's split count is the one flash_mla_with_kvcache picks with the
+softmax), in batched matmuls. Beside them is a bound rather than a peer, "read-only": a kernel
+that reads the same cache where it lies and does no attention. lanekit's split count is the one flash_mla_with_kvcache picks with the
 schedule metadata from get_mla_metadata (made once, outside the timing, as FlashMLA's loop does).
 Two families: ``mla_graphs`` replays CUDA graphs (the GPU's time), ``mla_eager`` calls eagerly
 (what a Python caller sees); ``mla`` names both.
@@ -21,6 +22,8 @@ import sys
 from types import SimpleNamespace
 
 import torch
+import triton
+import triton.language as tl
 
 import lanekit
 from lanekit.attention.registry import ATTENTION_FWD
@@ -117,9 +120,65 @@ def check(c, q, cache, scale, table, seqlens, meta) -> str | None:
     return None
 
 
+@triton.jit
+def _read_latent_kernel(C, S, BT, Out, stride_cp, stride_cn, stride_sp, pages_per_program, pages,
+                        PAGE: tl.constexpr, ROWS: tl.constexpr, DV: tl.constexpr, DR: tl.constexpr,
+                        HAS_SCALE: tl.constexpr):
+    """Out[b, part] = the sums of the cached rows (and scales) of sequence b's pages part * n ..
+    (part + 1) * n - 1 (n = pages_per_program), features [0, DV) and [DV, DV + DR) apart: every
+    byte MLA decode reads, page by page as it does, ROWS rows a step, and no attention."""
+    b = tl.program_id(0).to(tl.int64)
+    part = tl.program_id(1)
+    rows = tl.arange(0, ROWS)
+    dv = tl.arange(0, DV)
+    dr = tl.arange(0, DR)
+    acc_v = tl.zeros([ROWS, DV], tl.float32)
+    acc_r = tl.zeros([ROWS, DR], tl.float32)
+    for i in range(part * pages_per_program, tl.minimum((part + 1) * pages_per_program, pages)):
+        page = tl.load(BT + b * pages + i).to(tl.int64)
+        for r0 in range(0, PAGE, ROWS):
+            row = C + page * stride_cp + (r0 + rows)[:, None] * stride_cn
+            acc_v += tl.load(row + dv[None, :]).to(tl.float32)
+            acc_r += tl.load(row + DV + dr[None, :]).to(tl.float32)
+            if HAS_SCALE:
+                acc_r += tl.load(S + page * stride_sp + r0 + rows)[:, None]
+    base = Out + (b * tl.num_programs(1) + part) * (DV + DR)
+    tl.store(base + dv, tl.sum(acc_v, 0))
+    tl.store(base + DV + dr, tl.sum(acc_r, 0))
+
+
+def _read_only(q, cache, scale, table, seqlens, meta):
+    """A kernel that reads the latent cache (and its scales) MLA decode reads, where it lies, page by
+    page, 4 programs a sequence (256 at B=64, about two an SM), and does nothing else: the most a
+    decode kernel could reach on this cache, beside which lanekit's share shows how far the
+    arithmetic (H=128) or the page walk (H=16) keeps it. Its sums are checked on the first call."""
+    batch, pages = table.shape
+    parts = 4
+    out = torch.empty(batch, parts, D, device=cache.device, dtype=torch.float32)
+    checked = []
+
+    def run():
+        _read_latent_kernel[(batch, parts)](
+            cache, scale if scale is not None else cache, table, out, cache.stride(0), cache.stride(1),
+            scale.stride(0) if scale is not None else 0, -(-pages // parts), pages,
+            PAGE=cache.shape[1], ROWS=16, DV=DV, DR=D - DV, HAS_SCALE=scale is not None, num_warps=8, num_stages=3)
+        if not checked:
+            rows = cache[table.long()].reshape(batch, parts, -1, D).to(torch.float32).sum(2)
+            if scale is not None:
+                rows[..., DV:] += scale[table.long()].reshape(batch, parts, -1).sum(2)[..., None]
+            torch.testing.assert_close(out, rows, rtol=1e-4, atol=0.05)
+            checked.append(True)
+        return out
+
+    return run
+
+
 def runners(c, q, cache, scale, table, seqlens, meta):
-    return {"lanekit": _lanekit(q, cache, scale, table, seqlens, meta),
+    ours = {"lanekit": _lanekit(q, cache, scale, table, seqlens, meta),
             "torch gather+bmm": _torch(q, cache, scale, table, seqlens, meta)}
+    if cache.is_cuda:
+        ours["read-only"] = _read_only(q, cache, scale, table, seqlens, meta)
+    return ours
 
 
 def _peak(table) -> float | None:
