@@ -358,3 +358,21 @@ def test_a_cache_past_2_31_elements_is_addressed_in_int64():
     kw = dict(q=q, k_cache=cache, block_table=table, cache_seqlens=lens, head_dim_v=512,
               softmax_scale=576 ** -0.5, causal=False, num_splits=3, k_cache_scale=None)
     check(kw, "triton")
+
+
+def test_works_under_torch_compile_fullgraph(device):
+    kw = mla_case("test compile", device, H=4, D=80, Dv=64, page_size=8, seqlens=(21, 6), num_splits=2).kwargs
+
+    def step(q, cache, table, lens):
+        out, lse = lanekit.flash_mla_with_kvcache(q, cache, table, lens, 64, None, 2,
+                                                  softmax_scale=kw["softmax_scale"], lane="triton")
+        return out.float().sum(-1), lse
+
+    # on the CPU the kernels run interpreted, so the graph runs eagerly (aot_eager); on the GPU,
+    # inductor compiles everything around the custom op
+    compiled = torch.compile(step, fullgraph=True, backend="inductor" if ON_GPU else "aot_eager")
+    args = (kw["q"], kw["k_cache"], kw["block_table"], kw["cache_seqlens"])
+    ours = compiled(*args)
+    eager = step(*args)
+    assert torch.equal(ours[1], eager[1])
+    assert_close(ours[0], eager[0].double(), "eltwise", dtype=torch.float32)
