@@ -376,3 +376,14 @@ def test_works_under_torch_compile_fullgraph(device):
     eager = step(*args)
     assert torch.equal(ours[1], eager[1])
     assert_close(ours[0], eager[0].double(), "eltwise", dtype=torch.float32)
+
+
+@pytest.mark.parametrize("lane", LANES)
+@pytest.mark.parametrize("B,Sq", [(0, 1), (2, 0)], ids=["batch 0", "Sq 0"])
+def test_empty_batch_or_queries_give_empty_results(device, lane, B, Sq):
+    q = torch.zeros(B, Sq, 4, 80, dtype=torch.bfloat16, device=device)
+    cache = torch.zeros(3, 8, 1, 80, dtype=torch.bfloat16, device=device)
+    table = torch.zeros(B, 2, dtype=torch.int32, device=device)
+    lens = torch.zeros(B, dtype=torch.int32, device=device)
+    out, lse = lanekit.flash_mla_with_kvcache(q, cache, table, lens, 64, lane=lane)
+    assert out.shape == (B, Sq, 4, 64) and lse.shape == (B, 4, Sq) and lse.dtype == torch.float32
