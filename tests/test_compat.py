@@ -359,3 +359,51 @@ def test_private_varlen_forward_takes_seqused_k_and_refuses_split_keys(flash_att
     assert s_dmask.numel() == 0 and rng_state.shape == (2,) and rng_state.dtype == torch.int64
     with pytest.raises(RuntimeError, match="num_splits > 1 is not supported"):
         _flash_attn_varlen_forward(q, k, v, cq, ck, 3, 9, 0.0, 0.25, True, num_splits=2)
+
+
+@pytest.mark.parametrize("lane", LANES)
+def test_private_forward_and_backward_entry_points_give_the_public_functions_gradients(flash_attn, device, lane,
+                                                                                       monkeypatch):
+    # as ring-attention libraries call them: forward, keep out, lse and rng_state, then backward
+    from flash_attn.flash_attn_interface import _flash_attn_backward, _flash_attn_forward
+
+    monkeypatch.setenv("LANEKIT_LANE", lane)
+    q = randn(1, 9, 4, 16, dtype=torch.float16, device=device, generator=gen(17))
+    k = randn(1, 13, 2, 16, dtype=torch.float16, device=device, generator=gen(18))
+    v = randn(1, 13, 2, 16, dtype=torch.float16, device=device, generator=gen(19))
+    dout = randn(1, 9, 4, 16, dtype=torch.float16, device=device, generator=gen(20))
+    out, lse, _, rng_state = _flash_attn_forward(q, k, v, 0.25, 0.3, True, 6, -1, 0.0, None, False)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    softmax_d = _flash_attn_backward(dout, q, k, v, out, lse, dq, dk, dv, 0.25, 0.3, True, 6, -1, 0.0, None, False,
+                                     rng_state)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    want, want_lse, _ = lanekit.flash_attn_func(*leaves, 0.25, 0.3, True, (6, -1), return_attn_probs=True,
+                                                dropout_seed=int(rng_state[0]))
+    assert torch.equal(out, want.detach()) and torch.equal(lse, want_lse.detach())
+    for got, expected in zip((dq, dk, dv), torch.autograd.grad(want, leaves, dout)):
+        assert torch.equal(got, expected)
+    assert softmax_d.shape == (1, 4, 9)
+    torch.testing.assert_close(softmax_d, (dout.float() * out.float()).sum(-1).transpose(1, 2))
+
+
+@pytest.mark.parametrize("lane", LANES)
+def test_private_varlen_backward_gives_the_public_functions_gradients(flash_attn, device, lane, monkeypatch):
+    from flash_attn.flash_attn_interface import _flash_attn_varlen_backward, _flash_attn_varlen_forward
+
+    monkeypatch.setenv("LANEKIT_LANE", lane)
+    lq, lk = [4, 0, 7], [5, 3, 7]
+    cq, ck = cu(lq, device), cu(lk, device)
+    q = randn(11, 2, 16, dtype=torch.bfloat16, device=device, generator=gen(21))
+    k = randn(15, 1, 16, dtype=torch.bfloat16, device=device, generator=gen(22))
+    v = randn(15, 1, 16, dtype=torch.bfloat16, device=device, generator=gen(23))
+    dout = randn(11, 2, 16, dtype=torch.bfloat16, device=device, generator=gen(24))
+    out, lse, _, rng_state = _flash_attn_varlen_forward(q, k, v, cq, ck, 7, 7, 0.0, 0.25, True)
+    dq, dk, dv = (torch.empty_like(t) for t in (q, k, v))
+    _flash_attn_varlen_backward(dout, q, k, v, out, lse, dq, dk, dv, cq, ck, 7, 7, 0.0, 0.25, True, rng_state=rng_state)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    want = lanekit.flash_attn_varlen_func(*leaves, cq, ck, 7, 7, 0.0, 0.25, True)
+    assert torch.equal(out, want.detach())
+    for got, expected in zip((dq, dk, dv), torch.autograd.grad(want, leaves, dout)):
+        assert torch.equal(got, expected)
+    with pytest.raises(RuntimeError, match="rng_state: expected"):
+        _flash_attn_varlen_backward(dout, q, k, v, out, lse, None, None, None, cq, ck, 7, 7, 0.1, 0.25, True)
