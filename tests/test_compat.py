@@ -3,9 +3,11 @@ FlashAttention 2's varlen packed functions against the oracle, ``bert_padding``'
 window sizes given as any integer pair, and argument errors catchable as RuntimeError as
 FlashAttention's are."""
 
+import json
 import subprocess
 import sys
 import types
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -407,3 +409,56 @@ def test_private_varlen_backward_gives_the_public_functions_gradients(flash_attn
         assert torch.equal(got, expected)
     with pytest.raises(RuntimeError, match="rng_state: expected"):
         _flash_attn_varlen_backward(dout, q, k, v, out, lse, None, None, None, cq, ck, 7, 7, 0.1, 0.25, True)
+
+
+# ---- scripts/run_fa_suite.py: the selection and the counts (FlashAttention's suite itself needs a GPU) ----
+
+FAKE_SUITE = '''
+import pytest
+import torch
+from flash_attn import flash_attn_func, flash_attn_varlen_qkvpacked_func
+from flash_attn.bert_padding import pad_input, unpad_input
+
+
+@pytest.mark.parametrize("dropout_p", [0.0, 0.17])
+@pytest.mark.parametrize("d", [16, 32, 48])
+@pytest.mark.parametrize("causal", [False, True])
+def test_flash_attn_output(causal, d, dropout_p):
+    q = torch.randn(1, 5, 2, d)
+    out = flash_attn_func(q, q, q, dropout_p, causal=causal, window_size=torch.tensor([2, 0]))
+    assert out.shape == q.shape
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_fails_on_two(n):
+    assert n != 2
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_skips(n):
+    pytest.skip("as FlashAttention skips some cases")
+
+
+def test_flash_attn_generator_arg_must_be_none():
+    from flash_attn.flash_attn_interface import flash_attn_gpu  # noqa: F401 (the CUDA extension)
+'''
+
+
+def test_run_fa_suite_deselects_samples_and_counts(tmp_path):
+    # 12 cases of test_flash_attn_output (6 with dropout: deselected), 3 of which one fails, 2 that
+    # skip, and the CUDA extension's test (deselected)
+    suite = tmp_path / "test_flash_attn.py"
+    suite.write_text(FAKE_SUITE)
+    script = [sys.executable, "scripts/run_fa_suite.py", "--tests", str(suite), "--json", str(tmp_path / "r.json")]
+    root = str(Path(__file__).resolve().parents[1])
+    full = subprocess.run(script, capture_output=True, text=True, cwd=root)
+    assert full.returncode == 1, full.stdout + full.stderr
+    assert "fa suite: 8 passed, 1 failed, 2 skipped, 7 deselected (of 18 collected)" in full.stdout, full.stdout
+    record = json.loads((tmp_path / "r.json").read_text())
+    assert record["failed_ids"] == ["test_flash_attn.py::test_fails_on_two[2]"]
+    assert sum(record["deselected"].values()) == 7
+
+    sampled = subprocess.run(script + ["--sample", "2", "--seed", "1"], capture_output=True, text=True, cwd=root)
+    counts = json.loads((tmp_path / "r.json").read_text())
+    assert counts["passed"] + counts["failed"] + counts["skipped"] == 2 + 2 + 2, sampled.stdout
+    assert counts["deselected"]["not sampled (--sample 2)"] == (6 - 2) + (3 - 2)
