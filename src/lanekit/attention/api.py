@@ -157,12 +157,14 @@ def flash_attn_func(
 
     Raises:
         TypeError: an argument is not a tensor, or has an unsupported dtype, or dtypes differ; a
-            flag (causal, deterministic, return_attn_probs) not a bool, or a window size or
-            dropout seed/offset not an int (NumPy's and 0-d tensors count, floats and bools do
-            not).
+            flag (causal, deterministic, return_attn_probs) not a bool, window_size not a pair of
+            ints (a tuple, list, tensor or array of two; NumPy's ints and 0-d or 1-element
+            tensors count, floats and bools do not) or a dropout seed/offset not an int.
         ValueError: wrong rank or shape, Hq not a multiple of Hkv, head dim outside 1..256,
             devices differ, window sizes below -1, dropout_p outside [0, 1), softcap < 0, a bias
             or mask not broadcastable to (B, Hq, Sq, Sk), or an unknown lane.
+        Each is a RuntimeError too (``lanekit.runtime.validate.ArgumentError`` and
+        ``ArgumentTypeError``), as FlashAttention's argument errors are.
 
     Gradients: differentiable in q, k, v and ``attn_bias`` (its gradient is summed over the
     dimensions it was broadcast along; FlashAttention has no bias). A gradient of the returned
@@ -389,7 +391,8 @@ def flash_attn_varlen_func(
             sequence longer than its max_seqlen, a block_table too short for a sequence or naming
             a page that does not exist, and the errors of :func:`flash_attn_func`. The values of
             cu_seqlens and block_table are read back to check them (a device sync), except
-            inside a CUDA graph capture, where they are trusted.
+            inside a CUDA graph capture, where they are trusted. Each error is a RuntimeError
+            too, as in :func:`flash_attn_func`.
 
     Semantics: FlashAttention 2.7's ``flash_attn_varlen_func`` (Dao et al.); the LSE layout
     (Hq, total_q) is its own.
@@ -698,7 +701,9 @@ def flash_attn_with_kvcache(
             max_seqlen_k below a sequence's key count (outside a capture) or negative; and
             the errors of :func:`flash_attn_func`. Index values are read back to check them (one
             device sync), except inside a CUDA graph capture, where they are trusted. Nothing is
-            written when an argument is rejected.
+            written when an argument is rejected. Each error is a RuntimeError too, as in
+            :func:`flash_attn_func` (FlashAttention raises RuntimeError for a block_table too
+            narrow for cache_seqlens).
 
     Semantics: FlashAttention 2.7's ``flash_attn_with_kvcache`` (Dao et al.); beyond it: any
     page_size, paged caches with num_splits and with cache_leftpad, quantized caches.
