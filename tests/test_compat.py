@@ -462,3 +462,44 @@ def test_run_fa_suite_deselects_samples_and_counts(tmp_path):
     counts = json.loads((tmp_path / "r.json").read_text())
     assert counts["passed"] + counts["failed"] + counts["skipped"] == 2 + 2 + 2, sampled.stdout
     assert counts["deselected"]["not sampled (--sample 2)"] == (6 - 2) + (3 - 2)
+
+
+def _rotated(x, cos, sin, interleaved):
+    """x (..., D) rotated by cos, sin (..., rotary_dim / 2), the rest of x unchanged (float64)."""
+    r = 2 * cos.shape[-1]
+    a, b = (x[..., 0:r:2], x[..., 1:r:2]) if interleaved else (x[..., : r // 2], x[..., r // 2: r])
+    ra, rb = a * cos - b * sin, b * cos + a * sin
+    rot = torch.stack((ra, rb), -1).flatten(-2) if interleaved else torch.cat((ra, rb), -1)
+    return torch.cat((rot, x[..., r:]), -1)
+
+
+@pytest.mark.parametrize("layout", ["qkv", "gqa", "q and kv"])
+@pytest.mark.parametrize("xpos", [False, True], ids=["rope", "xpos"])
+def test_rotary_embedding_module_rotates_q_and_k_in_place(flash_attn, layout, xpos):
+    from flash_attn.layers.rotary import RotaryEmbedding
+
+    B, S, H, D, dim, offset = 2, 5, 2, 8, 6, 3
+    module = RotaryEmbedding(dim, base=100.0, interleaved=layout == "gqa", scale_base=16 if xpos else None)
+    x = randn(B, S, 3, H, D, dtype=torch.float64, device="cpu", generator=gen(25))
+    positions = torch.arange(offset, offset + S, dtype=torch.float64)
+    angles = positions[:, None] * 100.0 ** (-torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+    cos, sin = angles.cos()[:, None], angles.sin()[:, None]           # (S, 1, dim / 2)
+    scale = torch.ones(1)
+    if xpos:
+        length = S + offset
+        power = (positions - length // 2) / 16
+        scale = (((torch.arange(0, dim, 2, dtype=torch.float64) + 0.4 * dim) / (1.4 * dim)) ** power[:, None])[:, None]
+    want_q = _rotated(x[:, :, 0], cos * scale, sin * scale, layout == "gqa")
+    want_k = _rotated(x[:, :, 1], cos / scale, sin / scale, layout == "gqa")
+    if layout == "qkv":
+        got = module(x.clone(), seqlen_offset=offset)
+        got_q, got_k, got_v = got.unbind(2)
+    elif layout == "gqa":
+        got = module(x.clone().flatten(2, 3), seqlen_offset=offset, num_heads_q=H)
+        got_q, got_k, got_v = got[:, :, :H], got[:, :, H:2 * H], got[:, :, 2 * H:]
+    else:
+        got_q, kv = module(x[:, :, 0].clone(), x[:, :, 1:].clone(), seqlen_offset=offset)
+        got_k, got_v = kv.unbind(2)
+    torch.testing.assert_close(got_q, want_q, rtol=1e-6, atol=1e-6)   # tables in fp32, as FlashAttention's
+    torch.testing.assert_close(got_k, want_k, rtol=1e-6, atol=1e-6)
+    assert torch.equal(got_v, x[:, :, 2])
