@@ -66,19 +66,16 @@ def install() -> None:
     an installed FlashAttention. Idempotent.
 
     Raises:
-        ArgumentError (a ValueError and RuntimeError): a real ``flash_attn`` is already imported
-            in this process (modules holding its functions would keep them); install before the
-            first ``import flash_attn``.
+        RuntimeError: a real ``flash_attn`` is already imported in this process (modules holding
+            its functions would keep them); install before the first ``import flash_attn``.
     """
-    from lanekit.runtime.validate import ArgumentError
-
     if installed():
         return
     real = sorted(n for n, m in sys.modules.items()
                   if _aliased(n) and not getattr(m, "__name__", "").startswith(_TARGET))
     if real:
-        raise ArgumentError(f"lanekit.compat.install: expected flash_attn not yet imported, got {real[:4]} "
-                            "already in sys.modules; call install() before the first import of flash_attn")
+        raise RuntimeError(f"lanekit.compat.install: expected flash_attn not yet imported, got {real[:4]} "
+                           "already in sys.modules; call install() before the first import of flash_attn")
     sys.meta_path.insert(0, _FINDER)
 
 
