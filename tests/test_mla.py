@@ -387,3 +387,14 @@ def test_empty_batch_or_queries_give_empty_results(device, lane, B, Sq):
     lens = torch.zeros(B, dtype=torch.int32, device=device)
     out, lse = lanekit.flash_mla_with_kvcache(q, cache, table, lens, 64, lane=lane)
     assert out.shape == (B, Sq, 4, 64) and lse.shape == (B, 4, Sq) and lse.dtype == torch.float32
+
+
+def test_argument_errors_are_runtime_errors_too(device):
+    # FlashMLA's checks raise RuntimeError (TORCH_CHECK); code written for it catches that
+    kw = mla_case("test runtime error", device, H=4, D=80, Dv=64, page_size=8, seqlens=(9, 3)).kwargs
+    with pytest.raises(RuntimeError, match="^head_dim_v: expected an int in"):
+        lanekit.flash_mla_with_kvcache(kw["q"], kw["k_cache"], kw["block_table"], kw["cache_seqlens"], 0)
+    with pytest.raises(RuntimeError, match="^q: expected dtype"):
+        lanekit.flash_mla_with_kvcache(kw["q"].float(), kw["k_cache"], kw["block_table"], kw["cache_seqlens"], 64)
+    with pytest.raises(RuntimeError, match="^topk: expected None"):
+        lanekit.get_mla_metadata(None, 4, 1, 4, False, 64)

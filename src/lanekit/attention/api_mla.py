@@ -15,7 +15,8 @@ from lanekit.attention.api import MAX_SPLITS, num_splits_heuristic
 from lanekit.kv_cache import checks
 from lanekit.runtime import errors
 from lanekit.runtime.lanes import triton_interpreted
-from lanekit.runtime.validate import flag, int_at_least, int_in, is_int, is_real, lane_for, shape, tensor
+from lanekit.runtime.validate import (argument_errors, flag, int_at_least, int_in, is_real, lane_for, shape,
+                                      tensor)
 
 _DTYPES = (torch.float16, torch.bfloat16)
 # The caches of codes MLA decode reads (values = codes * scale, one fp32 scale per (slot, head), as
@@ -51,6 +52,7 @@ class FlashMLASchedMeta:
     config: tuple | None = None
 
 
+@argument_errors
 def get_mla_metadata(cache_seqlens: torch.Tensor | None = None, num_q_tokens_per_head_k: int | None = None,
                      num_heads_k: int | None = None, num_heads_q: int | None = None,
                      is_fp8_kvcache: bool = False, topk: int | None = None, *,
@@ -79,7 +81,7 @@ def get_mla_metadata(cache_seqlens: torch.Tensor | None = None, num_q_tokens_per
     Raises:
         TypeError: cache_seqlens not an int32 tensor; max_seqlen_k not an int.
         ValueError: cache_seqlens not 1-D, or with a negative value; topk given (sparse attention
-            is not implemented); max_seqlen_k negative.
+            is not implemented); max_seqlen_k negative. Each is a RuntimeError too.
 
     Source: FlashMLA (DeepSeek), ``flash_mla_interface.get_mla_metadata``.
     """
@@ -114,6 +116,7 @@ def mla_num_splits(q: torch.Tensor, k_cache: torch.Tensor, max_seqlen_k: int | N
     return num_splits_heuristic(B * Hkv * max(m_blocks, 1), max_seqlen_k, q.device, cfg.block_n, 1)
 
 
+@argument_errors
 def flash_mla_with_kvcache(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -203,7 +206,9 @@ def flash_mla_with_kvcache(
             clamped into it and a page id outside [0, num_blocks) masked (its keys count for
             nothing), both recorded for :func:`lanekit.check_errors`; with LANEKIT_CHECK_INDICES=1,
             and on the reference lane with CPU tensors, they are checked on the host first and
-            raise ValueError here.
+            raise ValueError here. Each is a RuntimeError too
+            (:class:`lanekit.runtime.validate.ArgumentError` and ``ArgumentTypeError``), as
+            FlashMLA's argument checks (TORCH_CHECK) raise RuntimeError.
 
     Semantics: FlashMLA (DeepSeek), ``flash_mla_interface.flash_mla_with_kvcache`` (dense
     decoding); beyond it: fp16, int8, fp8 e4m3 and e5m2 caches with lanekit's per-(slot, head)
