@@ -408,7 +408,9 @@ SPILL_ALLOWANCES: dict[tuple[str, str], tuple[int, str]] = {
         ("_flash_attn_bwd_dq_kernel", 2556, _RDNA_DQ_FP32),
     )},
     ("_flash_attn_kvcache_kernel", "gfx1151"): (168, _RDNA_KVCACHE),
-    **{("_flash_mla_kvcache_kernel", rdna): (520, _RDNA_MLA) for rdna in ("gfx1151", "gfx1201")},
+    ("_flash_mla_kvcache_kernel", "gfx1201"): (520, _RDNA_MLA),
+    ("_flash_mla_kvcache_kernel", "gfx1151"): (1500, _RDNA_MLA + "; RDNA 3.5 (gfx1151, the same row) spills "
+                                                "930-1500 bytes, 4 and 16 warps no less"),
     ("_flash_attn_kvcache_kernel", "gfx1201"): (36, _RDNA_KVCACHE),
     # NVIDIA: the spills there since before the record counted them (largest per kernel; the
     # record itself pins each specialization's figure, so any change still fails --check)
