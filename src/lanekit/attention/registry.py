@@ -417,3 +417,6 @@ register(Op(
     outputs=(("out", ATTENTION_FWD), ("lse", LSE), ("k_cache", ELTWISE), ("v_cache", ELTWISE)),
     doc="Decode over a contiguous or paged (quantized) KV cache: append, RoPE, split-KV (FlashAttention's with_kvcache)",
 ))
+
+# MLA decode (flash_mla_with_kvcache) registers from a module of its own
+from lanekit.attention import registry_mla  # noqa: E402,F401
