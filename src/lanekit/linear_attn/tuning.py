@@ -1,0 +1,105 @@
+"""Tile tables of the linear-attention kernels, and what their compiles may show.
+
+The tables are data, keyed by architecture id (``lanekit.runtime.tuning.arch_id``); the machinery
+that reads them lives in ``lanekit.runtime.tuning``. What was tried, with dates and figures, goes to
+docs/tuning/linear_attn.md.
+
+Every chunked kernel works on chunks of ``chunk`` tokens; the whole K (padded to a power of two,
+at most 256) is one tile, V is walked in blocks of ``block_v``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lanekit.runtime.tuning import arch_row, tile_options
+
+
+@dataclass(frozen=True)
+class ChunkConfig:
+    """One chunked kernel's launch: chunk length, V block, warps, stages (and AMD's waves per EU)."""
+
+    chunk: int
+    block_v: int
+    num_warps: int
+    num_stages: int
+    waves_per_eu: int = 0
+
+    def options(self) -> dict:
+        return tile_options(self)
+
+
+@dataclass(frozen=True)
+class LinearAttnTiles:
+    """The launches of one architecture, one per kernel (kernels/chunk.py, kernels/recurrent.py).
+
+    state_fwd: the state pass (one program per (sequence * head, V block), the chunks in order).
+    output: the output pass (one program per (chunk, V block, head)).
+    state_bwd: the state-gradient pass (the chunks in reverse).
+    grad: dq, dk, dv (and the decay's per-token term) per chunk, V walked inside.
+    recurrent: the step-by-step recurrence (chunk unused).
+    All chunked kernels of one call share one chunk length: the state pass stores a state per
+    chunk that the others read.
+    """
+
+    state_fwd: ChunkConfig
+    output: ChunkConfig
+    state_bwd: ChunkConfig
+    grad: ChunkConfig
+    recurrent: ChunkConfig
+
+    @property
+    def chunk(self) -> int:
+        return self.state_fwd.chunk
+
+
+# generic: 64-token chunks (fla's), V blocks of 64 for the sequential state passes so that
+# (batch * head) programs times two V blocks fill the GPU, the whole V (up to 128) for the output
+# pass so that q k^T is computed once per chunk. Not yet timed on a GPU (docs/tuning/linear_attn.md).
+TILES: dict[str, LinearAttnTiles] = {
+    "generic": LinearAttnTiles(
+        state_fwd=ChunkConfig(64, 64, 4, 2),
+        output=ChunkConfig(64, 128, 4, 2),
+        state_bwd=ChunkConfig(64, 64, 4, 2),
+        grad=ChunkConfig(64, 64, 8, 1),
+        recurrent=ChunkConfig(64, 32, 4, 1),
+    ),
+    # Hopper: three stages for the state passes' loads of the next chunks (k, v or q, do: 32 KiB
+    # each at K = 128, bf16), within its 228 KiB of shared memory.
+    "sm90": LinearAttnTiles(
+        state_fwd=ChunkConfig(64, 64, 4, 3),
+        output=ChunkConfig(64, 128, 8, 2),
+        state_bwd=ChunkConfig(64, 64, 4, 3),
+        grad=ChunkConfig(64, 64, 8, 1),
+        recurrent=ChunkConfig(64, 32, 4, 1),
+    ),
+    # RDNA (wave32, 64 KiB of LDS): 32-token chunks and 32-wide V blocks keep the grad kernel's
+    # three fp32 accumulators within its VGPRs.
+    "gfx1201": LinearAttnTiles(
+        state_fwd=ChunkConfig(32, 32, 4, 1),
+        output=ChunkConfig(32, 64, 4, 1),
+        state_bwd=ChunkConfig(32, 32, 4, 1),
+        grad=ChunkConfig(32, 32, 4, 1),
+        recurrent=ChunkConfig(32, 32, 4, 1),
+    ),
+}
+
+# Interpreted: 16-token chunks and 16-wide V blocks, so that the tests' short sequences (17, 40
+# tokens) cross several chunks and V blocks and every mask runs on the CPU.
+INTERPRETER = LinearAttnTiles(
+    state_fwd=ChunkConfig(16, 16, 1, 1),
+    output=ChunkConfig(16, 16, 1, 1),
+    state_bwd=ChunkConfig(16, 16, 1, 1),
+    grad=ChunkConfig(16, 16, 1, 1),
+    recurrent=ChunkConfig(16, 16, 1, 1),
+)
+
+
+def tiles(device) -> LinearAttnTiles:
+    """The launches for ``device``'s architecture (its alias's, else generic's)."""
+    return arch_row(TILES, device)
+
+
+# ---- compile allowances (lanekit targets): (kernel, target) -> (bytes | regular expression, reason).
+SPILL_ALLOWANCES: dict[tuple[str, str], tuple[int, str]] = {}
+MATRIX_ALLOWANCES: dict[tuple[str, str], tuple[str, str]] = {}
