@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import lanekit
+import lanekit.linear_attn as la
 from lanekit.linear_attn import (chunk_linear_attn, chunk_simple_gla, fused_recurrent_linear_attn,
                                  fused_recurrent_simple_gla)
 from lanekit.linear_attn.registry import LINEAR_ATTN_BWD, LINEAR_ATTN_DG, LINEAR_ATTN_FWD, LINEAR_ATTN_STATE
@@ -305,3 +306,17 @@ def test_works_under_torch_compile_fullgraph(device):
     # the kernels are the same; the loss's ops around them are inductor's own
     for a, b, tol in zip(got, eager, (LINEAR_ATTN_BWD,) * 3 + (LINEAR_ATTN_DG, LINEAR_ATTN_STATE)):
         assert_close(a, b.double(), tol)
+
+
+def test_the_benchmark_checks_its_cases_at_tiny_shapes_on_the_reference_lane(monkeypatch):
+    # benchmarks.linear_attn's inputs, check and runners (the fla peer only where fla imports)
+    from benchmarks import linear_attn as bench
+
+    monkeypatch.setenv("LANEKIT_LANE", "reference")
+    c = next(c for c in bench.cases(shapes=bench.TINY) if c["backward"] and c["op"] == "chunk_simple_gla")
+    inputs = bench.make_inputs(c, device="cpu")
+    assert bench.check(c, *inputs) is None
+    assert "lanekit" in bench.runners(c, *inputs)
+    # a wrong result is refused: the forward of another decay (g / 2)
+    monkeypatch.setattr(bench, "_lanekit", lambda c, q, k, v, g, do: lambda: la.chunk_simple_gla(q, k, v, g / 2)[0])
+    assert bench.check(c, *inputs).startswith("dq: ")
