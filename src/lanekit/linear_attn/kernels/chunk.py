@@ -397,16 +397,16 @@ def _strides(t: torch.Tensor | None, n: int) -> tuple[int, ...]:
     return tuple(t.stride()) if t is not None else (0,) * n
 
 
-def _precision(q: torch.Tensor) -> str:
-    return "ieee" if q.dtype == torch.float32 else "tf32"   # fp32: IEEE products, never TF32
+def _precision(q: torch.Tensor) -> str | None:
+    return "ieee" if q.dtype == torch.float32 else None   # fp32: IEEE products, never TF32
 
 
 def _block(n: int, cap: int) -> int:
     return min(cap, block16(n))
 
 
-def _tiles(device: torch.device) -> tuning.LinearAttnTiles:
-    return tuning.INTERPRETER if triton_interpreted() else tuning.tiles(device)
+def _tiles(q: torch.Tensor) -> tuning.LinearAttnTiles:
+    return tuning.INTERPRETER if triton_interpreted() else tuning.tiles(q.device, q.dtype)
 
 
 def _on_device(t: torch.Tensor):
@@ -443,7 +443,7 @@ def chunk_fwd(*, q, k, v, g, initial_state, cu_seqlens, scale, output_final_stat
     asked for). T > 0."""
     B, T, H, DK = q.shape
     DV = v.shape[3]
-    tiles = _tiles(q.device)
+    tiles = _tiles(q)
     lay = layout(q, cu_seqlens, tiles.chunk)
     heads = H if lay.varlen else B * H
     _check_grid(heads, "batch * heads" if not lay.varlen else "heads")
@@ -476,7 +476,7 @@ def chunk_bwd(*, q, k, v, g, initial_state, cu_seqlens, scale, do, dht, final):
         return (grads[0].to(q.dtype), grads[1].to(k.dtype), grads[2].to(v.dtype), *grads[3:])
     B, T, H, DK = q.shape
     DV = v.shape[3]
-    tiles = _tiles(q.device)
+    tiles = _tiles(q)
     lay = layout(q, cu_seqlens, tiles.chunk)
     heads = H if lay.varlen else B * H
     _check_grid(heads, "batch * heads" if not lay.varlen else "heads")

@@ -62,7 +62,7 @@ def recurrent_fwd(*, q, k, v, g, initial_state, cu_seqlens, scale, output_final_
     """(o (B, T, H, V) in out_dtype, final state (N, H, K, V) fp32 or an empty tensor). T > 0."""
     B, T, H, DK = q.shape
     DV = v.shape[3]
-    tiles = _tiles(q.device)
+    tiles = _tiles(q)
     cfg = tiles.recurrent
     lay = layout(q, cu_seqlens, tiles.chunk)
     o = alloc.empty((B, T, H, DV), dtype=out_dtype, device=q.device)
