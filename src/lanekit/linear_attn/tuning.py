@@ -19,13 +19,16 @@ from lanekit.runtime.tuning import arch_row, tile_options
 
 @dataclass(frozen=True)
 class ChunkConfig:
-    """One chunked kernel's launch: chunk length, V block, warps, stages (and AMD's waves per EU)."""
+    """One chunked kernel's launch: chunk length, V block, warps, stages (and AMD's waves per EU);
+    for the state passes also a K block (0: the whole K), since each block of the state's rows
+    evolves on its own."""
 
     chunk: int
     block_v: int
     num_warps: int
     num_stages: int
     waves_per_eu: int = 0
+    block_k: int = 0
 
     def options(self) -> dict:
         return tile_options(self)
@@ -35,7 +38,7 @@ class ChunkConfig:
 class LinearAttnTiles:
     """The launches of one architecture, one per kernel (kernels/chunk.py, kernels/recurrent.py).
 
-    state_fwd: the state pass (one program per (sequence * head, V block), the chunks in order).
+    state_fwd: the state pass (one program per (sequence * head, V block, K block), the chunks in order).
     output: the output pass (one program per (chunk, V block, head)).
     state_bwd: the state-gradient pass (the chunks in reverse).
     grad: dq, dk, dv (and the decay's per-token term) per chunk, V walked inside.
@@ -60,27 +63,28 @@ class LinearAttnTiles:
 # pass so that q k^T is computed once per chunk. Not yet timed on a GPU (docs/tuning/linear_attn.md).
 TILES: dict[str, LinearAttnTiles] = {
     "generic": LinearAttnTiles(
-        state_fwd=ChunkConfig(64, 64, 4, 2),
+        state_fwd=ChunkConfig(64, 64, 4, 2, block_k=64),
         output=ChunkConfig(64, 128, 4, 2),
-        state_bwd=ChunkConfig(64, 64, 4, 2),
+        state_bwd=ChunkConfig(64, 64, 4, 2, block_k=64),
         grad=ChunkConfig(64, 64, 8, 1),
         recurrent=ChunkConfig(64, 32, 4, 1),
     ),
-    # Hopper: three stages for the state passes' loads of the next chunks (k, v or q, do: 32 KiB
-    # each at K = 128, bf16), within its 228 KiB of shared memory.
+    # Hopper: 64 x 64 blocks of the state (four programs per head at K = V = 128, as fla's state
+    # pass may split), so that B * H = 32 heads (T = 16k, B = 2) still run 128 programs along
+    # their 256 chunks; three stages for the loads of the next chunks.
     "sm90": LinearAttnTiles(
-        state_fwd=ChunkConfig(64, 64, 4, 3),
+        state_fwd=ChunkConfig(64, 64, 4, 3, block_k=64),
         output=ChunkConfig(64, 128, 8, 2),
-        state_bwd=ChunkConfig(64, 64, 4, 3),
+        state_bwd=ChunkConfig(64, 64, 4, 3, block_k=64),
         grad=ChunkConfig(64, 64, 8, 1),
         recurrent=ChunkConfig(64, 32, 4, 1),
     ),
     # RDNA (wave32, 64 KiB of LDS): 32-token chunks and 32-wide V blocks keep the grad kernel's
     # three fp32 accumulators within its VGPRs.
     "gfx1201": LinearAttnTiles(
-        state_fwd=ChunkConfig(32, 32, 4, 1),
+        state_fwd=ChunkConfig(32, 32, 4, 1, block_k=32),
         output=ChunkConfig(32, 64, 4, 1),
-        state_bwd=ChunkConfig(32, 32, 4, 1),
+        state_bwd=ChunkConfig(32, 32, 4, 1, block_k=32),
         grad=ChunkConfig(32, 32, 4, 1),
         recurrent=ChunkConfig(32, 32, 4, 1),
     ),
@@ -89,9 +93,9 @@ TILES: dict[str, LinearAttnTiles] = {
 # Ampere: the grad kernel's three fp32 accumulators with 64-wide V blocks spilled a few bytes
 # (mma.sync keeps its operands in registers): 32-wide V blocks there.
 TILES["sm80"] = LinearAttnTiles(
-    state_fwd=ChunkConfig(64, 64, 4, 2),
+    state_fwd=ChunkConfig(64, 64, 4, 2, block_k=64),
     output=ChunkConfig(64, 128, 4, 2),
-    state_bwd=ChunkConfig(64, 64, 4, 2),
+    state_bwd=ChunkConfig(64, 64, 4, 2, block_k=64),
     grad=ChunkConfig(64, 32, 8, 1),
     recurrent=ChunkConfig(64, 32, 4, 1),
 )
@@ -108,12 +112,12 @@ TILES_FP32: dict[str, LinearAttnTiles] = {
     ),
 }
 
-# Interpreted: 16-token chunks and 16-wide V blocks, so that the tests' short sequences (17, 40
-# tokens) cross several chunks and V blocks and every mask runs on the CPU.
+# Interpreted: 16-token chunks and 16-wide V (and state K) blocks, so that the tests' short
+# sequences (17, 40 tokens) cross several chunks and blocks and every mask runs on the CPU.
 INTERPRETER = LinearAttnTiles(
-    state_fwd=ChunkConfig(16, 16, 1, 1),
+    state_fwd=ChunkConfig(16, 16, 1, 1, block_k=16),
     output=ChunkConfig(16, 16, 1, 1),
-    state_bwd=ChunkConfig(16, 16, 1, 1),
+    state_bwd=ChunkConfig(16, 16, 1, 1, block_k=16),
     grad=ChunkConfig(16, 16, 1, 1),
     recurrent=ChunkConfig(16, 16, 1, 1),
 )

@@ -14,9 +14,10 @@ is fp32) and the final state (fp32); ``_chunk_output_kernel`` then computes ever
 in parallel. Backward: the state pass runs again; ``_chunk_state_bwd_kernel`` walks the chunks in
 reverse carrying dh (the gradient of the state leaving a chunk), storing it per chunk and writing
 the initial state's gradient; ``_chunk_grad_kernel`` computes dq, dk, dv per chunk in parallel and,
-with decay, the per-token term q_t . dq_t - k_t . dk_t of dL/d(cumulative g); ``_reverse_cumsum_kernel``
-sums those from the end of each sequence into dg (plus <dht, S_T>, through which every g reaches
-the final state).
+with decay, the per-token term q_t . dq_t - k_t . dk_t of dL/d(cumulative g) and its sum per chunk;
+``_dg_kernel`` sums those from the end of each sequence into dg, one chunk per program (the later
+chunks' sums, then within the chunk), plus <dht, S_T>, through which every g reaches the final
+state.
 
 Varlen (``cu_seqlens``): sequences packed along T of batch row 0. The host sanitizes the offsets
 on the device (clamped to [0, T], made non-decreasing: kernels never leave the tensors, and a
@@ -67,8 +68,9 @@ def _sequence(i_n, CU, CU_CHUNKS, T, NT, IS_VARLEN: tl.constexpr):
 @triton.jit
 def _chunk_of(i_c, i_bh, CU, CU_CHUNKS, T, NT, H, NSEQ, SEARCH_STEPS,
               CHUNK: tl.constexpr, IS_VARLEN: tl.constexpr):
-    """(batch row, head, first token of the chunk, end of its sequence, index of its stored state)
-    of program (i_c, i_bh) of a parallel kernel; a spare varlen program gets an empty chunk."""
+    """(batch row, head, first token of the chunk, end of its sequence, index of its stored state,
+    sequence) of program (i_c, i_bh) of a parallel kernel; a spare varlen program gets an empty
+    chunk."""
     if IS_VARLEN:
         lo = i_c * 0
         hi = lo + NSEQ
@@ -81,11 +83,11 @@ def _chunk_of(i_c, i_bh, CU, CU_CHUNKS, T, NT, H, NSEQ, SEARCH_STEPS,
         eos = tl.load(CU + lo + 1).to(tl.int64)
         t0 = bos + (i_c.to(tl.int64) - tl.load(CU_CHUNKS + lo).to(tl.int64)) * CHUNK
         valid = i_c < tl.load(CU_CHUNKS + NSEQ)
-        return t0 * 0, i_bh, t0, tl.where(valid, eos, t0), i_c.to(tl.int64)
+        return t0 * 0, i_bh, t0, tl.where(valid, eos, t0), i_c.to(tl.int64), lo.to(tl.int64)
     else:
         i_n = (i_bh // H).to(tl.int64)
         t0 = i_c.to(tl.int64) * CHUNK
-        return i_n, i_bh % H, t0, t0 * 0 + T, i_n * NT + i_c
+        return i_n, i_bh % H, t0, t0 * 0 + T, i_n * NT + i_c, i_n
 
 
 @triton.jit
@@ -129,9 +131,10 @@ def _chunk_state_fwd_kernel(
 ):
     i_nh = tl.program_id(0).to(tl.int64)
     i_v = tl.program_id(1).to(tl.int64)
+    i_k = tl.program_id(2).to(tl.int64)                                          # a block of K rows of the state
     i_n, i_h = i_nh // H, i_nh % H
     b, bos, eos, chunk0 = _sequence(i_n, CU, CU_CHUNKS, T, NT, IS_VARLEN)
-    offs_k = tl.arange(0, BK).to(tl.int64)
+    offs_k = i_k * BK + tl.arange(0, BK).to(tl.int64)
     offs_v = i_v * BV + tl.arange(0, BV)
     offs_c = tl.arange(0, CHUNK)
     k_in, v_in = offs_k < DK, offs_v < DV
@@ -171,7 +174,7 @@ def _chunk_output_kernel(
     i_c = tl.program_id(0)
     i_v = tl.program_id(1).to(tl.int64)
     i_bh = tl.program_id(2)
-    b, i_h, t0, eos, hidx = _chunk_of(i_c, i_bh, CU, CU_CHUNKS, T, NT, H, NSEQ, SEARCH_STEPS, CHUNK, IS_VARLEN)
+    b, i_h, t0, eos, hidx, _ = _chunk_of(i_c, i_bh, CU, CU_CHUNKS, T, NT, H, NSEQ, SEARCH_STEPS, CHUNK, IS_VARLEN)
     offs_k = tl.arange(0, BK).to(tl.int64)
     offs_v = i_v * BV + tl.arange(0, BV)
     offs_c = tl.arange(0, CHUNK)
@@ -211,9 +214,10 @@ def _chunk_state_bwd_kernel(
 ):
     i_nh = tl.program_id(0).to(tl.int64)
     i_v = tl.program_id(1).to(tl.int64)
+    i_k = tl.program_id(2).to(tl.int64)                                          # a block of K rows of the state
     i_n, i_h = i_nh // H, i_nh % H
     b, bos, eos, chunk0 = _sequence(i_n, CU, CU_CHUNKS, T, NT, IS_VARLEN)
-    offs_k = tl.arange(0, BK).to(tl.int64)
+    offs_k = i_k * BK + tl.arange(0, BK).to(tl.int64)
     offs_v = i_v * BV + tl.arange(0, BV)
     offs_c = tl.arange(0, CHUNK)
     k_in, v_in = offs_k < DK, offs_v < DV
@@ -242,7 +246,7 @@ def _chunk_state_bwd_kernel(
 
 @triton.jit(do_not_specialize=["T", "NT", "NSEQ", "SEARCH_STEPS"])
 def _chunk_grad_kernel(
-    Q, K_, V_, G, DO, HBUF, DHBUF, DQ, DK_, DV_, DGL, CU, CU_CHUNKS,
+    Q, K_, V_, G, DO, HBUF, DHBUF, DQ, DK_, DV_, DGL, CSUM, CU, CU_CHUNKS,
     stride_qb, stride_qt, stride_qh, stride_qk,
     stride_kb, stride_kt, stride_kh, stride_kk,
     stride_vb, stride_vt, stride_vh, stride_vv,
@@ -252,10 +256,11 @@ def _chunk_grad_kernel(
     CHUNK: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     HAS_G: tl.constexpr, IS_VARLEN: tl.constexpr, INPUT_PRECISION: tl.constexpr,
 ):
-    # dq, dk, dv of one chunk (the gradient buffers are contiguous (B, T, H, D); DGL (B, T, H) fp32)
+    # dq, dk, dv of one chunk (the gradient buffers are contiguous (B, T, H, D)); with decay also
+    # DGL (B, T, H) fp32, the per-token term of dg, and CSUM (chunks, H) fp32, its chunk's sum
     i_c = tl.program_id(0)
     i_bh = tl.program_id(1)
-    b, i_h, t0, eos, hidx = _chunk_of(i_c, i_bh, CU, CU_CHUNKS, T, NT, H, NSEQ, SEARCH_STEPS, CHUNK, IS_VARLEN)
+    b, i_h, t0, eos, hidx, _ = _chunk_of(i_c, i_bh, CU, CU_CHUNKS, T, NT, H, NSEQ, SEARCH_STEPS, CHUNK, IS_VARLEN)
     offs_k = tl.arange(0, BK).to(tl.int64)
     offs_c = tl.arange(0, CHUNK)
     t = t0 + offs_c
@@ -313,32 +318,36 @@ def _chunk_grad_kernel(
         # dL/d(cumulative g at t) = q_t . dq_t - k_t . dk_t (the decay enters as exp(b_t - b_s))
         dgl = tl.sum(q.to(tl.float32) * dq, 1) - tl.sum(k.to(tl.float32) * dk, 1)
         tl.store(DGL + (b * T + t) * H + i_h, dgl, mask=t_in)
+        tl.store(CSUM + hidx * H + i_h, tl.sum(dgl, 0), mask=t0 < eos)
 
 
-@triton.jit(do_not_specialize=["T", "NT"])
-def _reverse_cumsum_kernel(
-    DGL, EXTRA, DG, CU, CU_CHUNKS,
+@triton.jit(do_not_specialize=["T", "NT", "NSEQ", "SEARCH_STEPS"])
+def _dg_kernel(
+    DGL, CSUM, EXTRA, DG, CU, CU_CHUNKS,
     stride_gb, stride_gt, stride_gh,
-    T, NT, H,
-    BLOCK: tl.constexpr, HAS_EXTRA: tl.constexpr, IS_VARLEN: tl.constexpr,
+    T, NT, H, NSEQ, SEARCH_STEPS,
+    CHUNK: tl.constexpr, BLOCK_S: tl.constexpr, HAS_EXTRA: tl.constexpr, IS_VARLEN: tl.constexpr,
 ):
-    # dg_t = sum_{u >= t in the sequence} dgl_u (+ <dht, S_T>); DGL contiguous (B, T, H) fp32
-    i_nh = tl.program_id(0).to(tl.int64)
-    i_n, i_h = i_nh // H, i_nh % H
-    b, bos, eos, _ = _sequence(i_n, CU, CU_CHUNKS, T, NT, IS_VARLEN)
+    # dg_t = sum_{u >= t in the sequence} dgl_u (+ <dht, S_T>), one chunk per program: the sums of
+    # the sequence's later chunks (CSUM), then the reverse cumulative sum within the chunk
+    i_c = tl.program_id(0)
+    i_bh = tl.program_id(1)
+    b, i_h, t0, eos, hidx, seq = _chunk_of(i_c, i_bh, CU, CU_CHUNKS, T, NT, H, NSEQ, SEARCH_STEPS, CHUNK,
+                                           IS_VARLEN)
+    later = tl.cdiv(eos - t0, CHUNK) - 1              # the sequence's chunks after this one
     acc = tl.zeros([], dtype=tl.float32)
+    offs_s = tl.arange(0, BLOCK_S)
+    for j0 in range(0, later, BLOCK_S):
+        j = hidx + 1 + j0 + offs_s
+        acc += tl.sum(tl.load(CSUM + j * H + i_h, mask=j0 + offs_s < later, other=0.0), 0)
     if HAS_EXTRA:
-        acc += tl.load(EXTRA + i_nh)
-    offs = tl.arange(0, BLOCK)
-    for i in range(0, tl.cdiv(eos - bos, BLOCK)):
-        t = eos - (i + 1) * BLOCK + offs
-        t_in = (t >= bos) & (t < eos)
-        x = tl.load(DGL + (b * T + t) * H + i_h, mask=t_in, other=0.0)
-        total = tl.sum(x, 0)
-        suffix = total - tl.cumsum(x, 0) + x
-        tl.store(DG + b * stride_gb + t * stride_gt + i_h * stride_gh, (acc + suffix).to(DG.dtype.element_ty),
-                 mask=t_in)
-        acc += total
+        acc += tl.load(EXTRA + seq * H + i_h, mask=t0 < eos, other=0.0)
+    t = t0 + tl.arange(0, CHUNK)
+    t_in = t < eos
+    x = tl.load(DGL + (b * T + t) * H + i_h, mask=t_in, other=0.0)                    # [C]
+    suffix = tl.sum(x, 0) - tl.cumsum(x, 0) + x
+    tl.store(DG + b * stride_gb + t * stride_gt + i_h * stride_gh, (acc + suffix).to(DG.dtype.element_ty),
+             mask=t_in)
 
 
 # --------------------------------------------------------------------------------------------
@@ -346,6 +355,8 @@ def _reverse_cumsum_kernel(
 # --------------------------------------------------------------------------------------------
 
 MAX_GRID_YZ = 65535  # CUDA's limit on grid dimensions 1 and 2
+MAX_BLOCK_K = 256    # the largest key head dim (api.MAX_HEAD_DIM_K): a whole key row in one tile
+DG_BLOCK = 256       # chunk sums _dg_kernel adds per step (a 16k-token sequence has 256 chunks of 64)
 
 BAD_CU_SEQLENS = errors.register(
     "linear attention: cu_seqlens not non-decreasing from 0 to T (the packed tokens); the kernels "
@@ -427,13 +438,14 @@ def _states_fwd(*, k, v, g, initial_state, lay: Layout, tiles, H, final, state_d
     hbuf = alloc.empty((lay.states, H, DK, DV), dtype=state_dtype, device=k.device)
     BV = _block(DV, cfg.block_v)
     cu = lay.cu if lay.varlen else k
-    _chunk_state_fwd_kernel[(lay.N * H, triton.cdiv(DV, BV))](
+    BK = _block(DK, cfg.block_k or MAX_BLOCK_K)
+    _chunk_state_fwd_kernel[(lay.N * H, triton.cdiv(DV, BV), triton.cdiv(DK, BK))](
         k, v, g if g is not None else k, initial_state if initial_state is not None else k,
         hbuf if hbuf.numel() else k, final if final is not None else k, cu,
         lay.cu_chunks if lay.varlen else k,
         *k.stride(), *v.stride(), *_strides(g, 3), *_strides(initial_state, 4),
         T, lay.NT, H, DK, DV,
-        CHUNK=tiles.chunk, BK=block16(DK), BV=BV, HAS_G=g is not None, HAS_H0=initial_state is not None,
+        CHUNK=tiles.chunk, BK=BK, BV=BV, HAS_G=g is not None, HAS_H0=initial_state is not None,
         STORE_FINAL=final is not None, IS_VARLEN=lay.varlen, INPUT_PRECISION=_precision(k), **cfg.options())
     return hbuf
 
@@ -485,6 +497,7 @@ def chunk_bwd(*, q, k, v, g, initial_state, cu_seqlens, scale, do, dht, final):
     dk = alloc.empty((B, T, H, DK), dtype=k.dtype, device=dev)
     dv = alloc.empty((B, T, H, DV), dtype=v.dtype, device=dev)
     dgl = alloc.empty((B, T, H), dtype=torch.float32, device=dev) if g is not None else None
+    csum = alloc.empty((lay.states, H), dtype=torch.float32, device=dev) if g is not None else None
     dh0 = (alloc.empty((lay.N, H, DK, DV), dtype=initial_state.dtype, device=dev)
            if initial_state is not None else None)
     cu = lay.cu if lay.varlen else q
@@ -496,17 +509,18 @@ def chunk_bwd(*, q, k, v, g, initial_state, cu_seqlens, scale, do, dht, final):
         cfg = tiles.state_bwd
         BV = _block(DV, cfg.block_v)
         dhbuf = alloc.empty((lay.states, H, DK, DV), dtype=q.dtype, device=dev)
-        _chunk_state_bwd_kernel[(lay.N * H, triton.cdiv(DV, BV))](
+        BKs = _block(DK, cfg.block_k or MAX_BLOCK_K)
+        _chunk_state_bwd_kernel[(lay.N * H, triton.cdiv(DV, BV), triton.cdiv(DK, BKs))](
             q, do, g if g is not None else q, dht if dht is not None else q, dhbuf,
             dh0 if dh0 is not None else q, cu, cu_chunks,
             *q.stride(), *do.stride(), *_strides(g, 3), *_strides(dht, 4),
             scale, T, lay.NT, H, DK, DV,
-            CHUNK=tiles.chunk, BK=BK, BV=BV, HAS_G=g is not None, HAS_DHT=dht is not None,
+            CHUNK=tiles.chunk, BK=BKs, BV=BV, HAS_G=g is not None, HAS_DHT=dht is not None,
             STORE_DH0=dh0 is not None, IS_VARLEN=lay.varlen, INPUT_PRECISION=_precision(q), **cfg.options())
         cfg = tiles.grad
         _chunk_grad_kernel[(lay.chunks, heads)](
             q, k, v, g if g is not None else q, do, hbuf, dhbuf, dq, dk, dv,
-            dgl if dgl is not None else q, cu, cu_chunks,
+            dgl if dgl is not None else q, csum if csum is not None else q, cu, cu_chunks,
             *q.stride(), *k.stride(), *v.stride(), *_strides(g, 3), *do.stride(),
             scale, T, lay.NT, H, DK, DV, lay.N, lay.search_steps,
             CHUNK=tiles.chunk, BK=BK, BV=_block(DV, cfg.block_v), HAS_G=g is not None, IS_VARLEN=lay.varlen,
@@ -517,7 +531,8 @@ def chunk_bwd(*, q, k, v, g, initial_state, cu_seqlens, scale, do, dht, final):
             extra = None
             if dht is not None and final is not None and final.numel():
                 extra = (dht.float() * final).sum((-2, -1)).contiguous()            # (N, H): <dht, S_T>
-            _reverse_cumsum_kernel[(lay.N * H,)](
-                dgl, extra if extra is not None else dgl, dg, cu, cu_chunks, *dg.stride(), T, lay.NT, H,
-                BLOCK=tiles.chunk, HAS_EXTRA=extra is not None, IS_VARLEN=lay.varlen)
+            _dg_kernel[(lay.chunks, heads)](
+                dgl, csum, extra if extra is not None else dgl, dg, cu, cu_chunks, *dg.stride(),
+                T, lay.NT, H, lay.N, lay.search_steps,
+                CHUNK=tiles.chunk, BLOCK_S=DG_BLOCK, HAS_EXTRA=extra is not None, IS_VARLEN=lay.varlen)
     return dq, dk, dv, dg, dh0 if dh0 is not None else q.new_empty(0)
