@@ -320,3 +320,28 @@ def test_the_benchmark_checks_its_cases_at_tiny_shapes_on_the_reference_lane(mon
     # a wrong result is refused: the forward of another decay (g / 2)
     monkeypatch.setattr(bench, "_lanekit", lambda c, q, k, v, g, do: lambda: la.chunk_simple_gla(q, k, v, g / 2)[0])
     assert bench.check(c, *inputs).startswith("dq: ")
+
+
+@pytest.mark.skipif(not ON_GPU, reason="over 2^31 elements: GPU memory only")
+def test_tensors_over_2_to_the_31_elements(device):
+    # 2048 sequences of 1024 tokens packed: q, k, v (1, 2^21, 8, 128) hold 2^31 elements each; the
+    # last sequence's last head (offsets past 2^31) against the oracle, forward and backward
+    T, H, D, L = 2 ** 21, 8, 128, 1024
+    gen = torch.Generator(device=device).manual_seed(10)
+    q, k, v = (torch.randn(1, T, H, D, generator=gen, device=device, dtype=torch.bfloat16) for _ in range(3))
+    g = F.logsigmoid(torch.randn(1, T, H, generator=gen, device=device))
+    assert q.numel() >= 2 ** 31
+    cu = torch.arange(0, T + 1, L, device=device, dtype=torch.int32)
+    leaves = [t.requires_grad_() for t in (q, k, v, g)]
+    with poisoned_outputs():
+        o, s = chunk_simple_gla(q, k, v, g, output_final_state=True, cu_seqlens=cu)
+        do = torch.randn(o.shape, generator=gen, device=device, dtype=o.dtype)
+        grads = torch.autograd.grad(o, leaves, do)
+    last, h = slice(T - L, T), slice(H - 1, H)
+    x64 = [t.detach()[:, last, h].double().requires_grad_() for t in (q, k, v, g)]
+    o_ref, s_ref, _ = ref.recurrence(*x64)
+    assert_close(o[:, last, h], o_ref, LINEAR_ATTN_FWD)
+    assert_close(s[-1:, h], s_ref, LINEAR_ATTN_STATE)
+    want = torch.autograd.grad(o_ref, x64, do[:, last, h].double())
+    for a, b, tol in zip(grads, want, (LINEAR_ATTN_BWD,) * 3 + (LINEAR_ATTN_DG,)):
+        assert_close(a[:, last, h], b, tol)

@@ -83,11 +83,11 @@ def _chunk_of(i_c, i_bh, CU, CU_CHUNKS, T, NT, H, NSEQ, SEARCH_STEPS,
         eos = tl.load(CU + lo + 1).to(tl.int64)
         t0 = bos + (i_c.to(tl.int64) - tl.load(CU_CHUNKS + lo).to(tl.int64)) * CHUNK
         valid = i_c < tl.load(CU_CHUNKS + NSEQ)
-        return t0 * 0, i_bh, t0, tl.where(valid, eos, t0), i_c.to(tl.int64), lo.to(tl.int64)
+        return t0 * 0, i_bh.to(tl.int64), t0, tl.where(valid, eos, t0), i_c.to(tl.int64), lo.to(tl.int64)
     else:
         i_n = (i_bh // H).to(tl.int64)
         t0 = i_c.to(tl.int64) * CHUNK
-        return i_n, i_bh % H, t0, t0 * 0 + T, i_n * NT + i_c, i_n
+        return i_n, (i_bh % H).to(tl.int64), t0, t0 * 0 + T, i_n * NT + i_c, i_n
 
 
 @triton.jit
