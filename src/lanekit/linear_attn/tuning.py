@@ -90,25 +90,35 @@ TILES: dict[str, LinearAttnTiles] = {
     ),
 }
 
-# Ampere: the grad kernel's three fp32 accumulators with 64-wide V blocks spilled a few bytes
-# (mma.sync keeps its operands in registers): 32-wide V blocks there.
+# Ampere: the grad kernel's three fp32 accumulators with 64- and 32-wide V blocks spilled 8 to 24
+# bytes (mma.sync keeps its operands in registers, 255 registers a thread at 8 warps): 16-wide.
 TILES["sm80"] = LinearAttnTiles(
     state_fwd=ChunkConfig(64, 64, 4, 2, block_k=64),
     output=ChunkConfig(64, 128, 4, 2),
     state_bwd=ChunkConfig(64, 64, 4, 2, block_k=64),
-    grad=ChunkConfig(64, 32, 8, 1),
+    grad=ChunkConfig(64, 16, 8, 1),
     recurrent=ChunkConfig(64, 32, 4, 1),
 )
 
-# fp32 inputs (IEEE products: no tensor cores, every operand in registers): 32-token chunks and
-# 32-wide V blocks everywhere; the 64-token tiles spilled kilobytes on every target.
+# fp32 inputs (IEEE products: no tensor cores, every operand in registers), and the normalized
+# form's backward (computed in fp32): 32-token chunks and 32-wide V blocks (16 in the grad kernel,
+# where 32 spilled 8 to 68 bytes on sm90 and gfx942); the 64-token tiles spilled kilobytes on
+# every target.
 TILES_FP32: dict[str, LinearAttnTiles] = {
     "generic": LinearAttnTiles(
         state_fwd=ChunkConfig(32, 32, 4, 1),
         output=ChunkConfig(32, 32, 4, 1),
         state_bwd=ChunkConfig(32, 32, 4, 1),
-        grad=ChunkConfig(32, 32, 8, 1),
+        grad=ChunkConfig(32, 16, 8, 1),
         recurrent=ChunkConfig(32, 32, 4, 1),
+    ),
+    # RDNA: the 32-token grad kernel spilled 200 to 370 bytes (wave32's VGPRs): 16-token chunks.
+    "gfx1201": LinearAttnTiles(
+        state_fwd=ChunkConfig(16, 16, 4, 1, block_k=32),
+        output=ChunkConfig(16, 16, 4, 1),
+        state_bwd=ChunkConfig(16, 16, 4, 1, block_k=32),
+        grad=ChunkConfig(16, 16, 4, 1),
+        recurrent=ChunkConfig(16, 32, 4, 1),
     ),
 }
 
