@@ -140,7 +140,12 @@ def tiles(device, dtype) -> LinearAttnTiles:
 
 
 # ---- compile allowances (lanekit targets): (kernel, target) -> (bytes | regular expression, reason).
-SPILL_ALLOWANCES: dict[tuple[str, str], tuple[int, str]] = {}
+_STACK = ("8 bytes of ptxas stack frame at 80 registers a thread (fp32 grad kernel; a varlen fp16 state "
+          "pass): not register pressure; found 2026-12-07 (`lanekit export --target sm90`), not yet traced")
+SPILL_ALLOWANCES: dict[tuple[str, str], tuple[int, str]] = {
+    ("_chunk_grad_kernel", "sm90"): (8, _STACK),
+    ("_chunk_state_fwd_kernel", "sm90"): (8, _STACK),
+}
 _NARROW_K = ("the state passes multiply [K, chunk] by [chunk, V block]: a key head dim under 64 (the samples' "
              "K = 16 and 32) is under wgmma's 64 rows per warpgroup, so Triton uses Ampere's mma.sync there, "
              "still on the tensor cores")
