@@ -310,8 +310,11 @@ def test_works_under_torch_compile_fullgraph(device):
 
 def test_the_benchmark_checks_its_cases_at_tiny_shapes_on_the_reference_lane(monkeypatch):
     # benchmarks.linear_attn's inputs, check and runners (the fla peer only where fla imports)
-    from benchmarks import linear_attn as bench
+    from benchmarks import linear_attn as bench, run
 
+    assert set(run.GROUPS["linear_attn"]) == set(bench.FAMILIES) <= set(run.FAMILIES)
+    names = [m.name(c) for m in bench.FAMILIES.values() for c in m.cases(False)]
+    assert len(names) == len(set(names)) == 16     # 2 ops x fwd, fwd+bwd x T = 4k, 16k, twice (graphs, eager)
     monkeypatch.setenv("LANEKIT_LANE", "reference")
     c = next(c for c in bench.cases(shapes=bench.TINY) if c["backward"] and c["op"] == "chunk_simple_gla")
     inputs = bench.make_inputs(c, device="cpu")
