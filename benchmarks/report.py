@@ -71,6 +71,17 @@ NOTES = {
         "2.5 forwards' worth of matrix products, as FlashAttention's benchmark counts it), halved "
         "when causal."
     ),
+    "linear_attn_graphs": (
+        "Linear attention (`lanekit.linear_attn`), forward and forward + backward, bf16, D = K = V = 128, "
+        "H = 16, T = 4k (B = 8) and 16k (B = 2), no initial or final state; `chunk_simple_gla` with "
+        "g = logsigmoid(x) / 16, `chunk_linear_attn` with normalize=False. TFLOP/s as the 64-token chunked "
+        "algorithm counts them (2 * 64 * (K + V) + 4 * K * V per token and head; forward + backward three "
+        "forwards). Peer: flash-linear-attention's kernels of the same names (fla-core). Replayed from CUDA "
+        "graphs. Bar (issue 34): >= 1.00x fla."
+    ),
+    "linear_attn_eager": (
+        "The linear_attn cases called eagerly (host time included), beside fla's eager calls."
+    ),
     "moe_graphs": (
         "MoE at Mixtral-8x7B (E=8, top-2, K=4096, N=14336), Qwen3-30B-A3B (E=128, top-8, K=2048, N=768) "
         "and DeepSeek-V3 (E=256, top-8, K=7168, N=2048) shapes, bf16, random routing (top-k softmax of "

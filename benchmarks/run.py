@@ -17,14 +17,15 @@ import triton
 from rich.console import Console
 from rich.table import Table
 
-from benchmarks import attention, attention_fp32, attention_train, decode, gemm, layers, mla, moe, prefill, quant, report
+from benchmarks import (attention, attention_fp32, attention_train, decode, gemm, layers, linear_attn, mla, moe,
+                        prefill, quant, report)
 
 FAMILIES = {"attention": attention, "attention_train": attention_train, "attention_fp32": attention_fp32,
             "layers": layers, "decode": decode, "prefill": prefill, **moe.FAMILIES,
-            **quant.FAMILIES, **gemm.FAMILIES, **mla.FAMILIES}
+            **quant.FAMILIES, **gemm.FAMILIES, **mla.FAMILIES, **linear_attn.FAMILIES}
 #: Names that stand for several families: ``python -m benchmarks.run moe``.
 GROUPS = {"moe": tuple(moe.FAMILIES), "quant": tuple(quant.FAMILIES), "gemm": tuple(gemm.FAMILIES),
-          "mla": tuple(mla.FAMILIES)}
+          "mla": tuple(mla.FAMILIES), "linear_attn": tuple(linear_attn.FAMILIES)}
 
 
 def machine() -> dict:

@@ -16,7 +16,7 @@ from lanekit.runtime.registry import Op, registered
 from lanekit.runtime.targets import Allowances
 from lanekit.testing import TOLERANCES, Tolerance
 
-FAMILIES: tuple[str, ...] = ("attention", "kv_cache", "layers", "moe", "quant", "gemm", "rnn")
+FAMILIES: tuple[str, ...] = ("attention", "kv_cache", "layers", "moe", "quant", "gemm", "rnn", "linear_attn")
 
 
 def registry() -> dict[str, Op]:
