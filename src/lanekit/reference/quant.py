@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from lanekit.reference.numerics import QUANT_MAX, to_codes
+from lanekit.reference.numerics import FP8_NAN_CODE, QUANT_MAX, finite_amax, quant_scale, to_codes
 
 
 def _group_of(granularity: str, C: int, group_size: int) -> int:
@@ -32,13 +32,13 @@ def _quantize(x, dtype, scale, granularity, group_size, zero_scale):
     qmax = QUANT_MAX[dtype]
     if scale is None:
         if granularity == "tensor":
-            amax = x.abs().amax().reshape(1, 1) if x.numel() else torch.zeros(1, 1, device=x.device)
+            amax = finite_amax(x).reshape(1, 1) if x.numel() else torch.zeros(1, 1, device=x.device)
         elif granularity == "token":
-            amax = x.abs().amax(-1, keepdim=True) if C else torch.zeros(R, 1, device=x.device)
+            amax = finite_amax(x, -1, keepdim=True) if C else torch.zeros(R, 1, device=x.device)
         else:
             g, _ = _groups(x, _group_of(granularity, C, group_size))
-            amax = g.abs().amax(-1) if g.numel() else torch.zeros(R, g.shape[1], device=x.device)
-        s = torch.where(amax > 0, amax / torch.full_like(amax, qmax), torch.full_like(amax, zero_scale))
+            amax = finite_amax(g, -1) if g.numel() else torch.zeros(R, g.shape[1], device=x.device)
+        s = quant_scale(amax, qmax, zero_scale)     # NaN for a group holding a NaN or inf
     else:
         s = scale.to(torch.float32).reshape(1, 1) if granularity == "tensor" else scale.to(torch.float32)
     group = C if granularity == "tensor" else _group_of(granularity, C, group_size)
@@ -182,4 +182,6 @@ def stochastic_round_fp8(x: torch.Tensor, dtype=torch.float8_e4m3fn, seed: int =
     up = (r >> 8).to(torch.float32) < (a - lo) * 16777216.0
     step = torch.pow(2.0, (E - mbits).clamp(max=127).to(torch.float64)).to(torch.float32)
     v = torch.minimum((lo + up.to(torch.float32)) * step, torch.full_like(lo, qmax))
-    return torch.where(torch.signbit(x), -v, v).to(dtype)     # x's sign, -0 included
+    codes = torch.where(torch.signbit(x), -v, v).to(dtype).view(torch.uint8)   # x's sign, -0 included
+    nan = torch.full_like(codes, FP8_NAN_CODE)
+    return torch.where(torch.isnan(x), nan, codes).view(dtype)   # NaN: the NaN code (+-inf saturate)

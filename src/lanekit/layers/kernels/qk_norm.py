@@ -12,7 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
-from lanekit.common.numerics import (max_nan as _max_nan, power_of_two as _power_of_two, quantize as _quantize,
+from lanekit.common.numerics import (cast_codes as _cast_codes, max_nan as _max_nan, power_of_two as _power_of_two,
+                                     quantize as _quantize,
                                      reciprocal_power as _reciprocal_power, unit_exponent as _unit_exponent)
 from lanekit.layers import tuning
 from lanekit.layers.kernels.rotary import _rotary_pairs, _rotary_tokens
@@ -200,11 +201,15 @@ def _qk_redo(amax, redo, x_rows, stride_xd, W, stride_w, offset, da, db, offs_i,
 @triton.jit
 def _qk_codes(ra, rb, rest, amax, slow_tile, qmax, QUANT: tl.constexpr, HAS_REST: tl.constexpr):
     """The codes (ra, rb, rest) of u in _qk_norm_rope_fwd_kernel: u * qmax / max |u|, rounded to
-    int8 (QUANT 1) or fp8 e4m3 (QUANT 2), clamped to the code range in redone tiles alone."""
+    int8 (QUANT 1) or fp8 e4m3 (QUANT 2), clamped to the code range in redone tiles alone; NaN
+    (fp8; stored as cast_codes' 0x7F) or 0 (int8) in a row whose max |u| is not finite."""
     # one correctly rounded division per row, a product per element (an IEEE division per
     # element made this kernel compute-bound: about 30 instructions each on sm90), bounded so
     # that an all-zero row's is finite
-    inv = tl.minimum(tl.math.div_rn(tl.full(amax.shape, qmax, tl.float32), amax), 2.0 ** 127)[:, None]
+    inv = tl.minimum(tl.math.div_rn(tl.full(amax.shape, qmax, tl.float32), amax), 2.0 ** 127)
+    # a row whose scale is NaN (max |u| inf or NaN): every code NaN (fp8) or 0 (int8), the
+    # NaN-visible rule (docs/semantics.md); the hardware's min would have dropped the NaN
+    inv = tl.where(amax < float("inf"), inv, float("nan"))[:, None]
     # The clamp to the code range cannot act where max |u| lies in [2^-100, 2^100): |u| <= amax,
     # inv <= (qmax / amax)(1 + 2^-24), so |u * inv| rounded is at most qmax (1 + 2^-22), which
     # rounds to qmax at most (int8: 127.00003; e4m3: 448.0001, the next step up being 32 away).
@@ -315,10 +320,10 @@ def _qk_norm_rope_fwd_kernel(
         _store(_pick(is_k, K_SCALE, Q_SCALE) + row, scale, row_mask, EVEN)
         ra, rb, rest = _qk_codes(ra, rb, rest, amax, slow_tile, qmax, QUANT, HAS_REST)
     o_rows = (_pick(is_k, K_OUT, Q_OUT) + row * (BLOCK_D if POW2_D else D))[:, None]
-    _store(o_rows + da[None, :], ra.to(Q_OUT.dtype.element_ty), pair_mask, EVEN)
-    _store(o_rows + db[None, :], rb.to(Q_OUT.dtype.element_ty), pair_mask, EVEN)
+    _store(o_rows + da[None, :], _cast_codes(ra, Q_OUT.dtype.element_ty, QUANT), pair_mask, EVEN)
+    _store(o_rows + db[None, :], _cast_codes(rb, Q_OUT.dtype.element_ty, QUANT), pair_mask, EVEN)
     if HAS_REST:
-        tl.store(o_rows + offs_d[None, :], rest.to(Q_OUT.dtype.element_ty), mask=rest_mask)
+        tl.store(o_rows + offs_d[None, :], _cast_codes(rest, Q_OUT.dtype.element_ty, QUANT), mask=rest_mask)
 
 
 @triton.jit
