@@ -298,15 +298,13 @@ def _wide_rows(g, shape, dtype, low, span, zeros=0.1):
 def _assert_quant_matches(got, expected):
     """Codes equal to the oracle's bit for bit; scales (fp32) within the "norm" rule, each at its own
     magnitude (a tensor's rows may span many binades here), NaN where the oracle's is. Codes of a
-    row with a NaN scale (inf or NaN in x) are not specified, and not compared."""
-    nan_rows = [expected[1].isnan(), expected[3].isnan()]
+    row with a NaN scale (inf or NaN in x) are compared too: the NaN code (e4m3) or 0 (int8)."""
     for i, (name, o, e) in enumerate(zip(("q_codes", "q_scale", "k_codes", "k_scale"), got, expected,
                                          strict=True)):
         assert o.dtype == e.dtype and o.shape == e.shape, name
         o, e = o.cpu(), e.cpu()
         if i % 2 == 0:
-            keep = ~nan_rows[i // 2].cpu()
-            same = o.view(torch.uint8)[keep] == e.view(torch.uint8)[keep]
+            same = o.view(torch.uint8) == e.view(torch.uint8)
             assert bool(same.all()), f"{name}: {int((~same).sum())} of {same.numel()} differ"
         else:
             assert torch.equal(o.isnan(), e.isnan()), f"{name}: NaN where the oracle has none, or not"
@@ -461,6 +459,36 @@ def test_quantized_qk_tiles_at_the_ends_of_the_range_are_redone_and_exact(device
         assert got[1][0, 2, 5] == 1.0 and not got[0][0, 2, 5].any()
     if rows == "inf and NaN":
         assert got[1][0, 2, 5].isnan() and got[1][0, 3, 0].isnan()
+        assert not got[0][0, 2, 5].any() and not got[0][0, 3, 0].any()     # int8: codes 0
+
+
+@pytest.mark.parametrize("lane", ["triton", "reference"])
+@pytest.mark.parametrize("quant", [torch.float8_e4m3fn, torch.int8], ids=["e4m3", "int8"])
+def test_quantized_qk_a_head_with_a_nan_or_inf_gets_a_nan_scale_and_nan_codes(device, quant, lane):
+    """The NaN-visible rule (docs/semantics.md): a head vector holding a NaN or inf, in q or k, gets a
+    NaN scale and every code the NaN code (e4m3 0x7F) or 0 (int8), on both lanes alike; the other
+    heads of its token and tile are as without it."""
+    g = gen(37)
+    q = randn(1, 3, 4, 64, dtype=torch.bfloat16, device=device, generator=g)
+    k = randn(1, 3, 2, 64, dtype=torch.bfloat16, device=device, generator=g)
+    q[0, 1, 2, 5] = float("nan")
+    q[0, 2, 0, 60] = float("-inf")
+    k[0, 0, 1, 0] = float("inf")
+    w = randn(64, dtype=torch.bfloat16, device=device, generator=g)
+    theta = torch.rand(8, 32, generator=g).to(device)
+    args = (q, k, w, w, theta.cos(), theta.sin())
+    with poisoned_outputs():
+        got = L.qk_norm_rope_quant(*args, quant_dtype=quant, lane=lane)
+    _assert_quant_matches(got, ref.qk_norm_rope_quant(*args, quant_dtype=quant))
+    want_code = 0x7F if quant == torch.float8_e4m3fn else 0
+    for codes, scale, bad in ((got[0], got[1], [(0, 1, 2), (0, 2, 0)]), (got[2], got[3], [(0, 0, 1)])):
+        mask = torch.zeros(scale.shape, dtype=torch.bool)
+        for i in bad:
+            mask[i] = True
+        assert torch.equal(scale.cpu().isnan(), mask)
+        assert (codes.cpu().view(torch.uint8)[mask] == want_code).all()
+        if quant == torch.float8_e4m3fn:
+            assert not (codes.cpu().view(torch.uint8)[~mask] == 0x7F).any()
 
 
 # (x's magnitude, weight, cos and sin, eps): rows whose max |u| the weights or cos and sin put out of
