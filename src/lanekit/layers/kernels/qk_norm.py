@@ -17,7 +17,7 @@ from lanekit.common.numerics import (cast_codes as _cast_codes, max_nan as _max_
                                      reciprocal_power as _reciprocal_power, unit_exponent as _unit_exponent)
 from lanekit.layers import tuning
 from lanekit.layers.kernels.rotary import _rotary_pairs, _rotary_tokens
-from lanekit.layers.kernels.shared import _load_f32, _prefetch_rows, _store, _stride, _to_f32
+from lanekit.layers.kernels.shared import _load_f32, _prefetch_rows, _row_scale, _store, _stride, _to_f32
 from lanekit.runtime.alloc import empty
 from lanekit.runtime.lanes import triton_interpreted
 
@@ -303,7 +303,20 @@ def _qk_norm_rope_fwd_kernel(
     # positive factor per row, divides out of n / scale (reference.layers.qk_norm_rope_quant). So
     # they depend on no sum, and the fp32 sum of squares serves the scale alone.
     if not QUANT:
-        rstd = (1.0 / tl.sqrt(_mean(ss, D, BLOCK_D, POW2_D) + eps))[:, None]
+        # rows whose fp32 sum of squares over- or underflowed (|x| past about 1e19, or tiny; see
+        # norm.py), rare: the tile is taken again from x * p, p = 2^k per row bringing max |x|
+        # into [1, 2) (exact; 1 in the other rows, which keep their bits), with eps p^2
+        at_ends = row_mask & ~((ss >= 2.0 ** -60) & (ss < float("inf")))
+        if tl.max(at_ends.to(tl.int32), axis=0) > 0:
+            p = tl.where(at_ends, _row_scale(_abs_max(a, bb, rest, HAS_REST), eps), 1.0)
+            a = a * p[:, None]
+            bb = bb * p[:, None]
+            if HAS_REST:
+                rest = rest * p[:, None]
+            ss = _square_sum(a, bb, rest, HAS_REST)
+            rstd = (1.0 / tl.sqrt(_mean(ss, D, BLOCK_D, POW2_D) + (eps * p) * p))[:, None]
+        else:
+            rstd = (1.0 / tl.sqrt(_mean(ss, D, BLOCK_D, POW2_D) + eps))[:, None]
         a = a * rstd
         bb = bb * rstd
         if HAS_REST:
@@ -393,15 +406,26 @@ def _rms_norm_rope_bwd_kernel(
         xa = tl.load(x_rows + da[None, :] * stride_xd, mask=pair_mask, other=0.0).to(tl.float32)
         xb = tl.load(x_rows + db[None, :] * stride_xd, mask=pair_mask, other=0.0).to(tl.float32)
         xr = tl.load(x_rows + offs_d[None, :] * stride_xd, mask=rest_mask, other=0.0).to(tl.float32)
+        # the statistics of x * p, p = 2^k bringing the row's max |x| into [1, 2): exact, so the
+        # same bits as x's where its fp32 sum of squares neither over- nor underflows, and right
+        # where it would (|x| past about 1e19, or tiny; see norm.py); rstd(x) = rstd * p
+        amax = tl.maximum(tl.maximum(tl.max(tl.abs(xa), axis=1), tl.max(tl.abs(xb), axis=1)),
+                          tl.max(tl.abs(xr), axis=1))
+        p_row = _row_scale(amax, eps)
+        p = p_row[:, None]
+        xa, xb, xr = xa * p, xb * p, xr * p
         ss = tl.sum(xa * xa, axis=1) + tl.sum(xb * xb, axis=1) + tl.sum(xr * xr, axis=1)
-        rstd = (1.0 / tl.sqrt(ss / D + eps))[:, None]
+        rstd = (1.0 / tl.sqrt(ss / D + (eps * p_row) * p_row))[:, None]
         xa, xb, xr = xa * rstd, xb * rstd, xr * rstd    # xhat
         ga, gb, gr = dn_a * wa[None, :], dn_b * wb[None, :], dn_r * wr[None, :]
         c1 = (tl.sum(ga * xa, axis=1) + tl.sum(gb * xb, axis=1) + tl.sum(gr * xr, axis=1)) / D
         c1 = c1[:, None]
-        tl.store(dx_rows + da[None, :] * stride_dxd, ((ga - xa * c1) * rstd).to(DX.dtype.element_ty), mask=pair_mask)
-        tl.store(dx_rows + db[None, :] * stride_dxd, ((gb - xb * c1) * rstd).to(DX.dtype.element_ty), mask=pair_mask)
-        tl.store(dx_rows + offs_d[None, :] * stride_dxd, ((gr - xr * c1) * rstd).to(DX.dtype.element_ty), mask=rest_mask)
+        tl.store(dx_rows + da[None, :] * stride_dxd, (((ga - xa * c1) * rstd) * p).to(DX.dtype.element_ty),
+                 mask=pair_mask)
+        tl.store(dx_rows + db[None, :] * stride_dxd, (((gb - xb * c1) * rstd) * p).to(DX.dtype.element_ty),
+                 mask=pair_mask)
+        tl.store(dx_rows + offs_d[None, :] * stride_dxd, (((gr - xr * c1) * rstd) * p).to(DX.dtype.element_ty),
+                 mask=rest_mask)
         dwa += tl.sum(dn_a * xa, axis=0)
         dwb += tl.sum(dn_b * xb, axis=0)
         dwr += tl.sum(dn_r * xr, axis=0)
