@@ -415,7 +415,8 @@ def _rms_norm_rope_bwd_kernel(
         p = p_row[:, None]
         xa, xb, xr = xa * p, xb * p, xr * p
         ss = tl.sum(xa * xa, axis=1) + tl.sum(xb * xb, axis=1) + tl.sum(xr * xr, axis=1)
-        rstd = (1.0 / tl.sqrt(ss / D + (eps * p_row) * p_row))[:, None]
+        # rows past the sequence: 0, not 1 / sqrt(0 + eps) (inf for eps 0, NaN in the weight's sum)
+        rstd = tl.where(row_mask, 1.0 / tl.sqrt(ss / D + (eps * p_row) * p_row), 0.0)[:, None]
         xa, xb, xr = xa * rstd, xb * rstd, xr * rstd    # xhat
         ga, gb, gr = dn_a * wa[None, :], dn_b * wb[None, :], dn_r * wr[None, :]
         c1 = (tl.sum(ga * xa, axis=1) + tl.sum(gb * xb, axis=1) + tl.sum(gr * xr, axis=1)) / D
