@@ -32,7 +32,6 @@ if triton_interpreted():
     fix_interpreter()
 
 
-
 @triton.jit
 def _norm_load_h(X, R, GATE, x_row, r_row, m_row, cols, mask, stride_xn, stride_rn, stride_gn,
                  HAS_RESIDUAL: tl.constexpr, HAS_GATE: tl.constexpr):
