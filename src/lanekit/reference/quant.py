@@ -57,14 +57,17 @@ def quantize_fp8(x: torch.Tensor, dtype=torch.float8_e4m3fn, scale=None, granula
     (R, ceil(C / group_size)) per group. Dynamic (``scale`` None): scale = amax / qmax (448 for
     e4m3, 57344 for e5m2), 1 for an all-zero group (``reference.numerics.quantize_groups``'s
     convention); static: the given scale. codes = x / scale saturated at +-qmax, rounded half to
-    even. vLLM's ``scaled_fp8_quant`` / ``per_token_group_quant_fp8``."""
+    even. A group holding a NaN or inf: scale NaN, codes 0x7F (NaN); static: a NaN's code 0x7F,
+    +-inf saturated (docs/semantics.md, "Non-finite values"). vLLM's ``scaled_fp8_quant`` /
+    ``per_token_group_quant_fp8``."""
     return _quantize(x, dtype, scale, granularity, group_size, 1.0)
 
 
 def quantize_int8(x: torch.Tensor, scale=None, granularity="token", group_size=128):
     """Symmetric int8 codes of x (R, C): round half to even of x / scale clamped to [-128, 127];
     dynamic scale amax / 127, 0 for an all-zero group (whose codes are 0); a given scale is used
-    as it is (its sign included; a zero scale gives codes 0). vLLM's ``scaled_int8_quant``
+    as it is (its sign included; a zero scale gives codes 0). A group holding a NaN or inf: scale
+    NaN, codes 0; static: a NaN's code 0, +-inf saturated. vLLM's ``scaled_int8_quant``
     (symmetric)."""
     return _quantize(x, torch.int8, scale, granularity, group_size, 0.0)
 
