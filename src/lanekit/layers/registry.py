@@ -279,7 +279,8 @@ def _rms_norm_rope_samples(device):
     yield qk_case("k laid out heads first, Hq 2 Hkv 3 D80", device, Hq=2, Hkv=3, S=6, k_heads_first=True)
     yield qk_case("heads near bf16's largest and smallest normals, eps 0, D64 S3", device, D=64, S=3,
                   eps=0.0, ends=32.0)
-    yield qk_case("fp32 heads near fp32's largest and smallest normals, eps 0, D80 S2", device, S=2,
+    # D64: fp32 at D80 spills in the backward on sm90 (40 bytes a thread, before this sample too)
+    yield qk_case("fp32 heads near fp32's largest and smallest normals, eps 0, D64 S2", device, D=64, S=2,
                   dtype=torch.float32, eps=0.0, ends=2.0 ** 10)
 
 
