@@ -339,3 +339,65 @@ def test_empty_batch_over_the_grid_limit_launches_nothing(device):
     q = torch.zeros(70000, 0, 1, 16, dtype=torch.float16, device=device)
     k = v = torch.zeros(70000, 3, 1, 16, dtype=torch.float16, device=device)
     assert call(q, k, v).shape == (70000, 0, 1, 16)
+
+
+# ---- masked keys' values must be finite (issue 37; docs/semantics.md, "Non-finite values") ----
+
+def _nan_rows(out):
+    """The query rows (of the first batch entry and head's layout flattened) holding a NaN."""
+    return torch.isnan(out.float().cpu()).flatten(2).any(-1) if out.dim() == 4 else \
+        torch.isnan(out.float().cpu()).flatten(1).any(-1)
+
+
+def _qkv(device, S=40, seed=37):
+    g = torch.Generator().manual_seed(seed)
+    return [randn(1, S, 2, 16, dtype=torch.bfloat16, device=device, generator=g) for _ in range(3)]
+
+
+@pytest.mark.parametrize("lane", ["triton", "reference"])
+def test_a_nan_in_a_masked_value_row_makes_masked_queries_nan_as_flashattention_and_sdpa(device, lane):
+    """Not skipped (the kernels are left as FlashAttention's): 0 * NaN in P @ V. Pinned where both
+    lanes agree whatever the tiles: key 1 (in every causal tile's first block) hidden from query 0
+    by causal, and a key hidden from every query by attn_mask. A NaN in a masked *key* is harmless:
+    only the queries that see it turn NaN."""
+    q, k, v = _qkv(device)
+    v_nan = v.clone()
+    v_nan[0, 1] = float("nan")
+    out = lanekit.flash_attn_func(q, k, v_nan, causal=True, lane=lane)
+    assert _nan_rows(out)[0, 0], "query 0 cannot see key 1, yet 0 * NaN reaches it"
+    assert _nan_rows(out)[0].all()
+    mask = torch.ones(1, 1, 40, 40, dtype=torch.bool, device=device)
+    mask[..., 20] = False
+    v_nan = v.clone()
+    v_nan[0, 20] = float("nan")
+    out = lanekit.flash_attn_func(q, k, v_nan, attn_mask=mask, lane=lane)
+    assert _nan_rows(out).all(), "a NaN value under a mask reaches every query"
+    # NaN keys: the score becomes -inf before the softmax where masked
+    k_nan = k.clone()
+    k_nan[0, 20] = float("nan")
+    assert not _nan_rows(lanekit.flash_attn_func(q, k_nan, v, attn_mask=mask, lane=lane)).any()
+    seen = _nan_rows(lanekit.flash_attn_func(q, k_nan, v, causal=True, lane=lane))[0]
+    assert torch.equal(seen, torch.arange(40) >= 20)
+    seen = _nan_rows(lanekit.flash_attn_func(q, k_nan, v, window_size=(4, 0), lane=lane))[0]
+    assert torch.equal(seen, (torch.arange(40) >= 20) & (torch.arange(40) <= 24))
+
+
+@pytest.mark.parametrize("lane", ["triton", "reference"])
+def test_varlen_and_kvcache_a_nan_value_masked_by_causal_reaches_the_query_but_unread_keys_do_not(device, lane):
+    g = torch.Generator().manual_seed(38)
+    cu = torch.tensor([0, 5, 12], dtype=torch.int32, device=device)
+    q, k, v = (randn(12, 2, 16, dtype=torch.bfloat16, device=device, generator=g) for _ in range(3))
+    v[6] = float("nan")            # sequence 1's key 1: hidden from its query 0 by causal
+    out = lanekit.flash_attn_varlen_func(q, k, v, cu, cu, 7, 7, causal=True, lane=lane)
+    assert torch.equal(_nan_rows(out), torch.arange(12) >= 5), "sequence 0 never reads sequence 1's keys"
+    kc, vc = (randn(2, 64, 2, 16, dtype=torch.bfloat16, device=device, generator=g) for _ in range(2))
+    q = randn(2, 3, 2, 16, dtype=torch.bfloat16, device=device, generator=g)
+    seqlens = torch.tensor([10, 30], dtype=torch.int32, device=device)
+    vc_nan = vc.clone()
+    vc_nan[:, 40:] = float("nan")   # past every live token: never read
+    out = lanekit.flash_attn_with_kvcache(q, kc, vc_nan, cache_seqlens=seqlens, causal=True, lane=lane)
+    assert not _nan_rows(out).any()
+    vc_nan = vc.clone()
+    vc_nan[0, 9] = float("nan")     # sequence 0's last key: hidden from its queries 0 and 1
+    out = lanekit.flash_attn_with_kvcache(q, kc, vc_nan, cache_seqlens=seqlens, causal=True, lane=lane)
+    assert _nan_rows(out)[0].all() and not _nan_rows(out)[1].any()

@@ -195,3 +195,60 @@ def test_linears_reject():
         gemm.fp8_linear(x, w, torch.ones(1, 1), x_scale=torch.ones(1), block_size=[128, 128])
     with pytest.raises(ValueError, match="weight"):
         gemm.fp8_linear(x, w.to("meta"), torch.ones(8))
+
+
+# ---- the NaN-visible rule (docs/semantics.md) in the linears' activation quantization ----
+
+def _hostile_x(R=5, K=300):
+    """Rows: 0 and 4 finite, 1 a NaN, 2 a +inf, 3 a -inf."""
+    x = torch.randn(R, K, generator=torch.Generator().manual_seed(37)).bfloat16()
+    x[1, 3], x[2, 130], x[3, K - 1] = float("nan"), float("inf"), float("-inf")
+    return x
+
+
+@pytest.mark.parametrize("dtype,group", [(torch.int8, 300), (E4M3, 300), (E4M3, 128)],
+                         ids=["int8 per token", "e4m3 per token", "e4m3 per 1x128"])
+def test_activation_quantization_keeps_a_nan_or_inf_row_visible(dtype, group):
+    from lanekit.testing import assert_same_bits
+
+    x = _hostile_x().to(DEVICE)
+    codes, scale = quant_rows(x, dtype, group)
+    if dtype == torch.int8:
+        rc, rs = ref.quantize_int8_rows(x)
+        rs = rs.reshape(-1, 1)
+    else:
+        rc, rs = quantize_groups(x, group, dtype)
+    assert_same_bits(codes, rc, "codes")
+    assert_same_bits(scale, rs, "scale")
+    nan_scale = torch.isnan(scale.cpu())
+    if group == 300:
+        assert nan_scale.reshape(-1).tolist() == [False, True, True, True, False]
+    else:   # only the 128-column groups holding the NaN or inf
+        assert nan_scale.tolist() == [[False] * 3, [True, False, False], [False, True, False],
+                                      [False, False, True], [False] * 3]
+    bad = codes.cpu() == 0 if dtype == torch.int8 else codes.cpu().view(torch.uint8) == 0x7F
+    cols = torch.repeat_interleave(nan_scale, group, 1)[:, :300]
+    assert bad[cols].all() and (dtype == torch.int8 or not bad[~cols].any())
+    # a static scale: the NaN value's code alone (fp8 NaN, int8 0), +-inf saturates
+    codes, _ = quant_rows(x, dtype, 300, static_scale=torch.tensor([0.05], device=DEVICE))
+    rc, _ = (ref.quantize_int8_rows(x, torch.tensor([0.05])) if dtype == torch.int8 else
+             quantize_groups(x, None, dtype, torch.tensor([0.05])))
+    assert_same_bits(codes, rc, "static codes")
+
+
+@pytest.mark.parametrize("lane", LANES)
+@pytest.mark.parametrize("linear", ["w8a8", "fp8", "fp8 blocks"])
+def test_a_nan_or_inf_token_makes_its_output_row_nan_and_no_other(linear, lane):
+    x = _hostile_x()
+    g = torch.Generator().manual_seed(5)
+    if linear == "w8a8":
+        w, ws = torch.randint(-128, 128, (8, 300), dtype=torch.int8, generator=g), torch.rand(8, generator=g) / 100
+        out, want = gemm.w8a8_linear(x, w, ws, lane=lane), ref.w8a8_linear(x, w, ws)
+    else:
+        w = (torch.randn(8, 300, generator=g) * 100).to(E4M3)
+        block = [128, 128] if linear == "fp8 blocks" else None
+        ws = torch.rand(1, 3, generator=g) / 100 if block else torch.rand(8, generator=g) / 100
+        out, want = gemm.fp8_linear(x, w, ws, block_size=block, lane=lane), \
+            ref.fp8_linear(x, w, ws, block_size=block)
+    assert torch.isnan(out[1:4]).all() and torch.isnan(want[1:4]).all()
+    assert_close(out[[0, 4]], want[[0, 4]], greg.GEMM)

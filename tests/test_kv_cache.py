@@ -19,7 +19,7 @@ from lanekit.families import registry
 from lanekit.kv_cache.registry import E4M3_TIES, INT8_TIES
 from lanekit.reference import attention as ref_attn
 from lanekit.reference import kv_cache as ref
-from lanekit.testing import assert_close, poisoned_outputs, randn
+from lanekit.testing import assert_close, assert_same_bits, poisoned_outputs, randn
 
 LANES = ["triton", "reference"]
 E4M3 = torch.float8_e4m3fn
@@ -695,3 +695,73 @@ def test_a_write_through_the_cache_reads_nothing_back_from_the_device(device):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert torch.equal(cache.gather([0])[0][0], (key[:20] * 2).to(torch.bfloat16))
+
+
+# ---- the NaN-visible rule (docs/semantics.md): a row holding a NaN or inf stays visible ----
+
+def _hostile_rows(device, H=2, D=16):
+    """x (4, H, D) bf16: token 0 finite; token 1 a NaN in head 0; token 2 +inf in head 1;
+    token 3 -inf in head 0."""
+    x = randn(4, H, D, dtype=torch.bfloat16, device=device, generator=gen(37))
+    x[1, 0, 3], x[2, 1, 7], x[3, 0, D - 1] = float("nan"), float("inf"), float("-inf")
+    return x
+
+
+def _expect_visible(codes, scale, dtype):
+    """Rows (1, 0), (2, 1), (3, 0) non-finite: NaN scale, codes 0x7F (e4m3) or 0 (int8);
+    the rest finite."""
+    bad = torch.zeros(scale.shape, dtype=torch.bool)
+    bad[1, 0] = bad[2, 1] = bad[3, 0] = True
+    s = scale.cpu()
+    assert torch.equal(torch.isnan(s), bad) and torch.isfinite(s[~bad]).all()
+    c = codes.cpu()
+    want = 0x7F if dtype == E4M3 else 0
+    assert (bits(c)[bad] == want).all()
+    if dtype == E4M3:
+        assert not (bits(c)[~bad] == 0x7F).any()
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, E4M3])
+def test_quantize_kv_a_row_with_a_nan_or_inf_gets_a_nan_scale_and_nan_codes_on_both_lanes(device, dtype):
+    x = _hostile_rows(device)
+    codes, scale = KV.quantize_kv(x, dtype, lane="triton")
+    rc, rs = KV.quantize_kv(x, dtype, lane="reference")
+    assert_same_bits(codes, rc, "codes")
+    assert_same_bits(scale, rs, "scale")
+    _expect_visible(codes, scale, dtype)
+    for lane in LANES:     # and it reads back as NaN, the rest as before
+        y = KV.dequantize_kv(codes, scale, lane=lane).cpu()
+        assert torch.equal(torch.isnan(y).any(-1), torch.isnan(scale.cpu()))
+    # a given scale: the NaN value alone is NaN (e4m3) or 0 (int8); +-inf saturates
+    given = torch.full((4, 2), 0.01, device=device)
+    codes, _ = KV.quantize_kv(x, dtype, given, lane="triton")
+    rc, _ = KV.quantize_kv(x, dtype, given, lane="reference")
+    assert_same_bits(codes, rc, "codes with a given scale")
+    c = codes.cpu()
+    qmax = 127 if dtype == torch.int8 else 448.0
+    assert c[2, 1, 7].float() == qmax and c[3, 0, 15].float() == (-128 if dtype == torch.int8 else -qmax)
+    assert bits(c)[1, 0, 3] == (0x7F if dtype == E4M3 else 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, E4M3])
+def test_reshape_and_cache_and_paged_write_keep_a_nan_row_visible_on_both_lanes(device, dtype):
+    x = _hostile_rows(device)
+    written = {}
+    for lane in LANES:
+        kc = torch.zeros(3, 4, 2, 16, dtype=dtype, device=device)
+        vc = torch.zeros_like(kc)
+        ks = torch.zeros(3, 4, 2, device=device)
+        vs = torch.zeros_like(ks)
+        slots = torch.tensor([5, 0, 11, 2], device=device)
+        KV.reshape_and_cache(x, x.flip(0), kc, vc, slots, k_cache_scale=ks, v_cache_scale=vs, lane=lane)
+        written[lane] = (kc, vc, ks, vs)
+        rows_k = kc.view(12, 2, 16)[slots.cpu()]
+        _expect_visible(rows_k, ks.view(12, 2)[slots.cpu()], dtype)
+    for t, r, what in zip(written["triton"], written["reference"], ("k_cache", "v_cache", "k_scale", "v_scale")):
+        assert_same_bits(t, r, what)
+    cache = KV.PagedKVCache(4, 4, 2, 16, device=device, kv_dtype=dtype)
+    slots = cache.append([0, 1], [3, 1])
+    cache.write(x, x, slots)
+    k, v = cache.gather([0, 1])
+    assert torch.isnan(k[0, 1, 0]).all() and torch.isnan(k[0, 2, 1]).all() and torch.isnan(k[1, 0, 0]).all()
+    assert torch.isfinite(k[0, 0]).all() and torch.isfinite(k[0, 1, 1]).all()

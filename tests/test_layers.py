@@ -298,15 +298,13 @@ def _wide_rows(g, shape, dtype, low, span, zeros=0.1):
 def _assert_quant_matches(got, expected):
     """Codes equal to the oracle's bit for bit; scales (fp32) within the "norm" rule, each at its own
     magnitude (a tensor's rows may span many binades here), NaN where the oracle's is. Codes of a
-    row with a NaN scale (inf or NaN in x) are not specified, and not compared."""
-    nan_rows = [expected[1].isnan(), expected[3].isnan()]
+    row with a NaN scale (inf or NaN in x) are compared too: the NaN code (e4m3) or 0 (int8)."""
     for i, (name, o, e) in enumerate(zip(("q_codes", "q_scale", "k_codes", "k_scale"), got, expected,
                                          strict=True)):
         assert o.dtype == e.dtype and o.shape == e.shape, name
         o, e = o.cpu(), e.cpu()
         if i % 2 == 0:
-            keep = ~nan_rows[i // 2].cpu()
-            same = o.view(torch.uint8)[keep] == e.view(torch.uint8)[keep]
+            same = o.view(torch.uint8) == e.view(torch.uint8)
             assert bool(same.all()), f"{name}: {int((~same).sum())} of {same.numel()} differ"
         else:
             assert torch.equal(o.isnan(), e.isnan()), f"{name}: NaN where the oracle has none, or not"
@@ -461,6 +459,36 @@ def test_quantized_qk_tiles_at_the_ends_of_the_range_are_redone_and_exact(device
         assert got[1][0, 2, 5] == 1.0 and not got[0][0, 2, 5].any()
     if rows == "inf and NaN":
         assert got[1][0, 2, 5].isnan() and got[1][0, 3, 0].isnan()
+        assert not got[0][0, 2, 5].any() and not got[0][0, 3, 0].any()     # int8: codes 0
+
+
+@pytest.mark.parametrize("lane", ["triton", "reference"])
+@pytest.mark.parametrize("quant", [torch.float8_e4m3fn, torch.int8], ids=["e4m3", "int8"])
+def test_quantized_qk_a_head_with_a_nan_or_inf_gets_a_nan_scale_and_nan_codes(device, quant, lane):
+    """The NaN-visible rule (docs/semantics.md): a head vector holding a NaN or inf, in q or k, gets a
+    NaN scale and every code the NaN code (e4m3 0x7F) or 0 (int8), on both lanes alike; the other
+    heads of its token and tile are as without it."""
+    g = gen(37)
+    q = randn(1, 3, 4, 64, dtype=torch.bfloat16, device=device, generator=g)
+    k = randn(1, 3, 2, 64, dtype=torch.bfloat16, device=device, generator=g)
+    q[0, 1, 2, 5] = float("nan")
+    q[0, 2, 0, 60] = float("-inf")
+    k[0, 0, 1, 0] = float("inf")
+    w = randn(64, dtype=torch.bfloat16, device=device, generator=g)
+    theta = torch.rand(8, 32, generator=g).to(device)
+    args = (q, k, w, w, theta.cos(), theta.sin())
+    with poisoned_outputs():
+        got = L.qk_norm_rope_quant(*args, quant_dtype=quant, lane=lane)
+    _assert_quant_matches(got, ref.qk_norm_rope_quant(*args, quant_dtype=quant))
+    want_code = 0x7F if quant == torch.float8_e4m3fn else 0
+    for codes, scale, bad in ((got[0], got[1], [(0, 1, 2), (0, 2, 0)]), (got[2], got[3], [(0, 0, 1)])):
+        mask = torch.zeros(scale.shape, dtype=torch.bool)
+        for i in bad:
+            mask[i] = True
+        assert torch.equal(scale.cpu().isnan(), mask)
+        assert (codes.cpu().view(torch.uint8)[mask] == want_code).all()
+        if quant == torch.float8_e4m3fn:
+            assert not (codes.cpu().view(torch.uint8)[~mask] == 0x7F).any()
 
 
 # (x's magnitude, weight, cos and sin, eps): rows whose max |u| the weights or cos and sin put out of
@@ -719,3 +747,81 @@ def test_more_than_2_to_the_31_elements(device):
     expected = ref.qk_norm_rope_quant(xr[:, -2:], k[:, -2:], w[:64], w[64:128], theta.cos(),
                                       theta.sin(), eps=eps, seqlen_offsets=rows - 2)
     _assert_quant_matches([t[:, -2:] for t in got], expected)
+
+
+# ---- norms at the ends of fp32's range (issue 37): rows past ~1e19 or tiny ----
+
+def _norm_call(op, x, params, lane, eps):
+    """op's output(s) for x ((rows, N); for rms_norm_rope q of (1, rows, 1, N) and k = -q)."""
+    if op == "rms_norm":
+        return (L.rms_norm(x, params["w"], eps, lane=lane),)
+    if op == "layer_norm":
+        return (L.layer_norm(x, params["w"], params["b"], eps, lane=lane),)
+    if op == "adaln":
+        return (L.adaln(x[None], params["s"], params["t"], eps=eps, lane=lane),)
+    q = x[None, :, None]
+    return L.rms_norm_rope(q, -q, params["w"], params["w"], params["cos"], params["sin"], eps=eps, lane=lane)
+
+
+def _norm_params(op, N, device, g):
+    return dict(w=randn(N, dtype=torch.bfloat16, device=device, generator=g),
+                b=randn(N, dtype=torch.bfloat16, device=device, generator=g),
+                s=randn(1, N, dtype=torch.bfloat16, device=device, generator=g, scale=0.5),
+                t=randn(1, N, dtype=torch.bfloat16, device=device, generator=g, scale=0.5),
+                cos=torch.ones(8, N // 2, device=device), sin=torch.zeros(8, N // 2, device=device))
+
+
+@pytest.mark.parametrize("op", ["rms_norm", "layer_norm", "adaln", "rms_norm_rope"])
+def test_norms_of_x_times_a_power_of_two_are_x_s_bit_for_bit_at_either_end_of_fp32(device, op):
+    """With eps 0 a norm does not see a power-of-two factor: its output for x * 2^j equals x's bit
+    for bit, and its input gradient is x's times 2^-j, from j = -118 (values near fp32's smallest
+    normal) to 120 (squares far past fp32's largest: the forward once gave 0 there, and inf or
+    NaN for tiny rows). The weights' gradients do not change at all."""
+    g = gen(37)
+    N = 96
+    x = randn(5, N, dtype=torch.float32, device="cpu", generator=g)
+    x = (x.sign() * x.abs().clamp(2.0 ** -8, 4.0)).to(torch.bfloat16)     # exact in bf16 at every j
+    params = _norm_params(op, N, device, g)
+    dy = randn(5, N, dtype=torch.bfloat16, device=device, generator=g)
+
+    def run(j):
+        xj = (x.double() * 2.0 ** j).to(torch.bfloat16).to(device).requires_grad_()
+        assert torch.equal(xj.detach().cpu().double(), x.double() * 2.0 ** j)
+        w = params["w"].clone().requires_grad_()
+        with poisoned_outputs():
+            outs = _norm_call(op, xj, dict(params, w=w), "triton", 0.0)
+        douts = (dy,) if op != "rms_norm_rope" else (dy[None, :, None], dy[None, :, None])
+        torch.autograd.backward([o for o in outs], [d.view(o.shape) for o, d in zip(outs, douts)])
+        return [o.detach() for o in outs], xj.grad, w.grad
+
+    outs0, dx0, dw0 = run(0)
+    expected = [ref_o.to(torch.bfloat16) for ref_o in
+                (_norm_call(op, f64(x.to(device)), {k: f64(v) for k, v in params.items()}, "reference", 0.0))]
+    for o, e in zip(outs0, expected):
+        assert_close(o, e.to(o.dtype), NORM)
+    for j in (-118, -100, -64, 40, 64, 100, 120):
+        outs, dx, dw = run(j)
+        for o, o0 in zip(outs, outs0):
+            assert torch.equal(o, o0), f"j={j}: {int((o != o0).sum())} outputs differ from x's"
+        if abs(j) <= 100:      # dx0 * 2^-j stays a normal bf16
+            assert torch.equal(dx.double(), dx0.double() * 2.0 ** -j), f"j={j}: dx"
+            if op != "adaln":
+                assert torch.equal(dw, dw0), f"j={j}: dweight"
+
+
+@pytest.mark.parametrize("lane", LANES)
+@pytest.mark.parametrize("op", ["rms_norm", "layer_norm", "adaln", "rms_norm_rope"])
+def test_norms_of_rows_past_1e19_and_of_tiny_rows_ruled_by_eps_match_the_oracle_row_by_row(device, op, lane):
+    """eps 1e-6: rows of |x| ~ 1e30 come out near +-1, rows of |x| ~ 1e-30 as x / sqrt(eps); each row
+    within one bf16 step of the oracle at its own magnitude."""
+    g = gen(38)
+    N = 64
+    x = randn(4, N, dtype=torch.float32, device="cpu", generator=g)
+    x = (x * torch.tensor([1e30, 1e-30, 3e38 / 5, 1.0])[:, None]).clamp(-3e38, 3e38).to(torch.bfloat16).to(device)
+    params = _norm_params(op, N, device, g)
+    got = _norm_call(op, x, params, lane, 1e-6)
+    want = _norm_call(op, f64(x), {k: f64(v) for k, v in params.items()}, "reference", 1e-6)
+    for o, e in zip(got, want):
+        o, e = o.reshape(4, N), e.reshape(4, N)
+        for r in range(4):
+            assert_close(o[r], e[r].to(o.dtype), NORM)

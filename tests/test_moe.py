@@ -1439,3 +1439,44 @@ def test_fused_moe_quantized_at_qwen3_30b_shapes(device, scheme):
                               N=768, E=128, topk=8).kwargs
     out = lanekit.moe.fused_moe(**_public(kw))
     assert_close(out, _quant_oracle(kw), FUSED_MOE_QUANT)
+
+
+# ---- the NaN-visible rule (docs/semantics.md) in fused_moe's fp8 activation quantization ----
+
+@pytest.mark.parametrize("group", [None, 128, 200], ids=["per tensor", "per 128 columns", "per row"])
+def test_activation_quantization_keeps_a_nan_or_inf_visible(device, group):
+    from lanekit.moe.kernels import fused_quant as fq
+    from lanekit.reference.numerics import quantize_groups
+    from lanekit.testing import assert_same_bits
+
+    x = (torch.randn(5, 200, generator=torch.Generator().manual_seed(37)) * 3).to(torch.bfloat16)
+    x[1, 3], x[2, 150], x[3, 199] = float("nan"), float("inf"), float("-inf")
+    x = x.to(device)
+    scheme = fq.PER_TENSOR if group is None else fq.BLOCK if group == 128 else fq.PER_CHANNEL
+    codes, scale = fq._quantize_rows(x, scheme, None)
+    ref_codes, ref_scale = quantize_groups(x, group)
+    assert_same_bits(codes, ref_codes, "codes")
+    assert_same_bits(scale.reshape(ref_scale.shape), ref_scale, "scale")
+    nan_codes = codes.cpu().view(torch.uint8) == 0x7F
+    if group is None:       # one scale: the whole tensor
+        assert torch.isnan(scale).all() and nan_codes.all()
+    else:
+        assert nan_codes[1:4].any(-1).all() and not nan_codes[[0, 4]].any()
+
+
+@pytest.mark.parametrize("lane", ["triton", "reference"])
+@pytest.mark.parametrize("scheme", ["fp8 per token x channel", "fp8 128x128 blocks"])
+def test_fused_moe_fp8_a_nan_token_gives_a_nan_output_row_and_no_other(device, scheme, lane):
+    from lanekit.moe.registry import FUSED_MOE_QUANT
+
+    kw = _quant_sample(scheme, "K 200, N 72", device)
+    x = kw["hidden_states"].clone()
+    x[3, 7] = float("nan")
+    x[5, 100] = float("inf")
+    kw["hidden_states"] = x
+    out = lanekit.moe.fused_moe(**_public(kw), lane=lane)
+    want = _quant_oracle(kw)
+    bad = torch.zeros(x.shape[0], dtype=torch.bool)
+    bad[[3, 5]] = True
+    assert torch.isnan(out.cpu()[bad]).all() and torch.isnan(want.cpu()[bad]).all()
+    assert_close(out[~bad.to(out.device)], want[~bad.to(want.device)], FUSED_MOE_QUANT)

@@ -12,7 +12,7 @@ import lanekit.quant as quant
 from lanekit.families import get_op
 from lanekit.reference import quant as ref
 from lanekit.reference.numerics import QUANT_MAX
-from lanekit.testing import assert_close, generator, noncontiguous, poisoned_outputs, randn, upcast
+from lanekit.testing import assert_close, assert_same_bits, generator, noncontiguous, poisoned_outputs, randn, upcast
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 OPS = ["quantize_fp8", "quantize_int8", "dequantize_fp8", "dequantize_int8", "silu_and_mul_quant_fp8",
@@ -233,3 +233,124 @@ def test_custom_ops_pass_opcheck():
     cases.append((op._dequantize_op, (codes, s, "token", 128, torch.bfloat16)))
     for o, args in cases:
         torch.library.opcheck(o, args, test_utils=("test_schema", "test_faketensor"))
+
+
+# ---- the NaN-visible rule (docs/semantics.md): a group holding a NaN or inf keeps it visible ----
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+NAN, INF = float("nan"), float("inf")
+
+
+def _hostile(R=4, C=40, dtype=torch.bfloat16):
+    """Rows: 0 finite, 1 a NaN, 2 a +inf, 3 a -inf (with a negative NaN-free rest)."""
+    x = _x(R, C, dtype, seed="hostile")
+    x[1, 3], x[2, 7], x[3, C - 1] = NAN, INF, -INF
+    return x
+
+
+def _both_lanes(fn, **kwargs):
+    out = {lane: fn(lane=lane, **kwargs) for lane in ("triton", "reference")}
+    return [o if isinstance(o, tuple) else (o,) for o in (out["triton"], out["reference"])]
+
+
+def _nan_code(dtype):
+    return torch.tensor([0x7F], dtype=torch.uint8).view(dtype)
+
+
+@pytest.mark.parametrize("dtype", [E4M3, E5M2])
+@pytest.mark.parametrize("granularity", ["tensor", "token", "group"])
+def test_fp8_a_nan_or_inf_gives_a_nan_scale_and_nan_codes_on_both_lanes(dtype, granularity):
+    x = _hostile()
+    (codes, scale), (rc, rs) = _both_lanes(quant.quantize_fp8, x=x, dtype=dtype, granularity=granularity,
+                                           group_size=16)
+    assert_same_bits(codes, rc, "codes")
+    assert_same_bits(scale, rs, "scale")
+    bad_rows = slice(None) if granularity == "tensor" else slice(1, 4)
+    assert torch.isnan(scale[bad_rows].reshape(3 if granularity != "tensor" else 1, -1)).any(-1).all()
+    nan = codes.view(torch.uint8) == 0x7F
+    if granularity == "tensor":
+        assert nan.all()
+    elif granularity == "token":
+        assert nan[1:].all() and not nan[0].any() and torch.isfinite(scale[0]).all()
+    else:   # groups of 16: only the group with the NaN or inf
+        assert nan[1, :16].all() and not nan[1, 16:].any() and nan[2, :16].all() and nan[3, 32:].all()
+        assert torch.isnan(scale[1, 0]) and torch.isfinite(scale[1, 1:]).all()
+    # dequantized: NaN exactly where the rule put it
+    y = quant.dequantize_fp8(codes, scale, granularity, 16)
+    assert torch.equal(torch.isnan(y), nan)
+
+
+@pytest.mark.parametrize("granularity", ["tensor", "token", "group"])
+def test_int8_a_nan_or_inf_gives_a_nan_scale_and_zero_codes_on_both_lanes(granularity):
+    x = _hostile()
+    (codes, scale), (rc, rs) = _both_lanes(quant.quantize_int8, x=x, granularity=granularity, group_size=16)
+    assert_same_bits(codes, rc, "codes")
+    assert_same_bits(scale, rs, "scale")
+    if granularity == "token":
+        assert torch.isnan(scale[1:]).all() and (codes[1:] == 0).all() and torch.isfinite(scale[0]).all()
+        assert codes[0].abs().max() == 127
+    y = quant.dequantize_int8(codes, scale, granularity, 16)
+    per_column = scale.reshape(1, 1).expand(4, 40) if granularity == "tensor" else \
+        torch.repeat_interleave(scale, 16 if granularity == "group" else 40, 1)[:, :40]
+    assert torch.equal(torch.isnan(y), torch.isnan(per_column)) and torch.isnan(y).any()
+
+
+@pytest.mark.parametrize("dtype", [E4M3, E5M2, torch.int8])
+def test_static_scales_a_nan_gives_the_nan_code_and_inf_saturates(dtype):
+    x = _hostile(C=8)
+    scale = torch.tensor([0.01], device=DEVICE)
+    fn = quant.quantize_int8 if dtype == torch.int8 else quant.quantize_fp8
+    kw = dict(granularity="tensor") if dtype == torch.int8 else dict(dtype=dtype)
+    (codes, s), (rc, _) = _both_lanes(fn, x=x, scale=scale, **kw)
+    assert_same_bits(codes, rc, "codes")
+    assert s.item() == 0.01 or torch.equal(s, scale.reshape(1))
+    qmax = QUANT_MAX[dtype]
+    if dtype == torch.int8:     # no NaN in int8: a NaN's code is 0 (documented), inf saturates
+        assert codes[1, 3] == 0 and codes[2, 7] == 127 and codes[3, 7] == -128
+    else:
+        assert codes.view(torch.uint8)[1, 3] == 0x7F
+        assert (codes.view(torch.uint8) == 0x7F).sum() == 1
+        assert codes[2, 7].float() == qmax and codes[3, 7].float() == -qmax
+    # a NaN static scale: every fp8 code NaN, every int8 code 0
+    (codes, _), (rc, _) = _both_lanes(fn, x=x, scale=torch.tensor([NAN], device=DEVICE), **kw)
+    assert_same_bits(codes, rc, "codes")
+    assert (codes == 0).all() if dtype == torch.int8 else (codes.view(torch.uint8) == 0x7F).all()
+
+
+@pytest.mark.parametrize("granularity,scale", [("token", None), ("group", None), ("tensor", 0.01)])
+def test_silu_and_mul_quant_a_nan_or_inf_in_gate_or_up_stays_visible(granularity, scale):
+    x = _x(4, 64, seed="silu hostile")
+    x[1, 3] = NAN         # gate
+    x[2, 40] = INF        # up: h = +-inf
+    x[3, 5] = -INF        # gate -inf: silu(-inf) * up = -inf * 0 = NaN
+    s = None if scale is None else torch.tensor([scale], device=DEVICE)
+    (codes, sc), (rc, rs) = _both_lanes(quant.silu_and_mul_quant_fp8, x=x, scale=s, granularity=granularity,
+                                        group_size=16)
+    assert_same_bits(codes, rc, "codes")
+    assert_same_bits(sc, rs, "scale")
+    nan = codes.view(torch.uint8) == 0x7F
+    if scale is None:
+        assert torch.isnan(sc[1:, 0]).all() and nan[1:, :16].all() and not nan[0].any()
+    else:                 # static: the NaN products alone are NaN codes; the inf one saturates
+        assert nan[1, 3] and nan[3, 5] and codes[2, 8].float().abs() == 448 and nan.sum() == 2
+
+
+def test_hadamard_quantize_a_nan_or_inf_row_gets_a_nan_scale_and_zero_codes():
+    x = _hostile(C=24)
+    (codes, scale), (rc, rs) = _both_lanes(quant.hadamard_quantize_int8, x=x)
+    assert_same_bits(codes, rc, "codes")
+    assert_same_bits(scale, rs, "scale")
+    assert torch.isnan(scale[1:]).all() and (codes[1:] == 0).all() and torch.isfinite(scale[0]).all()
+    y = quant.hadamard_dequantize_int8(codes, scale, 24)
+    assert torch.isnan(y[1:]).all() and torch.isfinite(y[0]).all()
+
+
+@pytest.mark.parametrize("dtype", [E4M3, E5M2])
+def test_stochastic_round_nan_in_nan_out_and_inf_saturates(dtype):
+    x = _hostile(C=16, dtype=torch.float32)
+    x[0, 0] = -NAN
+    (codes,), (rc,) = _both_lanes(quant.stochastic_round_fp8, x=x, dtype=dtype, seed=5, offset=2)
+    assert_same_bits(codes, rc, "codes")
+    nan = codes.view(torch.uint8) == 0x7F
+    assert nan[1, 3] and nan[0, 0] and nan.sum() == 2
+    assert codes[2, 7].float() == QUANT_MAX[dtype] and codes[3, 15].float() == -QUANT_MAX[dtype]

@@ -61,19 +61,29 @@ def compile_all(targets: Iterable[str], ops: Iterable[str] | None = None, *, job
     results: list = [None] * len(specs)
     jobs = max(1, jobs or os.cpu_count() or 1)
     done = 0
+    # One set of worker processes per target: Triton 3.6 keeps state across compiles in a
+    # process, so that after an sm90 compile an sm80 one of an fp32 -> e5m2 cast emits sm89's
+    # cvt.e5m2x2 and ptxas refuses it (seen 2026-12-07 with a fresh cache, on main's kernels too)
+    by_target: dict[str, list[int]] = {}
+    for i, spec in enumerate(specs):
+        by_target.setdefault(spec.target, []).append(i)
+    pool = None
     try:
-        if jobs == 1:
-            outcomes = (_compile_one(i, binaries) for i in range(len(specs)))
-            pool = None
-        else:
-            pool = concurrent.futures.ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("fork"))
-            futures = [pool.submit(_compile_one, i, binaries) for i in range(len(specs))]
-            outcomes = (f.result() for f in concurrent.futures.as_completed(futures))
-        for index, report, binary in outcomes:
-            results[index] = (specs[index], Report(**report), binary)
-            done += 1
-            if progress:
-                progress(done, len(specs))
+        for indices in by_target.values():
+            if jobs == 1 and len(by_target) == 1:
+                outcomes = (_compile_one(i, binaries) for i in indices)
+            else:
+                pool = concurrent.futures.ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("fork"))
+                futures = [pool.submit(_compile_one, i, binaries) for i in indices]
+                outcomes = (f.result() for f in concurrent.futures.as_completed(futures))
+            for index, report, binary in outcomes:
+                results[index] = (specs[index], Report(**report), binary)
+                done += 1
+                if progress:
+                    progress(done, len(specs))
+            if pool is not None:
+                pool.shutdown()
+                pool = None
     finally:
         if pool is not None:
             pool.shutdown(cancel_futures=True)

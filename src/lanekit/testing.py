@@ -157,6 +157,25 @@ def assert_close(out: torch.Tensor, ref: torch.Tensor, tolerance: Tolerance | st
     return c
 
 
+def assert_same_bits(out: torch.Tensor, ref: torch.Tensor, what: str = "") -> None:
+    """out equals ref exactly: int8 and fp8 codes bit for bit (an fp8 NaN code included), floats
+    value for value with NaN in the same places (a NaN's sign and payload are not compared). The
+    NaN-visible rule's tests (docs/semantics.md) use it where :func:`assert_close` refuses NaN."""
+    assert out.shape == ref.shape and out.dtype == ref.dtype, \
+        f"{what}: {out.dtype} {tuple(out.shape)} != {ref.dtype} {tuple(ref.shape)}"
+    o, r = out.detach().cpu(), ref.detach().cpu()
+    if o.dtype.itemsize == 1 and o.is_floating_point():
+        o, r = o.view(torch.uint8), r.view(torch.uint8)
+    if o.is_floating_point():
+        nan = torch.isnan(o)
+        assert torch.equal(nan, torch.isnan(r)), f"{what}: NaN at {nan.nonzero().tolist()[:8]}, oracle's at " \
+            f"{torch.isnan(r).nonzero().tolist()[:8]}"
+        o, r = o.masked_fill(nan, 0), r.masked_fill(nan, 0)
+    differ = o != r
+    assert not differ.any(), f"{what}: {int(differ.sum())} of {o.numel()} differ, first at " \
+        f"{differ.nonzero()[0].tolist()}: {o[differ][:4].tolist()} != {r[differ][:4].tolist()}"
+
+
 def generator(name: str, salt: str = "") -> torch.Generator:
     """A CPU generator seeded by ``salt + name`` (CRC-32): a sample named ``name`` draws the same
     inputs in every process and on every machine."""

@@ -155,6 +155,12 @@ def flash_attn_func(
         that sees no key. The third item (FlashAttention's dropout-masked probabilities, for
         testing only) is not materialized.
 
+    Masked keys' values must be finite: a NaN or inf in a V row that a query cannot see (masked
+    by causal, window_size or attn_mask) can still make that query's output NaN (0 * NaN in P @ V), as
+    in FlashAttention and PyTorch's SDPA; which masked queries do is not specified (the Triton
+    lane never reads key blocks a tile sees none of). A NaN in a masked K row is harmless.
+    (docs/semantics.md, "Non-finite values".)
+
     Raises:
         TypeError: an argument is not a tensor, or has an unsupported dtype, or dtypes differ; a
             flag (causal, deterministic, return_attn_probs) not a bool, window_size not a pair of
@@ -383,6 +389,13 @@ def flash_attn_varlen_func(
         out: (total_q, Hq, Dv) in q's dtype. With ``return_attn_probs``: ``(out, softmax_lse,
         None)``, softmax_lse (Hq, total_q) fp32 (FlashAttention's varlen layout), natural log;
         -inf for a row that sees no key.
+
+    Masked keys' values must be finite: a NaN or inf in a V row that a query cannot see (masked
+    by causal or window_size) can still make that query's output NaN (0 * NaN in P @ V), as
+    in FlashAttention and PyTorch's SDPA; which masked queries do is not specified (the Triton
+    lane never reads key blocks a tile sees none of). A NaN in a masked K row is harmless.
+    Other sequences' keys are never read.
+    (docs/semantics.md, "Non-finite values".)
 
     Raises:
         TypeError: a non-tensor, an unsupported dtype, cu_seqlens or block_table not int32; a
@@ -683,6 +696,13 @@ def flash_attn_with_kvcache(
         softmax_lse (B, Hq, Sq) fp32 natural log, -inf for a row that sees no key. The same for
         every num_splits up to rounding. Forward only, as FlashAttention's: the output carries no
         autograd graph (train through :func:`flash_attn_func` or :func:`flash_attn_varlen_func`).
+
+    Masked keys' values must be finite: a NaN or inf in a V row that a query cannot see (masked
+    by causal or window_size) can still make that query's output NaN (0 * NaN in P @ V), as
+    in FlashAttention and PyTorch's SDPA; which masked queries do is not specified (the Triton
+    lane never reads key blocks a tile sees none of). A NaN in a masked K row is harmless.
+    Cache positions past cache_seqlens[b] (after the append) are never read.
+    (docs/semantics.md, "Non-finite values".)
 
     Raises:
         TypeError: a non-tensor, an unsupported dtype, index tensors not int32, a num_splits,

@@ -26,18 +26,48 @@ def tanh(x):
 
 @triton.jit
 def quantize(x, qmax, QUANT: tl.constexpr, CLAMP: tl.constexpr = True):
-    """x / scale to the code format: int8 rounds to nearest even and clamps to [-128, 127]; fp8
-    clamps to +-qmax, and the cast rounds to nearest even. CLAMP=False: x known in range."""
+    """x / scale to the code format: int8 rounds to nearest even and clamps to [-128, 127], a NaN
+    to 0; fp8 clamps to +-qmax (a NaN stays NaN: :func:`cast_codes` gives its code), and the cast
+    rounds to nearest even. CLAMP=False: x known in range."""
     if QUANT == 1:
         # round to nearest even: adding and subtracting 1.5 * 2^23 leaves an fp32 |x| < 2^22
         # rounded to an integer by the hardware's own rounding (the launcher forbids contraction)
         r = (x + 12582912.0) - 12582912.0
         if CLAMP:
             r = tl.minimum(tl.maximum(r, -128.0), 127.0)
-        return r
+        return tl.where(x == x, r, 0.0)           # NaN: code 0 (int8 has no NaN; the scale carries it)
     if CLAMP:
-        x = tl.minimum(tl.maximum(x, -qmax), qmax)
+        # the hardware's min and max drop a NaN: kept explicitly (its code: see cast_codes)
+        x = tl.where(x == x, tl.minimum(tl.maximum(x, -qmax), qmax), float("nan"))
     return x
+
+
+@triton.jit
+def cast_codes(q, DTYPE: tl.constexpr, QUANT: tl.constexpr):
+    """:func:`quantize`'s q as ``DTYPE`` codes; fp8 (QUANT 2): a NaN's code is 0x7F (e4m3fn's
+    NaN, and e5m2's all-ones NaN), whatever its sign and the target's conversion, as
+    reference.numerics.to_codes. QUANT 0 or 1: a plain cast."""
+    c = q.to(DTYPE)
+    if QUANT == 2:
+        c = tl.where(q == q, c.to(tl.int8, bitcast=True), 0x7F).to(DTYPE, bitcast=True)
+    return c
+
+
+@triton.jit
+def finite_abs(x):
+    """|x| with NaN and +-inf as +inf: a max over it (an atomic max too) is +inf exactly where a
+    value is not finite. The hardware's max drops a NaN; a NaN is never compared here."""
+    a = tl.abs(x)
+    return tl.where(a < float("inf"), a, float("inf"))
+
+
+@triton.jit
+def quant_scale(amax, qmax, zero):
+    """The dynamic scale of a group from its max of :func:`finite_abs`: amax / qmax correctly
+    rounded; ``zero`` for an all-zero group; NaN for amax +inf (a NaN or inf in the group: the
+    NaN-visible rule, docs/semantics.md). As reference.numerics.quant_scale."""
+    s = tl.where(amax > 0, tl.math.div_rn(amax, qmax), zero)
+    return tl.where(amax < float("inf"), s, float("nan"))
 
 
 @triton.jit

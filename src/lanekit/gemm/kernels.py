@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lanekit.common.numerics import e8m0_scale, quantize
+from lanekit.common.numerics import cast_codes, e8m0_scale, finite_abs, quant_scale, quantize
 from lanekit.gemm import tuning
 from lanekit.runtime.alloc import empty
 from lanekit.runtime.lanes import triton_interpreted
@@ -159,9 +159,9 @@ def _quant_rows_kernel(X, Q, S, stride_xm, stride_xk, stride_qm, stride_qk, stri
         acc = tl.zeros((BLOCK,), dtype=tl.float32)
         for c0 in range(start, end, BLOCK):
             x = tl.load(X + row * stride_xm + (c0 + offs) * stride_xk, mask=offs < end - c0, other=0.0)
-            acc = tl.maximum(acc, tl.abs(x.to(tl.float32)))
+            acc = tl.maximum(acc, finite_abs(x.to(tl.float32)))
         amax = tl.max(acc, axis=0)
-        scale = tl.where(amax > 0, tl.math.div_rn(amax, qmax), zero_scale)
+        scale = quant_scale(amax, qmax, zero_scale)   # NaN for a group holding a NaN or inf
         tl.store(S + row * stride_sm + g * stride_sg, scale)
     for c0 in range(start, end, BLOCK):
         mask = offs < end - c0
@@ -169,7 +169,8 @@ def _quant_rows_kernel(X, Q, S, stride_xm, stride_xk, stride_qm, stride_qk, stri
         y = tl.math.div_rn(x, tl.where(scale == 0, 1.0, scale))
         codes = quantize(y, qmax, QUANT)
         codes = tl.where(scale == 0, 0.0, codes)
-        tl.store(Q + row * stride_qm + (c0 + offs) * stride_qk, codes.to(Q.dtype.element_ty), mask=mask)
+        tl.store(Q + row * stride_qm + (c0 + offs) * stride_qk, cast_codes(codes, Q.dtype.element_ty, QUANT),
+                 mask=mask)
 
 
 def quant_rows(x, dtype, group, static_scale=None):

@@ -45,7 +45,10 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Ten
     int8, 448 for e4m3; 1 for an all-zero row), or ``k_scale``/``v_scale`` when given; codes =
     x / scale rounded to nearest, ties to even, clamped (int8 to [-128, 127], e4m3 to +-448), bit
     for bit as ``lanekit.reference.kv_cache.quantize_kv``; the scale is stored at the same slot of
-    ``k_cache_scale``/``v_cache_scale``.
+    ``k_cache_scale``/``v_cache_scale``. A row holding a NaN or inf stays visible (docs/semantics.md,
+    "NaN-visible quantization"): its scale is NaN and its codes e4m3's NaN (0x7F) or int8's 0, so it
+    reads back as NaN; with a given scale, a NaN value's code is 0x7F (e4m3) or 0 (int8: no NaN
+    there) and +-inf saturates.
 
     Arguments:
         key: (N, Hkv, D); value: (N, Hkv, Dv); fp16, bf16 or fp32, one dtype, the caches' dtype
@@ -182,6 +185,8 @@ def quantize_kv(x: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn,
     to nearest, ties to even, clamped (int8 to [-128, 127]: with a given scale -128 is reachable;
     e4m3 to +-448, e5m2 to +-57344). Bit for bit as ``lanekit.reference.kv_cache.quantize_kv``.
     (e5m2 codes are for ``flash_mla_with_kvcache``'s caches; the paged K/V cache holds int8 or e4m3.)
+    A row holding a NaN or inf gets a NaN scale and NaN codes (0x7F: e4m3's NaN, an e5m2 NaN) or 0
+    codes (int8), as :func:`reshape_and_cache`.
 
     Arguments:
         x: (..., D), D >= 1; fp16, bf16 or fp32, any strides.

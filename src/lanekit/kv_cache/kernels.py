@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from lanekit.common.numerics import cast_codes as _cast_codes, finite_abs as _finite_abs, quant_scale as _quant_scale
 from lanekit.common.numerics import quantize as _quantize  # the same rounding as qk_norm_rope_quant's codes
 from lanekit.kv_cache import tuning
 from lanekit.runtime.alloc import empty
@@ -64,12 +65,12 @@ def _scatter_kv_kernel(
         if HAS_SCALE_IN:
             scale = tl.load(SCALE_IN + n * stride_in + h * stride_ih, mask=live, other=1.0).to(tl.float32)
         else:
-            amax = tl.max(tl.abs(x), axis=1)
-            scale = tl.where(amax > 0, tl.math.div_rn(amax, qmax), 1.0)
+            amax = tl.max(_finite_abs(x), axis=1)
+            scale = _quant_scale(amax, qmax, 1.0)                    # NaN for a row holding a NaN or inf
         tl.store(SCALE_OUT + page * stride_sb + off * stride_sp + h * stride_sh, scale, mask=live)
         x = _quantize(tl.math.div_rn(x, scale[:, None]), qmax, QUANT)
     c_rows = CACHE + page * stride_cb + off * stride_cp + h * stride_ch
-    tl.store(c_rows[:, None] + offs_d[None, :] * stride_cd, x.to(CACHE.dtype.element_ty), mask=mask)
+    tl.store(c_rows[:, None] + offs_d[None, :] * stride_cd, _cast_codes(x, CACHE.dtype.element_ty, QUANT), mask=mask)
 
 
 @triton.jit

@@ -43,7 +43,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float = 1e-6,
     """RMSNorm over the last dim, optionally fused with the residual add before it.
 
     ``y = h / sqrt(mean(h^2) + eps) * (offset + weight)``, with h = x, or h = x + residual. All in
-    fp32, rounded once to x's dtype.
+    fp32, rounded once to x's dtype. Right wherever the output is representable: a row whose
+    fp32 sum of squares would over- or underflow (|h| past about 1e19, or tiny) is normalized as
+    h * 2^k, exactly (docs/semantics.md, "Non-finite values": norms at fp32's ends).
 
     Arguments:
         x: (..., N), fp16, bf16 or fp32 (fp64 on the reference lane). Any strides; any N the GPU
@@ -83,7 +85,8 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor 
     """LayerNorm over the last dim, optionally fused with the residual add before it.
 
     ``y = (h - mean(h)) / sqrt(var(h) + eps) * weight + bias`` (biased variance), h = x or
-    x + residual; fp32 inside, rounded once to x's dtype.
+    x + residual; fp32 inside, rounded once to x's dtype. As :func:`rms_norm`, right at fp32's
+    ends.
 
     Arguments:
         x: (..., N), fp16, bf16 or fp32 (fp64 on the reference lane), any strides.
@@ -116,7 +119,8 @@ def adaln(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor,
 
     The LayerNorm has no weights of its own. With a residual, h = residual + gate * x (gate 1 when
     None) is the gated residual add that ends one DiT block (``x = x + gate * block(x)``), fused
-    with the next block's modulated norm, and h is also returned.
+    with the next block's modulated norm, and h is also returned. As :func:`rms_norm`, right at
+    fp32's ends.
 
     Arguments:
         x: (B, S, N) or (rows, N), fp16, bf16 or fp32 (fp64 on the reference lane).
@@ -325,7 +329,8 @@ def rms_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor | Non
 
     For q and k: ``n = x / sqrt(mean(x^2) + eps) * (offset + weight)`` over D per (token, head),
     then :func:`apply_rotary` of n's first rotary_dim features (the models with QK-norm: Qwen3,
-    OLMo 2, Gemma 3 with offset=1).
+    OLMo 2, Gemma 3 with offset=1). As :func:`rms_norm`, right at fp32's ends, forward and
+    backward.
 
     Arguments:
         q: (B, S, Hq, D); k: (B, S, Hkv, D), same dtype; fp16, bf16 or fp32 (fp64 reference lane).
@@ -379,8 +384,8 @@ def qk_norm_rope_quant(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor 
     it). They
     equal n / scale's up to where rounding ties fall. The scales carry rstd, within the project's
     "norm" tolerance (fp32, 8 steps). eps and offset are used as their nearest fp32 values. A head
-    vector holding inf or NaN, or whose u overflows fp32 even so, gets a NaN scale (its codes are
-    not specified).
+    vector holding inf or NaN, or whose u overflows fp32 even so, gets a NaN scale, and every
+    code of it is the NaN code 0x7F (e4m3) or 0 (int8): docs/semantics.md, "Non-finite values".
 
     Arguments:
         q: (B, S, Hq, D); k: (B, S, Hkv, D); fp16, bf16 or fp32.

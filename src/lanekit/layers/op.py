@@ -48,7 +48,7 @@ def _norm_fwd_op(x: Tensor, residual: Tensor | None, gate: Tensor | None, scale:
 def _(x, residual, gate, scale, shift, weight, bias, eps, offset, is_rms, rows_per_mod):
     rows = math.prod(x.shape[:-1])
     return (x.new_empty(x.shape), x.new_empty(x.shape) if residual is not None else x.new_empty(0),
-            x.new_empty((rows, 2), dtype=torch.float32), x.new_empty((rows,), dtype=torch.float32))
+            x.new_empty((rows, 3), dtype=torch.float32), x.new_empty((rows,), dtype=torch.float32))
 
 
 @torch.library.custom_op("lanekit::norm_bwd", mutates_args=())

@@ -53,14 +53,28 @@ def _param(N, g, device, layout="contiguous", dtype=torch.float32):
     return randn(N, dtype=dtype, device=device, generator=g)
 
 
+def at_the_ends(x: torch.Tensor, tiny_factor: float) -> torch.Tensor:
+    """x (..., N) with its rows, in turn, near the largest normal of x's dtype (|x| up to it), near
+    its smallest (up to ``tiny_factor`` times it: many values subnormal), and near 1: rows whose
+    fp32 sum of squares overflows or underflows, beside a row that does neither."""
+    fi = torch.finfo(x.dtype)
+    rows = x.reshape(-1, x.shape[-1]).double().clamp(-4, 4) / 4
+    ends = torch.tensor([fi.max, fi.tiny * tiny_factor, 1.0], dtype=torch.float64, device=x.device)
+    scale = ends[torch.arange(rows.shape[0], device=x.device) % 3]
+    return (rows * scale[:, None]).to(x.dtype).reshape(x.shape)
+
+
 def norm_case(name, device, *, shape, dtype=torch.bfloat16, weight=True, bias=False,
               residual=False, offset=0.0, noncontiguous=False, eps=1e-6, kind="rms",
-              params="contiguous", mean=0.0) -> Sample:
+              params="contiguous", mean=0.0, ends=None) -> Sample:
     """An ``rms_norm`` / ``layer_norm`` sample (``kind``), from readable parameters. ``params``:
-    the weight's and bias's layout (see _param); ``mean``: added to every x."""
+    the weight's and bias's layout (see _param); ``mean``: added to every x; ``ends``: rows at
+    the dtype's ends (:func:`at_the_ends`, that tiny_factor)."""
     g = generator(name)
     N = shape[-1]
     x = (randn(*shape, dtype=torch.float32, device=device, generator=g) + mean).to(dtype)
+    if ends is not None:
+        x = at_the_ends(x, ends)
     if noncontiguous:
         x = _noncontiguous(x)
     kw = dict(x=x, weight=_param(N, g, device, params) if weight else None,
@@ -83,6 +97,18 @@ def _rms_norm_samples(device):
     yield norm_case("rows 0", device, shape=(0, 64))
     yield norm_case("N0 features", device, shape=(3, 0))
     yield norm_case("N300 weight expanded from one value", device, shape=(5, 300), params="expanded")
+    # rows near the format's largest and smallest normals: fp32's sum of squares over- or
+    # underflows. eps 0, so that the tiny rows are their own scale and come out near 1, where the
+    # tolerance (one step at the output's largest magnitude) sees them; many of their bf16 values
+    # are subnormal (ends=32)
+    yield norm_case("N300 rows near bf16's largest and smallest normals, eps 0", device, shape=(3, 300),
+                    eps=0.0, ends=32.0)
+    yield norm_case("N300 fp32 rows near fp32's largest and smallest normals, eps 0", device,
+                    shape=(3, 300), dtype=f32, eps=0.0, ends=2.0 ** 10)
+    yield norm_case("N256 fp16 rows near fp16's largest and smallest normals, eps 0", device,
+                    shape=(3, 256), dtype=f16, eps=0.0, ends=32.0)
+    yield norm_case("N20000 (looped) rows near bf16's largest and smallest normals, eps 0", device,
+                    shape=(3, 20000), eps=0.0, ends=32.0)
 
 
 def _layer_norm_samples(device):
@@ -97,10 +123,16 @@ def _layer_norm_samples(device):
     yield norm_case("N4096 bf16 rows of mean 100", device, shape=(3, 4096), kind="ln", bias=True, mean=100.0)
     yield norm_case("N96 non-contiguous no affine", device, shape=(6, 96), kind="ln", weight=False,
                     noncontiguous=True)
+    yield norm_case("N300 rows near bf16's largest and smallest normals, eps 0", device, shape=(3, 300),
+                    kind="ln", bias=True, eps=0.0, ends=32.0)
+    yield norm_case("N300 fp32 rows near fp32's largest and smallest normals, eps 0", device,
+                    shape=(3, 300), kind="ln", bias=True, dtype=torch.float32, eps=0.0, ends=2.0 ** 10)
+    yield norm_case("N20000 (looped) fp32 rows near fp32's largest and smallest normals", device,
+                    shape=(3, 20000), kind="ln", bias=True, dtype=torch.float32, ends=2.0 ** 10, eps=0.0)
 
 
 def adaln_case(name, device, *, shape, per_batch=True, gate=False, residual=False,
-               dtype=torch.bfloat16, mod_dtype=None) -> Sample:
+               dtype=torch.bfloat16, mod_dtype=None, ends=None, eps=1e-6) -> Sample:
     g = generator(name)
     N = shape[-1]
     mod_rows = shape[0]
@@ -110,8 +142,10 @@ def adaln_case(name, device, *, shape, per_batch=True, gate=False, residual=Fals
         return randn(mod_rows, N, dtype=mod, device=device, generator=g, scale=0.5)
 
     x = randn(*shape, dtype=dtype, device=device, generator=g)
+    if ends is not None:
+        x = at_the_ends(x, ends)
     return Sample(name, dict(
-        x=x, scale=m(), shift=m(), gate=m() if gate else None, eps=1e-6,
+        x=x, scale=m(), shift=m(), gate=m() if gate else None, eps=eps,
         residual=randn(*shape, dtype=dtype, device=device, generator=g) if residual else None))
 
 
@@ -125,6 +159,10 @@ def _adaln_samples(device):
     yield adaln_case("N160 (B=3, S=12) per batch, rows sharing a load", device, shape=(3, 12, 160))
     yield adaln_case("N96 (B=2, S=6) gated residual, rows sharing a load", device, shape=(2, 6, 96),
                      gate=True, residual=True)
+    yield adaln_case("N160 (B=2, S=3) rows near bf16's largest and smallest normals, eps 0", device,
+                     shape=(2, 3, 160), eps=0.0, ends=32.0)
+    yield adaln_case("N96 (B=1, S=3) fp32 rows near fp32's largest and smallest normals, eps 0", device,
+                     shape=(1, 3, 96), dtype=torch.float32, eps=0.0, ends=2.0 ** 10)
 
 
 def _with_douts(samples):
@@ -194,11 +232,12 @@ def _rotary_samples(device):
 def qk_case(name, device, *, B=2, S=9, Hq=4, Hkv=2, D=80, rotary_dim=None, dtype=torch.bfloat16,
             weights=True, interleaved=False, position_ids=False, seqlen_offsets=0, offset=0.0,
             quant_dtype=None, params="contiguous", fused_qkv=False, k_weight_dtype=None,
-            k_heads_first=False):
+            k_heads_first=False, ends=None, eps=1e-6):
     """weights: both, none, or "q" (q's only). fused_qkv: q and k as head slices of one
     (B, S, Hq + 2 Hkv, D) buffer (strides unlike either's own). k_weight_dtype: k's weight in
     another dtype than q's. k_heads_first: k a (B, S, Hkv, D) view of a (B, Hkv, S, D) tensor
-    (token and head strides unlike q's)."""
+    (token and head strides unlike q's). ends: head vectors at the dtype's ends (:func:`at_the_ends`,
+    that tiny_factor)."""
     g = generator(name)
     rd = rotary_dim or D
     if fused_qkv:
@@ -209,13 +248,15 @@ def qk_case(name, device, *, B=2, S=9, Hq=4, Hkv=2, D=80, rotary_dim=None, dtype
         k = randn(B, S, Hkv, D, dtype=dtype, device=device, generator=g, scale=2.0)
     if k_heads_first:
         k = k.transpose(1, 2).contiguous().transpose(1, 2)
+    if ends is not None:
+        q, k = at_the_ends(q, ends), at_the_ends(k, ends)
     angles = torch.rand(64, rd // 2, generator=g) * 6.3
     kw = dict(q=q, k=k,
               q_weight=_param(D, g, device, params, dtype) if weights else None,
               k_weight=_param(D, g, device, params, k_weight_dtype or dtype)
               if weights and weights != "q" else None,
               cos=angles.cos().to(device), sin=angles.sin().to(device),
-              eps=float(torch.tensor(1e-6, dtype=torch.float32)), offset=offset,
+              eps=float(torch.tensor(eps, dtype=torch.float32)), offset=offset,
               interleaved=interleaved, rotary_dim=rd, position_ids=None, seqlen_offsets=seqlen_offsets)
     if position_ids:
         kw["position_ids"] = torch.randint(0, 64, (B, S), generator=g).to(device)
@@ -236,6 +277,11 @@ def _rms_norm_rope_samples(device):
                   fused_qkv=True)
     yield qk_case("q weight only, k weight absent D64", device, D=64, S=4, weights="q")
     yield qk_case("k laid out heads first, Hq 2 Hkv 3 D80", device, Hq=2, Hkv=3, S=6, k_heads_first=True)
+    yield qk_case("heads near bf16's largest and smallest normals, eps 0, D64 S3", device, D=64, S=3,
+                  eps=0.0, ends=32.0)
+    # D64: fp32 at D80 spills in the backward on sm90 (40 bytes a thread, before this sample too)
+    yield qk_case("fp32 heads near fp32's largest and smallest normals, eps 0, D64 S2", device, D=64, S=2,
+                  dtype=torch.float32, eps=0.0, ends=2.0 ** 10)
 
 
 def _qk_quant_samples(device):

@@ -61,7 +61,9 @@ def quantize_fp8(x: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn,
     e4m3fn, 57344 for e5m2; amax the largest |x| of the group), 1 for an all-zero group (the
     project's convention, ``reference.numerics.quantize_groups``; its codes are 0). Static: the
     given scale as it is. codes = x / scale, correctly rounded in fp32, saturated at +-qmax and
-    rounded half to even to ``dtype``: finite x never gives inf or NaN codes.
+    rounded half to even to ``dtype``: finite x never gives inf or NaN codes. A NaN or inf stays
+    visible (docs/semantics.md, "Non-finite values"): a dynamic group holding one gets scale NaN
+    and every code the NaN code 0x7F; with a static scale a NaN gets 0x7F and +-inf saturates.
 
     Arguments:
         x: (R, C) fp16, bf16 or fp32 (fp64 on the reference lane only), any strides.
@@ -101,7 +103,10 @@ def quantize_int8(x: torch.Tensor, scale: torch.Tensor | None = None, granularit
     codes = round half to even of x / scale (correctly rounded fp32), clamped to [-128, 127].
     Dynamic (``scale`` None): scale = amax / 127 of each group; an all-zero group gets scale 0
     and codes 0 (never NaN). Static: the given scale as it is, its sign included; where it is 0
-    the codes are 0.
+    the codes are 0. A group holding a NaN or inf gets scale NaN and codes 0 (int8 has no NaN:
+    the scale carries it, so dequantizing gives NaN); with a static scale a NaN's code is 0 (it is
+    lost: use a dynamic scale to keep it) and +-inf saturates (docs/semantics.md, "Non-finite
+    values").
 
     Arguments:
         x: (R, C) fp16, bf16 or fp32 (fp64 on the reference lane only), any strides.
@@ -198,7 +203,8 @@ def silu_and_mul_quant_fp8(x: torch.Tensor, dtype: torch.dtype = torch.float8_e4
     :func:`quantize_fp8` quantizes it: dynamic per token (scale amax / qmax of the row's N
     values, 1 for an all-zero row) or per group of ``group_size`` columns, or static per tensor
     (``scale`` given, ``granularity`` "tensor"). The oracle rounds float64 h to x's dtype at
-    the same point. (The fp32 silu of the kernel differs from float64 by a few fp32 steps,
+    the same point. A group whose h holds a NaN or inf (from x, or h overflowing x's dtype) gets
+    scale NaN and NaN codes, as in :func:`quantize_fp8`. (The fp32 silu of the kernel differs from float64 by a few fp32 steps,
     which changes h only where it lies within them of a rounding boundary of x's dtype.)
 
     Arguments:
@@ -264,7 +270,8 @@ def hadamard_quantize_int8(x: torch.Tensor, *, lane: str | None = None):
     H_n). Steps (the oracle takes the same ones, so the codes are specified bit for bit):
     log2(KP) butterfly stages in fp32, pairs h = 1, 2, 4, ... apart -> (a + b, a - b), then one
     fp32 multiply by fp32(1 / sqrt(KP)); then :func:`quantize_int8` per token of the rotated
-    row (scale amax / 127, 0 and codes 0 for an all-zero row). The whole rotated width is
+    row (scale amax / 127, 0 and codes 0 for an all-zero row; NaN and codes 0 for a row holding a
+    NaN or inf, which the rotation spreads over the whole row). The whole rotated width is
     stored: a GEMM against weights rotated the same way needs all KP columns.
 
     Arguments:
@@ -336,7 +343,7 @@ def stochastic_round_fp8(x: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3
     spacing below the least normal), the upper one with probability (|v| - lo) / step rounded
     up to a multiple of 2^-24, so E[result] = v within 2^-24 * step; values already in the
     format are unchanged. Saturating: |v| >= qmax gives +-qmax (448 e4m3fn, 57344 e5m2), never
-    inf or NaN for finite x; ``+-inf`` gives +-qmax; NaN input gives no specified code. The
+    inf or NaN for finite x; ``+-inf`` gives +-qmax; a NaN gives the NaN code 0x7F. The
     sign is x's (a negative value rounded to zero gives -0).
 
     The uniform draws are reproducible: the top 24 bits of Triton's Philox 4x32-10

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from lanekit.reference.numerics import quantize_groups, to_codes
+from lanekit.reference.numerics import finite_amax, quant_scale, quantize_groups, to_codes
 
 BLOCK = 128
 MX_GROUP = 32
@@ -86,15 +86,16 @@ def mx_mm(a, a_scale, b, b_scale, out_dtype=torch.bfloat16):
 
 def quantize_int8_rows(x: torch.Tensor, scale: torch.Tensor | None = None):
     """vLLM's ``scaled_int8_quant`` of the rows of x (R, K), every step one correctly rounded fp32
-    operation: dynamic scale = amax / 127 per row (0 for an all-zero row, whose codes are 0), or
+    operation: dynamic scale = amax / 127 per row (0 for an all-zero row, whose codes are 0; NaN
+    for a row holding a NaN or inf, whose codes are 0 too: docs/semantics.md), or
     the given static (1,) scale; codes = round half to even of x / scale, clamped to [-128, 127].
     Returns (codes int8 (R, K), scale fp32 (R,) or (1,))."""
     x = x.to(torch.float32)
     if scale is not None:
         s = scale.to(torch.float32).reshape(1)
         return to_codes(x / s.reshape(1, 1), torch.int8), s
-    amax = x.abs().amax(-1) if x.shape[1] else x.new_zeros(x.shape[0])
-    s = amax / torch.full_like(amax, 127.0)
+    amax = finite_amax(x, -1) if x.shape[1] else x.new_zeros(x.shape[0])
+    s = quant_scale(amax, 127.0, 0.0)          # NaN (codes 0) for a row holding a NaN or inf
     safe = torch.where(s > 0, s, torch.ones_like(s))
     codes = torch.where(s.reshape(-1, 1) > 0, to_codes(x / safe.reshape(-1, 1), torch.int8),
                         torch.zeros_like(x, dtype=torch.int8))

@@ -11,7 +11,8 @@ Quantization is specified bit for bit (as ``lanekit.reference.numerics.quantize_
 input is taken in fp32 (exact for fp16, bf16 and fp32 inputs), scale = amax / qmax per (token, head)
 (qmax 127 for int8, 448 for e4m3; 1 for an all-zero row) unless scales are given, and codes = x /
 scale correctly rounded, then rounded half to even and clamped ([-128, 127] for int8, +-448 for e4m3,
-whose cast rounds to nearest even). Dequantization is codes * scale in fp32, one rounding, then
+whose cast rounds to nearest even). A row holding a NaN or inf gets a NaN scale and the NaN code
+(0x7F, e4m3) or 0 (int8) throughout (the NaN-visible rule of docs/semantics.md). Dequantization is codes * scale in fp32, one rounding, then
 rounded to the requested dtype.
 
 ``merge_attn_states`` combines two attention partials over disjoint key sets by their natural-log

@@ -155,8 +155,8 @@ def qk_norm_rope_quant(q, k, q_weight, k_weight, cos, sin, eps=1e-6, offset=0.0,
 
     scale = amax / p * rstd / qmax, in float64 (the sum of squares too) rounded once to fp32; 1
     for an all-zero row: codes * scale is the RMSNorm-then-RoPE vector n. A row whose amax is not
-    finite even so (inf or NaN in x, or a u that overflows from x * p) gets a NaN scale; its codes
-    are not specified. Returns (q_codes, q_scale, k_codes, k_scale), scales (B, S, H) fp32.
+    finite even so (inf or NaN in x, or a u that overflows from x * p) gets a NaN scale, and every
+    code of it is the NaN code (0x7F, e4m3) or 0 (int8): the NaN-visible rule of docs/semantics.md. Returns (q_codes, q_scale, k_codes, k_scale), scales (B, S, H) fp32.
     """
     f32 = torch.float32
     D = q.shape[-1]
@@ -181,6 +181,7 @@ def qk_norm_rope_quant(q, k, q_weight, k_weight, cos, sin, eps=1e-6, offset=0.0,
         u = direction(xf * p.unsqueeze(-1), wf)
         amax = u.abs().amax(-1)
         inv = torch.minimum(torch.full_like(amax, qmax) / amax, torch.full_like(amax, 2.0 ** 127))
+        inv = torch.where(amax.isfinite(), inv, torch.full_like(inv, float("nan")))   # codes NaN / 0
         x64 = x.to(torch.float64)
         rstd = 1.0 / torch.sqrt((x64 * x64).sum(-1) / D + eps)
         scale = (amax.to(torch.float64) / p.to(torch.float64) * rstd / qmax).to(f32)

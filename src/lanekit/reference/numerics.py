@@ -9,24 +9,44 @@ import torch
 QUANT_MAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 
 
+FP8_NAN_CODE = 0x7F   # e4m3fn's one NaN (sign clear); in e5m2, the all-ones NaN
+
+
 def to_codes(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """fp32 x (already divided by its scale) as ``dtype`` codes: rounded to nearest, ties to even,
     clamped to the format's range (int8: [-128, 127]; e4m3: +-448; e5m2: +-57344; the cast
-    rounding)."""
+    rounding). A NaN's code: 0 in int8 (no NaN there: the scale carries it), 0x7F in fp8 (the
+    NaN-visible rule, docs/semantics.md)."""
+    nan = torch.isnan(x)
     if dtype == torch.int8:
-        return torch.round(x).clamp(-128, 127).to(torch.int8)   # torch.round: ties to even
-    return x.clamp(-QUANT_MAX[dtype], QUANT_MAX[dtype]).to(dtype)  # the cast rounds ties to even
+        r = torch.round(x).clamp(-128, 127)                      # torch.round: ties to even
+        return torch.where(nan, torch.zeros_like(r), r).to(torch.int8)
+    codes = x.clamp(-QUANT_MAX[dtype], QUANT_MAX[dtype]).to(dtype)  # the cast rounds ties to even
+    bits = torch.where(nan, torch.full_like(codes.view(torch.uint8), FP8_NAN_CODE), codes.view(torch.uint8))
+    return bits.view(dtype)
+
+
+def finite_amax(x: torch.Tensor, dim=None, keepdim: bool = False) -> torch.Tensor:
+    """max |x| over ``dim`` (all of x when None), +inf where any value is NaN or +-inf."""
+    a = x.abs()
+    a = torch.where(a < float("inf"), a, torch.full_like(a, float("inf")))   # NaN -> inf
+    return a.amax() if dim is None else a.amax(dim, keepdim=keepdim)
+
+
+def quant_scale(amax: torch.Tensor, qmax: float, zero: float) -> torch.Tensor:
+    """The dynamic scale from :func:`finite_amax`: amax / qmax correctly rounded in fp32, ``zero``
+    for an all-zero group, NaN for amax +inf (a NaN or inf in the group: the NaN-visible rule)."""
+    s = torch.where(amax > 0, amax / torch.full_like(amax, qmax), torch.full_like(amax, zero))
+    return torch.where(amax < float("inf"), s, torch.full_like(s, float("nan")))
 
 
 def quantize_per_head(v: torch.Tensor, dtype: torch.dtype):
     """Per-(token, head) symmetric quantization of float32 v (..., D): scale = amax / qmax (1 when
-    the row is all zero), codes = :func:`to_codes` of v / scale. Every step is one correctly
+    the row is all zero, NaN when it holds a NaN or inf: :func:`quant_scale`), codes = :func:`to_codes` of v / scale. Every step is one correctly
     rounded fp32 operation. Returns (codes in ``dtype``, scale fp32 (...))."""
-    amax = v.abs().amax(-1)
-    # divided by tensors: PyTorch's CUDA kernels multiply by the reciprocal of a Python scalar
-    # divisor, which is not the correctly rounded quotient
-    qmax = torch.full_like(amax, QUANT_MAX[dtype])
-    scale = torch.where(amax > 0, amax / qmax, torch.ones_like(amax))
+    # divided by tensors (in quant_scale too): PyTorch's CUDA kernels multiply by the reciprocal
+    # of a Python scalar divisor, which is not the correctly rounded quotient
+    scale = quant_scale(finite_amax(v, -1), QUANT_MAX[dtype], 1.0)
     return to_codes(v / scale.unsqueeze(-1), dtype), scale
 
 
@@ -50,7 +70,8 @@ def quantize_groups(x: torch.Tensor, group: int | None, dtype: torch.dtype = tor
     of each row in groups of ``group`` (the last one partial; ``group`` = C: per row), or the
     whole tensor (``group`` None). scale = amax / qmax of the group (fp32 amax of x's values; 1
     when the group is all zero; not rounded to a power of two), codes = :func:`to_codes` of
-    x / scale. A given ``scale`` (1,) is used as it is (static per-tensor). Returns (codes in
+    x / scale (a group holding a NaN or inf: scale NaN, codes NaN, :func:`quant_scale`). A given
+    ``scale`` (1,) is used as it is (static per-tensor). Returns (codes in
     ``dtype`` (R, C), scale fp32: (1,) per tensor, (R, ceil(C / group)) per group)."""
     x = x.to(torch.float32)
     R, C = x.shape
@@ -58,12 +79,11 @@ def quantize_groups(x: torch.Tensor, group: int | None, dtype: torch.dtype = tor
     if scale is not None:
         return to_codes(x / scale.to(torch.float32).reshape(1, 1), dtype), scale.to(torch.float32).reshape(1)
     if group is None:
-        amax = x.abs().amax().reshape(1) if x.numel() else torch.zeros(1, device=x.device)
-        s = torch.where(amax > 0, amax / torch.full_like(amax, qmax), torch.ones_like(amax))
+        amax = finite_amax(x).reshape(1) if x.numel() else torch.zeros(1, device=x.device)
+        s = quant_scale(amax, qmax, 1.0)
         return to_codes(x / s.reshape(1, 1), dtype), s
     groups = -(-C // group)
     padded = torch.nn.functional.pad(x, (0, groups * group - C)).view(R, groups, group)
-    amax = padded.abs().amax(-1)                                        # (R, groups)
-    s = torch.where(amax > 0, amax / torch.full_like(amax, qmax), torch.ones_like(amax))
+    s = quant_scale(finite_amax(padded, -1), qmax, 1.0)                 # (R, groups)
     codes = to_codes(padded / s.unsqueeze(-1), dtype).view(R, groups * group)[:, :C]
     return codes, s

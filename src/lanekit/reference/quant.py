@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from lanekit.reference.numerics import QUANT_MAX, to_codes
+from lanekit.reference.numerics import FP8_NAN_CODE, QUANT_MAX, finite_amax, quant_scale, to_codes
 
 
 def _group_of(granularity: str, C: int, group_size: int) -> int:
@@ -32,13 +32,13 @@ def _quantize(x, dtype, scale, granularity, group_size, zero_scale):
     qmax = QUANT_MAX[dtype]
     if scale is None:
         if granularity == "tensor":
-            amax = x.abs().amax().reshape(1, 1) if x.numel() else torch.zeros(1, 1, device=x.device)
+            amax = finite_amax(x).reshape(1, 1) if x.numel() else torch.zeros(1, 1, device=x.device)
         elif granularity == "token":
-            amax = x.abs().amax(-1, keepdim=True) if C else torch.zeros(R, 1, device=x.device)
+            amax = finite_amax(x, -1, keepdim=True) if C else torch.zeros(R, 1, device=x.device)
         else:
             g, _ = _groups(x, _group_of(granularity, C, group_size))
-            amax = g.abs().amax(-1) if g.numel() else torch.zeros(R, g.shape[1], device=x.device)
-        s = torch.where(amax > 0, amax / torch.full_like(amax, qmax), torch.full_like(amax, zero_scale))
+            amax = finite_amax(g, -1) if g.numel() else torch.zeros(R, g.shape[1], device=x.device)
+        s = quant_scale(amax, qmax, zero_scale)     # NaN for a group holding a NaN or inf
     else:
         s = scale.to(torch.float32).reshape(1, 1) if granularity == "tensor" else scale.to(torch.float32)
     group = C if granularity == "tensor" else _group_of(granularity, C, group_size)
@@ -57,14 +57,17 @@ def quantize_fp8(x: torch.Tensor, dtype=torch.float8_e4m3fn, scale=None, granula
     (R, ceil(C / group_size)) per group. Dynamic (``scale`` None): scale = amax / qmax (448 for
     e4m3, 57344 for e5m2), 1 for an all-zero group (``reference.numerics.quantize_groups``'s
     convention); static: the given scale. codes = x / scale saturated at +-qmax, rounded half to
-    even. vLLM's ``scaled_fp8_quant`` / ``per_token_group_quant_fp8``."""
+    even. A group holding a NaN or inf: scale NaN, codes 0x7F (NaN); static: a NaN's code 0x7F,
+    +-inf saturated (docs/semantics.md, "Non-finite values"). vLLM's ``scaled_fp8_quant`` /
+    ``per_token_group_quant_fp8``."""
     return _quantize(x, dtype, scale, granularity, group_size, 1.0)
 
 
 def quantize_int8(x: torch.Tensor, scale=None, granularity="token", group_size=128):
     """Symmetric int8 codes of x (R, C): round half to even of x / scale clamped to [-128, 127];
     dynamic scale amax / 127, 0 for an all-zero group (whose codes are 0); a given scale is used
-    as it is (its sign included; a zero scale gives codes 0). vLLM's ``scaled_int8_quant``
+    as it is (its sign included; a zero scale gives codes 0). A group holding a NaN or inf: scale
+    NaN, codes 0; static: a NaN's code 0, +-inf saturated. vLLM's ``scaled_int8_quant``
     (symmetric)."""
     return _quantize(x, torch.int8, scale, granularity, group_size, 0.0)
 
@@ -182,4 +185,6 @@ def stochastic_round_fp8(x: torch.Tensor, dtype=torch.float8_e4m3fn, seed: int =
     up = (r >> 8).to(torch.float32) < (a - lo) * 16777216.0
     step = torch.pow(2.0, (E - mbits).clamp(max=127).to(torch.float64)).to(torch.float32)
     v = torch.minimum((lo + up.to(torch.float32)) * step, torch.full_like(lo, qmax))
-    return torch.where(torch.signbit(x), -v, v).to(dtype)     # x's sign, -0 included
+    codes = torch.where(torch.signbit(x), -v, v).to(dtype).view(torch.uint8)   # x's sign, -0 included
+    nan = torch.full_like(codes, FP8_NAN_CODE)
+    return torch.where(torch.isnan(x), nan, codes).view(dtype)   # NaN: the NaN code (+-inf saturate)

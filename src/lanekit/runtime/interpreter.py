@@ -10,6 +10,10 @@ Triton's interpreter (3.6.0 through 3.9.0 at least) gets two things wrong that t
   Its casts of integers to bf16 store the value where the bit pattern belongs (int8 codes came
   out as NaN), and its casts from fp8 to bf16 read the fp8 bit pattern as a number. :func:`fix_float_casts` makes those casts round to nearest even, through PyTorch's
   own casts.
+- Its casts from bf16 to fp32 (and so to fp64 and fp16) decode bf16's subnormals wrongly (its
+  bit-by-bit decoder lands them on the wrong exponent: 1.01e-39 read as 4.4e-39; found by the
+  norms' samples of rows near bf16's smallest normal, 2026-12-07). A bf16 is the top half of an
+  fp32, so :func:`fix_float_casts` widens it by its bits, exactly, as the GPU does.
 :func:`fix_interpreter` applies both. Only the interpreter is touched; compiled kernels are not.
 """
 
@@ -79,12 +83,26 @@ def fix_float_casts() -> None:
         out = out.view(torch.uint8 if bits == np.uint8 else torch.int16).numpy().view(bits)
         return interpreter.TensorHandle(out.reshape(np.shape(data)), dst)
 
+    def _widen_bf16(src, dst_type):
+        """bf16 to a wider float (fp32, fp64) or fp16: exactly to fp32 by the bits (subnormals
+        included), then numpy's cast (exact, or rounding to nearest even for fp16)."""
+        dst = dst_type.scalar
+        if src.dtype.scalar != tl.bfloat16 or dst not in (tl.float32, tl.float64, tl.float16):
+            return None
+        data = (np.asarray(src.data).astype(np.uint32) << 16).view(np.float32)
+        np_dst = {tl.float32: np.float32, tl.float64: np.float64, tl.float16: np.float16}[dst]
+        return interpreter.TensorHandle(data.astype(np_dst), dst)
+
     def cast_impl(self, src, dst_type):
         out = _round(src, dst_type)
+        if out is None:
+            out = _widen_bf16(src, dst_type)
         return out if out is not None else original_cast(self, src, dst_type)
 
     def create_fp_to_fp(self, src, dst_type, rounding_mode):
         out = _round(src, dst_type)
+        if out is None:
+            out = _widen_bf16(src, dst_type)
         return out if out is not None else original_fp_to_fp(self, src, dst_type, rounding_mode)
 
     def create_si_to_fp(self, src, dst_type):

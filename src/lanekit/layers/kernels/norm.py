@@ -5,6 +5,14 @@ y = norm(h) [* (offset + w) + b] [* (1 + scale) + shift], h = x, or residual + [
 residual) add; rows up to a table's width are held in registers (one read of x), wider rows are
 walked in blocks, several passes. ``_norm_bwd_kernel`` sums the parameters' gradients over runs of
 rows, into one partial row a program, summed on the host.
+
+Rows at fp32's ends: the statistics are taken of h * p, p = 2^k a power of two that brings max |h|
+into [1, 2) (k from max |h|'s exponent bits, so the scaling is exact), where the fp32 sum of
+squares of h would overflow (|h| past about 1e19) or fall where its roundings lose the row (a
+tiny row). var(h p) = var(h) p^2 and rstd(h p) with eps p^2 = rstd(h) / p, so xhat = (h p - mean_p)
+* rstd_p is the same; p is kept per row for the backward (MEAN's third column; 1 for the other
+rows, whose results are the bits they were without it). eps p^2 is kept below about 2^101
+(``shared._row_scale``): a row that small is eps's, and h p then stays far above fp32's underflow.
 """
 
 from __future__ import annotations
@@ -14,7 +22,7 @@ import triton
 import triton.language as tl
 
 from lanekit.layers import tuning
-from lanekit.layers.kernels.shared import _rows, _stride, _strides
+from lanekit.layers.kernels.shared import _row_scale, _rows, _stride, _strides
 from lanekit.runtime.alloc import empty
 from lanekit.runtime.lanes import triton_interpreted
 
@@ -61,6 +69,20 @@ def _norm_affine(xhat, W, B, SCALE, SHIFT, scale_row, shift_row, cols, mask, off
 
 
 @triton.jit
+def _norm_stats(h, mask, N, IS_RMS: tl.constexpr, TWO_PART_MEAN: tl.constexpr):
+    """(mean, mean_lo, hc, sum of hc^2) of a row h held whole (masked columns 0): the mean as an
+    unevaluated sum mean + mean_lo (0, 0 for RMSNorm), hc = (h - mean) - mean_lo."""
+    mean = 0.0
+    mean_lo = 0.0
+    if not IS_RMS:
+        mean = tl.sum(h, axis=0) / N
+        if TWO_PART_MEAN:  # only fp32 outputs can see the rounding of the mean
+            mean_lo = tl.sum(tl.where(mask, h - mean, 0.0), axis=0) / N
+    hc = tl.where(mask, (h - mean) - mean_lo, 0.0)
+    return mean, mean_lo, hc, tl.sum(hc * hc, axis=0)
+
+
+@triton.jit
 def _norm_fwd_kernel(
     X, R, GATE, SCALE, SHIFT, W, B, Y, H_OUT, MEAN, RSTD,
     stride_xm, stride_xn, stride_rm, stride_rn, stride_gm, stride_gn, stride_sm, stride_sn,
@@ -90,14 +112,15 @@ def _norm_fwd_kernel(
             mask = cols0 < N
             h, x = _norm_load_h(X, R, GATE, x_row, r_row, g_row, cols0, mask, stride_xn, stride_rn,
                                 stride_gn, HAS_RESIDUAL, HAS_GATE)
-            mean = 0.0
-            mean_lo = 0.0
-            if not IS_RMS:
-                mean = tl.sum(h, axis=0) / N
-                if TWO_PART_MEAN:  # only fp32 outputs can see the rounding of the mean
-                    mean_lo = tl.sum(tl.where(mask, h - mean, 0.0), axis=0) / N
-            hc = tl.where(mask, (h - mean) - mean_lo, 0.0)
-            rstd = 1.0 / tl.sqrt(tl.sum(hc * hc, axis=0) / N + eps)
+            p = tl.full((), 1.0, tl.float32)
+            mean, mean_lo, hc, ss = _norm_stats(h, mask, N, IS_RMS, TWO_PART_MEAN)
+            # a sum of squares in [2^-60, inf) lost nothing to under- or overflow that shows at
+            # fp32's precision (a square that underflows is 2^-63 below the row's largest); a row
+            # outside (or NaN) is taken again, scaled
+            if not ((ss >= 2.0 ** -60) & (ss < float("inf"))):
+                p = _row_scale(tl.max(tl.abs(h), axis=0), eps)
+                mean, mean_lo, hc, ss = _norm_stats(h * p, mask, N, IS_RMS, TWO_PART_MEAN)
+            rstd = 1.0 / tl.sqrt(ss / N + (eps * p) * p)
             if MOD_ROWS > 1:  # the same steps as _norm_affine's, with scale and shift loaded once
                 y = _norm_affine(hc * rstd, W, B, SCALE, SHIFT, s_row, t_row, cols0, mask, offset,
                                  stride_w, stride_b, stride_sn, stride_tn, HAS_WEIGHT, HAS_BIAS, False)
@@ -108,7 +131,15 @@ def _norm_fwd_kernel(
             tl.store(Y + y_row + cols0 * stride_yn, y.to(Y.dtype.element_ty), mask=mask)
             if HAS_RESIDUAL:
                 tl.store(H_OUT + h_row + cols0 * stride_hn, h.to(H_OUT.dtype.element_ty), mask=mask)
-        else:  # blocks of the row, one pass for the mean, one for the variance, one to write
+        else:  # blocks of the row: one pass for max |h| (the scale p), one for the mean, one for
+            # the variance, one to write (a row this wide is rare; the max pass costs a read)
+            amax = tl.zeros([BLOCK_N], dtype=tl.float32)
+            for start in range(0, N, BLOCK_N):
+                cols = start + cols0
+                h, x = _norm_load_h(X, R, GATE, x_row, r_row, g_row, cols, cols < N, stride_xn,
+                                    stride_rn, stride_gn, HAS_RESIDUAL, HAS_GATE)
+                amax = tl.maximum(amax, tl.abs(h))
+            p = _row_scale(tl.max(amax, axis=0), eps)
             mean = 0.0
             if not IS_RMS:
                 acc = tl.zeros([BLOCK_N], dtype=tl.float32)
@@ -116,7 +147,7 @@ def _norm_fwd_kernel(
                     cols = start + cols0
                     h, x = _norm_load_h(X, R, GATE, x_row, r_row, g_row, cols, cols < N, stride_xn,
                                         stride_rn, stride_gn, HAS_RESIDUAL, HAS_GATE)
-                    acc += h
+                    acc += h * p
                 mean = tl.sum(acc, axis=0) / N
             acc = tl.zeros([BLOCK_N], dtype=tl.float32)
             acc1 = tl.zeros([BLOCK_N], dtype=tl.float32)
@@ -125,19 +156,19 @@ def _norm_fwd_kernel(
                 mask = cols < N
                 h, x = _norm_load_h(X, R, GATE, x_row, r_row, g_row, cols, mask, stride_xn,
                                     stride_rn, stride_gn, HAS_RESIDUAL, HAS_GATE)
-                hc = tl.where(mask, h - mean, 0.0)
+                hc = tl.where(mask, h * p - mean, 0.0)
                 acc += hc * hc
                 acc1 += hc
             mean_lo = 0.0
             if not IS_RMS:  # the corrected two-pass variance (Chan, Golub, LeVeque)
                 mean_lo = tl.sum(acc1, axis=0) / N
-            rstd = 1.0 / tl.sqrt(tl.sum(acc, axis=0) / N - mean_lo * mean_lo + eps)
+            rstd = 1.0 / tl.sqrt(tl.sum(acc, axis=0) / N - mean_lo * mean_lo + (eps * p) * p)
             for start in range(0, N, BLOCK_N):
                 cols = start + cols0
                 mask = cols < N
                 h, x = _norm_load_h(X, R, GATE, x_row, r_row, g_row, cols, mask, stride_xn,
                                     stride_rn, stride_gn, HAS_RESIDUAL, HAS_GATE)
-                y = _norm_affine(((h - mean) - mean_lo) * rstd, W, B, SCALE, SHIFT, s_row, t_row, cols, mask,
+                y = _norm_affine(((h * p - mean) - mean_lo) * rstd, W, B, SCALE, SHIFT, s_row, t_row, cols, mask,
                                  offset, stride_w, stride_b, stride_sn, stride_tn, HAS_WEIGHT,
                                  HAS_BIAS, HAS_MOD)
                 tl.store(Y + y_row + cols * stride_yn, y.to(Y.dtype.element_ty), mask=mask)
@@ -145,22 +176,24 @@ def _norm_fwd_kernel(
                     tl.store(H_OUT + h_row + cols * stride_hn, h.to(H_OUT.dtype.element_ty), mask=mask)
         # the mean as an unevaluated sum mean + mean_lo: h - mean is exact where h is near the mean, so
         # ((h - mean) - mean_lo) keeps the fp32 accuracy that (h - (mean + mean_lo)) would lose on
-        # rows whose mean is large beside their spread
-        tl.store(MEAN + 2 * row, mean)
-        tl.store(MEAN + 2 * row + 1, mean_lo)
+        # rows whose mean is large beside their spread. All three, and rstd, are h * p's.
+        tl.store(MEAN + 3 * row, mean)
+        tl.store(MEAN + 3 * row + 1, mean_lo)
+        tl.store(MEAN + 3 * row + 2, p)
         tl.store(RSTD + row, rstd)
 
 
 @triton.jit
-def _norm_bwd_terms(DY, X, R, GATE, SCALE, W, MEAN_ROW, MEAN_LO_ROW, RSTD_ROW, dy_row, x_row, r_row, g_row,
-                    mod_row, cols, mask, offset, stride_dyn, stride_xn, stride_rn, stride_gn,
+def _norm_bwd_terms(DY, X, R, GATE, SCALE, W, MEAN_ROW, MEAN_LO_ROW, RSTD_ROW, P_ROW, dy_row, x_row, r_row,
+                    g_row, mod_row, cols, mask, offset, stride_dyn, stride_xn, stride_rn, stride_gn,
                     stride_mn, stride_w, HAS_RESIDUAL: tl.constexpr, HAS_GATE: tl.constexpr,
                     HAS_MOD: tl.constexpr, HAS_WEIGHT: tl.constexpr):
     """For columns ``cols`` of one row: (xhat, x, dy, g, dxhat). g is dy through the modulation
-    (the gradient of xhat * w + b); dxhat is g through the weight (the gradient of xhat)."""
+    (the gradient of xhat * w + b); dxhat is g through the weight (the gradient of xhat). The
+    statistics are h * P_ROW's (the forward's row scale)."""
     h, x = _norm_load_h(X, R, GATE, x_row, r_row, g_row, cols, mask, stride_xn, stride_rn,
                         stride_gn, HAS_RESIDUAL, HAS_GATE)
-    xhat = tl.where(mask, ((h - MEAN_ROW) - MEAN_LO_ROW) * RSTD_ROW, 0.0)
+    xhat = tl.where(mask, ((h * P_ROW - MEAN_ROW) - MEAN_LO_ROW) * RSTD_ROW, 0.0)
     dy = tl.load(DY + dy_row + cols * stride_dyn, mask=mask, other=0.0).to(tl.float32)
     g = dy
     if HAS_MOD:
@@ -201,13 +234,14 @@ def _norm_bwd_kernel(
         dshift = tl.zeros([BLOCK_N], dtype=tl.float32)
         dgate = tl.zeros([BLOCK_N], dtype=tl.float32)
     for row in range(row_start, row_end):
-        mean = tl.load(MEAN + 2 * row)
-        mean_lo = tl.load(MEAN + 2 * row + 1)
+        mean = tl.load(MEAN + 3 * row)
+        mean_lo = tl.load(MEAN + 3 * row + 1)
+        row_p = tl.load(MEAN + 3 * row + 2)  # h * row_p's statistics: dh takes rstd(h) = rstd * row_p
         rstd = tl.load(RSTD + row)
         dy_row, x_row, r_row = row * stride_dym, row * stride_xm, row * stride_rm
         if ONE_BLOCK:
             xhat, x, dy, g, dxhat = _norm_bwd_terms(
-                DY, X, R, GATE, SCALE, W, mean, mean_lo, rstd, dy_row, x_row, r_row, g_row, mod_row,
+                DY, X, R, GATE, SCALE, W, mean, mean_lo, rstd, row_p, dy_row, x_row, r_row, g_row, mod_row,
                 cols0, mask, offset, stride_dyn, stride_xn, stride_rn, stride_gn, stride_mn, stride_w,
                 HAS_RESIDUAL, HAS_GATE, HAS_MOD, HAS_WEIGHT)
             c1 = tl.sum(dxhat * xhat, axis=0) / N
@@ -220,7 +254,7 @@ def _norm_bwd_kernel(
             for start in range(0, N, BLOCK_N):
                 cols = start + cols0
                 xhat, x, dy, g, dxhat = _norm_bwd_terms(
-                    DY, X, R, GATE, SCALE, W, mean, mean_lo, rstd, dy_row, x_row, r_row, g_row, mod_row,
+                    DY, X, R, GATE, SCALE, W, mean, mean_lo, rstd, row_p, dy_row, x_row, r_row, g_row, mod_row,
                     cols, cols < N, offset, stride_dyn, stride_xn, stride_rn, stride_gn,
                     stride_mn, stride_w, HAS_RESIDUAL, HAS_GATE, HAS_MOD, HAS_WEIGHT)
                 acc1 += dxhat * xhat
@@ -234,10 +268,10 @@ def _norm_bwd_kernel(
             if not ONE_BLOCK:  # reload this block (ONE_BLOCK keeps the row from above)
                 mask = cols < N
                 xhat, x, dy, g, dxhat = _norm_bwd_terms(
-                    DY, X, R, GATE, SCALE, W, mean, mean_lo, rstd, dy_row, x_row, r_row, g_row, mod_row,
+                    DY, X, R, GATE, SCALE, W, mean, mean_lo, rstd, row_p, dy_row, x_row, r_row, g_row, mod_row,
                     cols, mask, offset, stride_dyn, stride_xn, stride_rn, stride_gn, stride_mn, stride_w,
                     HAS_RESIDUAL, HAS_GATE, HAS_MOD, HAS_WEIGHT)
-            dh = (dxhat - (xhat * c1 + c2)) * rstd
+            dh = ((dxhat - (xhat * c1 + c2)) * rstd) * row_p
             if HAS_DH_OUT:  # the returned sum h was used downstream too
                 dh += tl.load(DH_OUT + row * stride_dhm + cols * stride_dhn, mask=mask, other=0.0).to(tl.float32)
             if HAS_RESIDUAL:
@@ -304,7 +338,7 @@ def norm_fwd(*, x, weight, bias, eps, offset=0.0, is_rms, residual=None, gate=No
     rows = x2.shape[0]
     y = empty(x.shape, dtype=x.dtype, device=x.device)
     h = empty(x.shape, dtype=x.dtype, device=x.device) if residual is not None else None
-    mean = empty((rows, 2), dtype=torch.float32, device=x.device)   # mean, and its remainder
+    mean = empty((rows, 3), dtype=torch.float32, device=x.device)   # mean, its remainder, the row scale
     rstd = empty((rows,), dtype=torch.float32, device=x.device)
     if rows == 0 or N == 0:
         return y, h, mean, rstd

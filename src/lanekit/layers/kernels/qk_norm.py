@@ -12,11 +12,12 @@ import torch
 import triton
 import triton.language as tl
 
-from lanekit.common.numerics import (max_nan as _max_nan, power_of_two as _power_of_two, quantize as _quantize,
+from lanekit.common.numerics import (cast_codes as _cast_codes, max_nan as _max_nan, power_of_two as _power_of_two,
+                                     quantize as _quantize,
                                      reciprocal_power as _reciprocal_power, unit_exponent as _unit_exponent)
 from lanekit.layers import tuning
 from lanekit.layers.kernels.rotary import _rotary_pairs, _rotary_tokens
-from lanekit.layers.kernels.shared import _load_f32, _prefetch_rows, _store, _stride, _to_f32
+from lanekit.layers.kernels.shared import _load_f32, _prefetch_rows, _row_scale, _store, _stride, _to_f32
 from lanekit.runtime.alloc import empty
 from lanekit.runtime.lanes import triton_interpreted
 
@@ -200,11 +201,15 @@ def _qk_redo(amax, redo, x_rows, stride_xd, W, stride_w, offset, da, db, offs_i,
 @triton.jit
 def _qk_codes(ra, rb, rest, amax, slow_tile, qmax, QUANT: tl.constexpr, HAS_REST: tl.constexpr):
     """The codes (ra, rb, rest) of u in _qk_norm_rope_fwd_kernel: u * qmax / max |u|, rounded to
-    int8 (QUANT 1) or fp8 e4m3 (QUANT 2), clamped to the code range in redone tiles alone."""
+    int8 (QUANT 1) or fp8 e4m3 (QUANT 2), clamped to the code range in redone tiles alone; NaN
+    (fp8; stored as cast_codes' 0x7F) or 0 (int8) in a row whose max |u| is not finite."""
     # one correctly rounded division per row, a product per element (an IEEE division per
     # element made this kernel compute-bound: about 30 instructions each on sm90), bounded so
     # that an all-zero row's is finite
-    inv = tl.minimum(tl.math.div_rn(tl.full(amax.shape, qmax, tl.float32), amax), 2.0 ** 127)[:, None]
+    inv = tl.minimum(tl.math.div_rn(tl.full(amax.shape, qmax, tl.float32), amax), 2.0 ** 127)
+    # a row whose scale is NaN (max |u| inf or NaN): every code NaN (fp8) or 0 (int8), the
+    # NaN-visible rule (docs/semantics.md); the hardware's min would have dropped the NaN
+    inv = tl.where(amax < float("inf"), inv, float("nan"))[:, None]
     # The clamp to the code range cannot act where max |u| lies in [2^-100, 2^100): |u| <= amax,
     # inv <= (qmax / amax)(1 + 2^-24), so |u * inv| rounded is at most qmax (1 + 2^-22), which
     # rounds to qmax at most (int8: 127.00003; e4m3: 448.0001, the next step up being 32 away).
@@ -298,7 +303,20 @@ def _qk_norm_rope_fwd_kernel(
     # positive factor per row, divides out of n / scale (reference.layers.qk_norm_rope_quant). So
     # they depend on no sum, and the fp32 sum of squares serves the scale alone.
     if not QUANT:
-        rstd = (1.0 / tl.sqrt(_mean(ss, D, BLOCK_D, POW2_D) + eps))[:, None]
+        # rows whose fp32 sum of squares over- or underflowed (|x| past about 1e19, or tiny; see
+        # norm.py), rare: the tile is taken again from x * p, p = 2^k per row bringing max |x|
+        # into [1, 2) (exact; 1 in the other rows, which keep their bits), with eps p^2
+        at_ends = row_mask & ~((ss >= 2.0 ** -60) & (ss < float("inf")))
+        if tl.max(at_ends.to(tl.int32), axis=0) > 0:
+            p = tl.where(at_ends, _row_scale(_abs_max(a, bb, rest, HAS_REST), eps), 1.0)
+            a = a * p[:, None]
+            bb = bb * p[:, None]
+            if HAS_REST:
+                rest = rest * p[:, None]
+            ss = _square_sum(a, bb, rest, HAS_REST)
+            rstd = (1.0 / tl.sqrt(_mean(ss, D, BLOCK_D, POW2_D) + (eps * p) * p))[:, None]
+        else:
+            rstd = (1.0 / tl.sqrt(_mean(ss, D, BLOCK_D, POW2_D) + eps))[:, None]
         a = a * rstd
         bb = bb * rstd
         if HAS_REST:
@@ -315,10 +333,10 @@ def _qk_norm_rope_fwd_kernel(
         _store(_pick(is_k, K_SCALE, Q_SCALE) + row, scale, row_mask, EVEN)
         ra, rb, rest = _qk_codes(ra, rb, rest, amax, slow_tile, qmax, QUANT, HAS_REST)
     o_rows = (_pick(is_k, K_OUT, Q_OUT) + row * (BLOCK_D if POW2_D else D))[:, None]
-    _store(o_rows + da[None, :], ra.to(Q_OUT.dtype.element_ty), pair_mask, EVEN)
-    _store(o_rows + db[None, :], rb.to(Q_OUT.dtype.element_ty), pair_mask, EVEN)
+    _store(o_rows + da[None, :], _cast_codes(ra, Q_OUT.dtype.element_ty, QUANT), pair_mask, EVEN)
+    _store(o_rows + db[None, :], _cast_codes(rb, Q_OUT.dtype.element_ty, QUANT), pair_mask, EVEN)
     if HAS_REST:
-        tl.store(o_rows + offs_d[None, :], rest.to(Q_OUT.dtype.element_ty), mask=rest_mask)
+        tl.store(o_rows + offs_d[None, :], _cast_codes(rest, Q_OUT.dtype.element_ty, QUANT), mask=rest_mask)
 
 
 @triton.jit
@@ -388,15 +406,27 @@ def _rms_norm_rope_bwd_kernel(
         xa = tl.load(x_rows + da[None, :] * stride_xd, mask=pair_mask, other=0.0).to(tl.float32)
         xb = tl.load(x_rows + db[None, :] * stride_xd, mask=pair_mask, other=0.0).to(tl.float32)
         xr = tl.load(x_rows + offs_d[None, :] * stride_xd, mask=rest_mask, other=0.0).to(tl.float32)
+        # the statistics of x * p, p = 2^k bringing the row's max |x| into [1, 2): exact, so the
+        # same bits as x's where its fp32 sum of squares neither over- nor underflows, and right
+        # where it would (|x| past about 1e19, or tiny; see norm.py); rstd(x) = rstd * p
+        amax = tl.maximum(tl.maximum(tl.max(tl.abs(xa), axis=1), tl.max(tl.abs(xb), axis=1)),
+                          tl.max(tl.abs(xr), axis=1))
+        p_row = _row_scale(amax, eps)
+        p = p_row[:, None]
+        xa, xb, xr = xa * p, xb * p, xr * p
         ss = tl.sum(xa * xa, axis=1) + tl.sum(xb * xb, axis=1) + tl.sum(xr * xr, axis=1)
-        rstd = (1.0 / tl.sqrt(ss / D + eps))[:, None]
+        # rows past the sequence: 0, not 1 / sqrt(0 + eps) (inf for eps 0, NaN in the weight's sum)
+        rstd = tl.where(row_mask, 1.0 / tl.sqrt(ss / D + (eps * p_row) * p_row), 0.0)[:, None]
         xa, xb, xr = xa * rstd, xb * rstd, xr * rstd    # xhat
         ga, gb, gr = dn_a * wa[None, :], dn_b * wb[None, :], dn_r * wr[None, :]
         c1 = (tl.sum(ga * xa, axis=1) + tl.sum(gb * xb, axis=1) + tl.sum(gr * xr, axis=1)) / D
         c1 = c1[:, None]
-        tl.store(dx_rows + da[None, :] * stride_dxd, ((ga - xa * c1) * rstd).to(DX.dtype.element_ty), mask=pair_mask)
-        tl.store(dx_rows + db[None, :] * stride_dxd, ((gb - xb * c1) * rstd).to(DX.dtype.element_ty), mask=pair_mask)
-        tl.store(dx_rows + offs_d[None, :] * stride_dxd, ((gr - xr * c1) * rstd).to(DX.dtype.element_ty), mask=rest_mask)
+        tl.store(dx_rows + da[None, :] * stride_dxd, (((ga - xa * c1) * rstd) * p).to(DX.dtype.element_ty),
+                 mask=pair_mask)
+        tl.store(dx_rows + db[None, :] * stride_dxd, (((gb - xb * c1) * rstd) * p).to(DX.dtype.element_ty),
+                 mask=pair_mask)
+        tl.store(dx_rows + offs_d[None, :] * stride_dxd, (((gr - xr * c1) * rstd) * p).to(DX.dtype.element_ty),
+                 mask=rest_mask)
         dwa += tl.sum(dn_a * xa, axis=0)
         dwb += tl.sum(dn_b * xb, axis=0)
         dwr += tl.sum(dn_r * xr, axis=0)

@@ -9,6 +9,8 @@ import torch
 import triton
 import triton.language as tl
 
+from lanekit.common.numerics import power_of_two, unit_exponent
+
 
 @triton.jit
 def _to_f32(v):
@@ -18,6 +20,18 @@ def _to_f32(v):
     if v.dtype == tl.bfloat16:
         return (v.to(tl.int16, bitcast=True).to(tl.int32) << 16).to(tl.float32, bitcast=True)
     return v.to(tl.float32)
+
+
+@triton.jit
+def _row_scale(amax, eps):
+    """p = 2^k, the power of two that brings amax (a row's max |x|, >= 0) into [1, 2), with k at
+    most (99 + k_eps) // 2 (eps * 2^k_eps in [1, 2)) so that eps * p^2 stays below about 2^101:
+    a row smaller than that is eps's. The norms take their statistics of x * p where fp32's sum
+    of squares of x would over- or underflow: exact, and rstd(x p, eps p^2) = rstd(x, eps) / p.
+    NaN or inf amax: 2^-126."""
+    eps = tl.zeros_like(amax) + eps       # fp32 [amax's shape] (eps may reach here a Python float)
+    k = tl.minimum(unit_exponent(amax), (99 + unit_exponent(eps)) // 2)
+    return power_of_two(k)
 
 
 @triton.jit

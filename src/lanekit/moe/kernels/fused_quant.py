@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lanekit.common.numerics import quantize
+from lanekit.common.numerics import cast_codes, finite_abs, quant_scale, quantize
 from lanekit.moe import tuning
 from lanekit.moe.kernels import fused
 from lanekit.runtime.alloc import empty
@@ -65,8 +65,8 @@ def _fused_moe_amax_kernel(X, AMAX, SORTED, EXPERT_IDS, stride_xm, stride_xk, C,
     amax = tl.zeros((BLOCK,), dtype=tl.float32)
     for c0 in range(0, C, BLOCK):
         x = tl.load(X + row * stride_xm + (c0 + offs) * stride_xk, mask=offs < C - c0, other=0.0)
-        amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
-    tl.atomic_max(AMAX, tl.max(amax, axis=0))   # amax >= 0: the max is order-free
+        amax = tl.maximum(amax, finite_abs(x.to(tl.float32)))
+    tl.atomic_max(AMAX, tl.max(amax, axis=0))   # amax >= 0: order-free; +inf for a NaN or inf
 
 
 @triton.jit
@@ -83,7 +83,7 @@ def _fused_moe_quant_kernel(X, Q, S, AMAX, SORTED, EXPERT_IDS, stride_xm, stride
             scale = tl.load(S).to(tl.float32)
         else:
             amax = tl.load(AMAX)
-            scale = tl.where(amax > 0, tl.math.div_rn(amax, FP8_MAX), 1.0)
+            scale = quant_scale(amax, FP8_MAX, 1.0)
             if (row == 0) & (g == 0):     # stored whether or not row 0 holds data
                 tl.store(S, scale)
     if not _row_live(SORTED, EXPERT_IDS, row, num_valid, E, HAS_ROWS, BLOCK_M):
@@ -95,15 +95,16 @@ def _fused_moe_quant_kernel(X, Q, S, AMAX, SORTED, EXPERT_IDS, stride_xm, stride
         acc = tl.zeros((BLOCK,), dtype=tl.float32)
         for c0 in range(start, end, BLOCK):
             x = tl.load(X + row * stride_xm + (c0 + offs) * stride_xk, mask=offs < end - c0, other=0.0)
-            acc = tl.maximum(acc, tl.abs(x.to(tl.float32)))
+            acc = tl.maximum(acc, finite_abs(x.to(tl.float32)))
         amax = tl.max(acc, axis=0)
-        scale = tl.where(amax > 0, tl.math.div_rn(amax, FP8_MAX), 1.0)
+        scale = quant_scale(amax, FP8_MAX, 1.0)     # NaN for a group holding a NaN or inf
         tl.store(S + row * stride_sm + g * stride_sk, scale)
     for c0 in range(start, end, BLOCK):
         mask = offs < end - c0
         x = tl.load(X + row * stride_xm + (c0 + offs) * stride_xk, mask=mask, other=0.0).to(tl.float32)
         codes = quantize(tl.math.div_rn(x, scale), FP8_MAX, 2)
-        tl.store(Q + row * stride_qm + (c0 + offs) * stride_qk, codes.to(Q.dtype.element_ty), mask=mask)
+        tl.store(Q + row * stride_qm + (c0 + offs) * stride_qk, cast_codes(codes, Q.dtype.element_ty, 2),
+                 mask=mask)
 
 
 @triton.jit

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lanekit.common.numerics import quantize
+from lanekit.common.numerics import finite_abs, quant_scale, quantize
 from lanekit.quant import tuning
 from lanekit.runtime.alloc import empty
 from lanekit.runtime.lanes import triton_interpreted
@@ -49,8 +49,8 @@ def _hadamard_quant_kernel(X, Q, S, stride_xm, stride_xk, stride_qm, stride_qk, 
     offs = tl.arange(0, KP).to(tl.int64)
     x = tl.load(X + row * stride_xm + offs * stride_xk, mask=offs < K, other=0.0).to(tl.float32)
     y = _wht(x, norm, KP, LOG2)
-    amax = tl.max(tl.abs(y), axis=0)
-    scale = tl.where(amax > 0, tl.math.div_rn(amax, 127.0), 0.0)
+    amax = tl.max(finite_abs(y), axis=0)
+    scale = quant_scale(amax, 127.0, 0.0)            # NaN (codes 0) for a row holding a NaN or inf
     q = quantize(tl.math.div_rn(y, tl.where(scale == 0, 1.0, scale)), 127.0, 1)
     q = tl.where(scale == 0, 0.0, q)
     tl.store(S + row, scale)

@@ -1,7 +1,8 @@
 """Quantize and dequantize kernels of rows (R, C), any strides, int64 offsets:
 
 - ``_amax_kernel``: the per-tensor dynamic scale's first pass, one program per row, the row's
-  absmax folded into one fp32 with ``tl.atomic_max`` (amax >= 0: the max is order-free).
+  absmax folded into one fp32 with ``tl.atomic_max`` (amax >= 0: the max is order-free; a NaN or
+  inf counts as +inf, which the atomic max keeps where it would drop a NaN).
 - ``_quantize_kernel``: program (row, group): the group's absmax (dynamic), scale = amax / qmax
   (``div_rn``: correctly rounded), codes = div_rn(x, scale) saturated and rounded half to even
   (``common.numerics.quantize``), stored with the scale.
@@ -15,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lanekit.common.numerics import quantize
+from lanekit.common.numerics import cast_codes, finite_abs, quant_scale, quantize
 from lanekit.quant import tuning
 from lanekit.runtime.alloc import empty
 from lanekit.runtime.lanes import triton_interpreted
@@ -36,8 +37,8 @@ def _amax_kernel(X, AMAX, stride_xm, stride_xk, C, BLOCK: tl.constexpr):
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
     for c0 in range(0, C, BLOCK):
         x = tl.load(X + row * stride_xm + (c0 + offs) * stride_xk, mask=offs < C - c0, other=0.0)
-        acc = tl.maximum(acc, tl.abs(x.to(tl.float32)))
-    tl.atomic_max(AMAX, tl.max(acc, axis=0))
+        acc = tl.maximum(acc, finite_abs(x.to(tl.float32)))
+    tl.atomic_max(AMAX, tl.max(acc, axis=0))      # +inf for a NaN or inf: an atomic max keeps it
 
 
 @triton.jit
@@ -46,7 +47,8 @@ def _quantize_kernel(X, Q, S, AMAX, stride_xm, stride_xk, stride_qm, stride_qk, 
                      STATIC: tl.constexpr, ZERO: tl.constexpr, BLOCK: tl.constexpr):
     """TENSOR: one scale (STATIC: S[0]; else from AMAX, stored by program (0, 0)); else the
     group's (STATIC: read from S[row, g]; else computed and stored there). An all-zero group's
-    dynamic scale: 1 for fp8, 0 for int8 (int8 codes are 0 wherever the scale is 0)."""
+    dynamic scale: 1 for fp8, 0 for int8 (int8 codes are 0 wherever the scale is 0); a group
+    holding a NaN or inf: NaN, its codes fp8's NaN or int8's 0 (as a NaN x with a static scale)."""
     row = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1).to(tl.int64)
     start = g * group
@@ -59,16 +61,16 @@ def _quantize_kernel(X, Q, S, AMAX, stride_xm, stride_xk, stride_qm, stride_qk, 
             scale = tl.load(S + row * stride_sm + g * stride_sk).to(tl.float32)
     elif TENSOR:
         amax = tl.load(AMAX)
-        scale = tl.where(amax > 0, tl.math.div_rn(amax, QMAX), ZERO)
+        scale = quant_scale(amax, QMAX, ZERO)
         if (row == 0) & (g == 0):
             tl.store(S, scale)
     else:
         acc = tl.zeros((BLOCK,), dtype=tl.float32)
         for c0 in range(start, end, BLOCK):
             x = tl.load(X + row * stride_xm + (c0 + offs) * stride_xk, mask=offs < end - c0, other=0.0)
-            acc = tl.maximum(acc, tl.abs(x.to(tl.float32)))
+            acc = tl.maximum(acc, finite_abs(x.to(tl.float32)))
         amax = tl.max(acc, axis=0)
-        scale = tl.where(amax > 0, tl.math.div_rn(amax, QMAX), ZERO)
+        scale = quant_scale(amax, QMAX, ZERO)          # NaN for a group holding a NaN or inf
         tl.store(S + row * stride_sm + g * stride_sk, scale)
     for c0 in range(start, end, BLOCK):
         mask = offs < end - c0
@@ -78,7 +80,8 @@ def _quantize_kernel(X, Q, S, AMAX, stride_xm, stride_xk, stride_qm, stride_qk, 
             q = tl.where(scale == 0, 0.0, q)
         else:
             q = quantize(tl.math.div_rn(x, scale), QMAX, 2)
-        tl.store(Q + row * stride_qm + (c0 + offs) * stride_qk, q.to(Q.dtype.element_ty), mask=mask)
+        tl.store(Q + row * stride_qm + (c0 + offs) * stride_qk,
+                 cast_codes(q, Q.dtype.element_ty, 1 if INT8 else 2), mask=mask)
 
 
 @triton.jit

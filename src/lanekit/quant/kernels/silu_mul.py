@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lanekit.common.numerics import quantize, sigmoid
+from lanekit.common.numerics import cast_codes, finite_abs, quant_scale, quantize, sigmoid
 from lanekit.quant import tuning
 from lanekit.runtime.alloc import empty
 from lanekit.runtime.lanes import triton_interpreted
@@ -48,15 +48,15 @@ def _silu_and_mul_quant_kernel(X, Q, S, stride_xm, stride_xk, stride_qm, stride_
         acc = tl.zeros((BLOCK,), dtype=tl.float32)
         for c0 in range(start, end, BLOCK):
             h = _h(X, row, c0 + offs, offs < end - c0, stride_xm, stride_xk, N)
-            acc = tl.maximum(acc, tl.abs(h))
+            acc = tl.maximum(acc, finite_abs(h))
         amax = tl.max(acc, axis=0)
-        scale = tl.where(amax > 0, tl.math.div_rn(amax, QMAX), 1.0)
+        scale = quant_scale(amax, QMAX, 1.0)          # NaN for a group holding a NaN or inf
         tl.store(S + row * stride_sm + grp * stride_sk, scale)
     for c0 in range(start, end, BLOCK):
         mask = offs < end - c0
         h = _h(X, row, c0 + offs, mask, stride_xm, stride_xk, N)
         q = quantize(tl.math.div_rn(h, scale), QMAX, 2)
-        tl.store(Q + row * stride_qm + (c0 + offs) * stride_qk, q.to(Q.dtype.element_ty), mask=mask)
+        tl.store(Q + row * stride_qm + (c0 + offs) * stride_qk, cast_codes(q, Q.dtype.element_ty, 2), mask=mask)
 
 
 def silu_and_mul_quant_fp8_fwd(*, x, dtype, scale, granularity, group_size):

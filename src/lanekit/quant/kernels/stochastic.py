@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lanekit.common.numerics import power_of_two
+from lanekit.common.numerics import cast_codes, power_of_two
 from lanekit.quant import tuning
 from lanekit.runtime.alloc import empty
 from lanekit.runtime.lanes import triton_interpreted
@@ -44,7 +44,8 @@ def _stochastic_round_kernel(X, Q, seed, offset, stride_xm, stride_xk, stride_qm
     up = u < (a - lo) * 16777216.0
     v = tl.minimum((lo + up.to(tl.float32)) * power_of_two(tl.minimum(E - MBITS, 127)), QMAX)
     v = (v.to(tl.int32, bitcast=True) | (xb & -2147483648)).to(tl.float32, bitcast=True)  # x's sign
-    tl.store(Q + row * stride_qm + cols * stride_qk, v.to(Q.dtype.element_ty), mask=mask)
+    v = tl.where(x == x, v, float("nan"))          # the hardware's min drops a NaN: kept (+-inf saturate)
+    tl.store(Q + row * stride_qm + cols * stride_qk, cast_codes(v, Q.dtype.element_ty, 2), mask=mask)
 
 
 def stochastic_round_fp8_fwd(*, x, dtype, seed, offset):
