@@ -633,6 +633,11 @@ def flash_attn_with_kvcache(
     v_cache_scale: torch.Tensor | None = None,
     max_seqlen_k: int | None = None,
     lane: str | None = None,
+    sinks: torch.Tensor | None = None,
+    q_descale: torch.Tensor | None = None,
+    k_descale: torch.Tensor | None = None,
+    v_descale: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
 ):
     """Attention of new queries over a KV cache, appending new keys and values to it first:
     FlashAttention-2's ``flash_attn_with_kvcache`` with the same arguments (decode, chunked
@@ -681,6 +686,12 @@ def flash_attn_with_kvcache(
             (a serving engine's length bucket); None there takes the long-cache tile. The tile
             orders the sums differently: outputs for two bounds differ by rounding.
         lane: as :func:`flash_attn_func`.
+        sinks: (Hq,) fp32, as :func:`flash_attn_func` (added once, after the split merge).
+        q_descale, k_descale, v_descale, out_dtype: an fp8 (e4m3, e5m2) or int8 q over caches
+            of q's dtype (values, no per-token scales) with FlashAttention-3's (B, Hkv) fp32
+            descales, as :func:`flash_attn_func`: paged or not, split or not; no append (k, v)
+            and no rotary there (write the cache with :mod:`lanekit.kv_cache` first). The
+            per-token-scaled int8/e4m3 caches above take a 16-bit q.
 
     Returns:
         out (B, Sq, Hq, Dv) in q's dtype; with ``return_softmax_lse``, ``(out, softmax_lse)``,
@@ -710,7 +721,11 @@ def flash_attn_with_kvcache(
     Semantics: FlashAttention 2.7's ``flash_attn_with_kvcache`` (Dao et al.); beyond it: any
     page_size, paged caches with num_splits and with cache_leftpad, quantized caches.
     """
-    S_new = _kvcache_tensors(q, k_cache, v_cache, k, v, k_cache_scale, v_cache_scale, block_table is not None)
+    if isinstance(q, torch.Tensor) and q.dtype in _QUANT_DTYPES:
+        S_new = _kvcache_quant_tensors(q, k_cache, v_cache, k, v, k_cache_scale, v_cache_scale, rotary_cos,
+                                       rotary_sin, block_table is not None)
+    else:
+        S_new = _kvcache_tensors(q, k_cache, v_cache, k, v, k_cache_scale, v_cache_scale, block_table is not None)
     cache_seqlens, capacity = _kvcache_indices(q, k_cache, S_new, cache_seqlens, cache_batch_idx,
                                                cache_leftpad, block_table)
     S_ro = _kvcache_rotary(q, rotary_cos, rotary_sin, rotary_interleaved)
@@ -720,6 +735,12 @@ def flash_attn_with_kvcache(
     softmax_scale, left, right = _options(D, Sq, capacity, 0.0, softmax_scale, softcap, causal, window_size)
     return_softmax_lse = flag("return_softmax_lse", return_softmax_lse)
     alibi_slopes = _alibi(alibi_slopes, B, Hq, q)
+    sinks = _sinks(sinks, Hq, q)
+    descales, out_dtype = _quant(q, B, k_cache.shape[2], q_descale, k_descale, v_descale, out_dtype, 0.0)
+    extra = {}
+    if sinks is not None or q.dtype in _QUANT_DTYPES:
+        extra = dict(sinks=sinks, q_descale=descales[0], k_descale=descales[1], v_descale=descales[2],
+                     out_dtype=out_dtype)
 
     max_used = None
     if not _capturing():
@@ -742,7 +763,7 @@ def flash_attn_with_kvcache(
         cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad, block_table=block_table,
         k_cache_scale=k_cache_scale, v_cache_scale=v_cache_scale, softmax_scale=softmax_scale,
         window_size=(left, right), softcap=float(softcap), alibi_slopes=alibi_slopes, num_splits=num_splits,
-        max_seqlen_k=bound,
+        max_seqlen_k=bound, **extra,
     )
     return (out, lse) if return_softmax_lse else out
 
@@ -782,6 +803,31 @@ def _kvcache_tensors(q, k_cache, v_cache, k, v, k_cache_scale, v_cache_scale, pa
             if t is not None:
                 check_inplace(name, t, "the append of k, v", differentiable=False)
     return S_new
+
+
+def _kvcache_quant_tensors(q, k_cache, v_cache, k, v, k_cache_scale, v_cache_scale, rotary_cos, rotary_sin,
+                           paged: bool) -> int:
+    """An fp8/int8 q (FlashAttention-3's fp8 decode): caches of q's dtype holding values (no
+    per-token scales), no append, no rotary. Returns S_new (0)."""
+    tensor("q", q, ndim=4)
+    tensor("k_cache", k_cache, ndim=4, like=q, like_name="q", like_dtype=True)
+    tensor("v_cache", v_cache, ndim=4, like=q, like_name="q", like_dtype=True)
+    blocks, page_size, Hkv, D = k_cache.shape
+    if tuple(v_cache.shape[:3]) != (blocks, page_size, Hkv):
+        raise ValueError(f"v_cache: expected (num_blocks, page_size, Hkv, Dv) = ({blocks}, {page_size}, {Hkv}, Dv) "
+                         f"as k_cache's, got {tuple(v_cache.shape)}")
+    if (blocks == 0 and paged) or page_size * Hkv == 0:
+        raise ValueError(f"k_cache: expected num_blocks, page_size and Hkv >= 1, got {tuple(k_cache.shape)}")
+    for name, t in (("k_cache_scale", k_cache_scale), ("v_cache_scale", v_cache_scale), ("k", k), ("v", v),
+                    ("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
+        if t is not None:
+            raise ValueError(f"{name}: expected None with a {q.dtype} q (fp8/int8 attention reads caches of "
+                             f"q's dtype through q/k/v_descale; append and rotate with lanekit.kv_cache "
+                             f"first), got a tensor")
+    if k_cache.shape[3] != q.shape[3]:
+        raise ValueError(f"k_cache: expected head dim {q.shape[3]} (that of q), got {k_cache.shape[3]}")
+    _check_heads(q.shape, q.shape[3], v_cache.shape[3], q.shape[2], Hkv, "k_cache")
+    return 0
 
 
 def _kvcache_indices(q, k_cache, S_new: int, cache_seqlens, cache_batch_idx, cache_leftpad,

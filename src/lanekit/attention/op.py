@@ -327,7 +327,8 @@ def flash_attn_with_kvcache_inplace(*, q, k_cache, v_cache, cache_seqlens, k, v,
                                     rotary_sin, rotary_interleaved, cache_batch_idx, cache_leftpad,
                                     block_table, k_cache_scale, v_cache_scale, softmax_scale,
                                     window_size, softcap, alibi_slopes, num_splits, kv_dtype=None,
-                                    rotary_dtype=None, max_seqlen_k=None):
+                                    rotary_dtype=None, max_seqlen_k=None, sinks=None, q_descale=None,
+                                    k_descale=None, v_descale=None, out_dtype=None):
     """The Triton lane: appends k, v into the caches in place (a KV-cache write kernel), rotates
     q and k (the RoPE kernel), then runs the cache attention kernel. ``max_seqlen_k``: the most
     keys a sequence holds after the append, which picks the tile (None: unknown, the long-cache
@@ -363,7 +364,8 @@ def flash_attn_with_kvcache_inplace(*, q, k_cache, v_cache, cache_seqlens, k, v,
             leftpad=cache_leftpad, k_cache_scale=k_cache_scale, v_cache_scale=v_cache_scale,
             softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
             alibi_slopes=alibi_slopes, num_splits=num_splits,
-            max_seqlen_k=max_seqlen_k)
+            max_seqlen_k=max_seqlen_k, sinks=sinks, q_descale=q_descale, k_descale=k_descale,
+            v_descale=v_descale, out_dtype=_out_dtype(q, out_dtype))
 
 
 def flash_attn_with_kvcache_reference_inplace(*, q, k_cache, v_cache, k_cache_scale, v_cache_scale,
@@ -411,13 +413,16 @@ def flash_attn_with_kvcache_triton(*, k_cache, v_cache, k_cache_scale=None, v_ca
 
 
 def flash_attn_with_kvcache_reference(*, q, k_cache, v_cache, k_cache_scale=None, v_cache_scale=None,
-                                      kv_dtype=None, rotary_dtype=None, **kw):
-    """For the registry: the oracle in float64 (codes stay codes), outputs as the Triton lane's."""
+                                      kv_dtype=None, rotary_dtype=None, out_dtype=None, **kw):
+    """For the registry: the oracle in float64 (codes stay codes), outputs as the Triton lane's
+    (an fp8/int8 q: out in ``out_dtype``, bf16 by default; P rounded where the kernel rounds it)."""
     f64 = torch.float64
     quantized = k_cache_scale is not None
     cast = {n: (t.to(f64) if isinstance(t, torch.Tensor) and t.is_floating_point() else t) for n, t in kw.items()}
+    if q.dtype in _QUANT_DTYPES:
+        cast["p_dtype"] = p_dtype_of(v_cache)
     out, lse, kc, vc = ref.flash_attn_with_kvcache(
         q.to(f64), k_cache if quantized else k_cache.to(f64), v_cache if quantized else v_cache.to(f64),
         k_cache_scale=k_cache_scale, v_cache_scale=v_cache_scale, kv_dtype=kv_dtype or k_cache.dtype,
         rotary_dtype=rotary_dtype or q.dtype, **cast)
-    return out.to(q.dtype), lse.to(torch.float32), kc, vc
+    return out.to(_out_dtype(q, out_dtype)), lse.to(torch.float32), kc, vc
