@@ -121,7 +121,7 @@ def flash_attn_triton(*, q, k, v, softmax_scale, window_size, softcap, alibi_slo
                       v_descale=None, out_dtype=None):
     extra = ()
     if sinks is not None or q.dtype in _QUANT_DTYPES:  # (the 16-bit call stays as it was)
-        extra = (sinks, q_descale, k_descale, v_descale, out_dtype)
+        extra = (sinks, q_descale, k_descale, v_descale, _out_dtype(q, out_dtype))
     return _flash_attn_fwd_op(q, k, v, attn_bias, attn_mask, alibi_slopes, softmax_scale,
                               window_size[0], window_size[1], softcap, dropout_p, seed, offset, *extra)
 
@@ -261,7 +261,7 @@ def flash_attn_varlen_triton(*, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_
                              v_descale=None, out_dtype=None):
     extra = ()
     if sinks is not None or q.dtype in _QUANT_DTYPES:
-        extra = (sinks, q_descale, k_descale, v_descale, out_dtype)
+        extra = (sinks, q_descale, k_descale, v_descale, _out_dtype(q, out_dtype))
     return _flash_attn_varlen_fwd_op(
         q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes, max_seqlen_q, max_seqlen_k,
         softmax_scale, window_size[0], window_size[1], softcap, dropout_p, seed, offset, *extra)
@@ -399,7 +399,9 @@ def _write_back_reference(q, k_cache, v_cache, k_cache_scale, v_cache_scale, kw)
 def _dequantized(cache, scale):
     from lanekit.reference.kv_cache import dequantize_kv
 
-    return dequantize_kv(cache, scale) if scale is not None else cache
+    if scale is None:   # an int8 cache of values (fp8/int8 attention): compared as floats
+        return cache if cache.is_floating_point() else cache.float()
+    return dequantize_kv(cache, scale)
 
 
 def flash_attn_with_kvcache_triton(*, k_cache, v_cache, k_cache_scale=None, v_cache_scale=None, **kw):

@@ -397,3 +397,36 @@ def flash_attn_with_kvcache(
         k_cache = kvref.dequantize_kv(k_cache, k_cache_scale)
         v_cache = kvref.dequantize_kv(v_cache, v_cache_scale)
     return out, lse, k_cache, v_cache
+
+
+def quantized_p_dtype(v: torch.Tensor) -> torch.dtype:
+    """Where fp8/int8 attention rounds P before P.V: V's fp8 format; fp16 for int8 V (P in fp16
+    against V's codes, exact in fp16)."""
+    return torch.float16 if v.dtype == torch.int8 else v.dtype
+
+
+def _upcast_all(kw: dict) -> dict:
+    return {n: (t.to(torch.float64) if isinstance(t, torch.Tensor) and t.is_floating_point() else t)
+            for n, t in kw.items()}
+
+
+def flash_attn_quantized(q, k, v, *, out_dtype=None, **kwargs):
+    """:func:`flash_attn` of fp8/int8 q, k, v (codes) with their descales, in float64: P rounded
+    to :func:`quantized_p_dtype`. ``out_dtype`` is the lanes' (the oracle stays float64)."""
+    f64 = torch.float64
+    return flash_attn(q.to(f64), k.to(f64), v.to(f64), p_dtype=quantized_p_dtype(v), **_upcast_all(kwargs))
+
+
+def flash_attn_varlen_quantized(q, k, v, *, out_dtype=None, **kwargs):
+    """:func:`flash_attn_varlen` of fp8/int8 q, k, v with their descales, as :func:`flash_attn_quantized`."""
+    f64 = torch.float64
+    return flash_attn_varlen(q.to(f64), k.to(f64), v.to(f64), p_dtype=quantized_p_dtype(v), **_upcast_all(kwargs))
+
+
+def flash_attn_with_kvcache_quantized(q, k_cache, v_cache, *, out_dtype=None, kv_dtype=None, rotary_dtype=None,
+                                      **kwargs):
+    """:func:`flash_attn_with_kvcache` of an fp8/int8 q over caches of its dtype with the
+    descales, as :func:`flash_attn_quantized`."""
+    f64 = torch.float64
+    return flash_attn_with_kvcache(q.to(f64), k_cache.to(f64), v_cache.to(f64), p_dtype=quantized_p_dtype(v_cache),
+                                   **_upcast_all(kwargs))
