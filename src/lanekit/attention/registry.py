@@ -77,13 +77,15 @@ ATTENTION_FP8 = Tolerance(
 
 ATTENTION_DSINKS = Tolerance(
     name="attention_dsinks",
-    ulps=2.0,
+    ulps=4.0,
     unit=torch.bfloat16,
     reason=(
         "d sink = -sum over B * Sq rows of exp(sink - lse) * (rowsum(dO * O) - dLSE): fp32, but "
         "from the output rounded to the inputs' 16-bit format (as FlashAttention's Delta), so "
         "each term carries that rounding and the sum may cancel. Counted in steps of bf16 (the "
-        "coarser 16-bit input) at max|d sink|: two steps; measured up to 1.0."
+        "coarser 16-bit input) at max|d sink|. On the registered samples PyTorch in the same "
+        "precision errs by up to 3.4 steps (bf16), lanekit by 1.6: FlashAttention's rule (at "
+        "most twice PyTorch's error) would allow 6.8; four steps."
     ),
 )
 
