@@ -140,10 +140,11 @@ def _quant(q: torch.Tensor, B: int, Hkv: int, q_descale, k_descale, v_descale, o
             if isinstance(t, torch.Tensor) and t.requires_grad:
                 raise ValueError(f"{name}: fp8 and int8 attention is forward only (as FlashAttention-3's): "
                                  "expected no tensor requiring grad, got one (use torch.no_grad() or detach)")
-    if q.is_cuda and q.dtype == torch.float8_e4m3fn and torch.version.hip is None \
+    if q.is_cuda and q.dtype != torch.int8 and torch.version.hip is None \
             and torch.cuda.get_device_capability(q.device) < (8, 9):
-        raise ValueError(f"q: float8_e4m3fn attention needs an NVIDIA GPU of compute capability 8.9 or "
-                         f"later (Triton has no e4m3 there), got {torch.cuda.get_device_capability(q.device)}")
+        raise ValueError(f"q: {q.dtype} attention needs an NVIDIA GPU of compute capability 8.9 or later "
+                         f"(no fp8 conversions before; int8 runs there), got "
+                         f"{torch.cuda.get_device_capability(q.device)}")
     out = []
     for name, d in descales:
         if d is None:
@@ -223,7 +224,7 @@ def flash_attn_func(
             ``(q k^T) * q_descale * k_descale * softmax_scale``, then softcap, ALiBi and attn_bias
             (never multiplied by the descales); v_descale multiplies the output. P.V runs in
             V's fp8 format (P rounded to it; e5m2 x e5m2 for e5m2 V); for int8, P in fp16 against
-            V's codes. Forward only, no dropout. e4m3 needs sm89+ on NVIDIA.
+            V's codes. Forward only, no dropout. fp8 needs sm89+ on NVIDIA (int8 runs on sm80).
         out_dtype: the output's dtype for fp8/int8 inputs: torch.bfloat16 (default), float16 or
             float32; for other inputs None or q's dtype.
 

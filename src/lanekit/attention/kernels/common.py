@@ -95,9 +95,11 @@ def _pv_dot(p, v, INPUT_PRECISION: tl.constexpr, PV_FP16: tl.constexpr = False):
     # [BLOCK_M, BLOCK_N] probabilities times [BLOCK_N, BLOCK_DV] values, fp32. P is rounded to V's
     # format (fp8 x fp8 where V is fp8, e5m2 x e5m2 for e5m2); PV_FP16 (int8 V): P in fp16 against
     # V's codes, exact in fp16.
-    if PV_FP16:
-        return tl.dot(p.to(tl.float16), v.to(tl.float16))
-    return tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION)
+    if PV_FP16:  # (one return: the branch not taken is not compiled, an int8 P.V never built)
+        pv = tl.dot(p.to(tl.float16), v.to(tl.float16))
+    else:
+        pv = tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION)
+    return pv
 
 
 @triton.jit
