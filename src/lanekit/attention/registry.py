@@ -198,6 +198,8 @@ def _attention_fp8_samples(device):
                          bias_shape=(1, 1, 9, 70), quant=i8, out_dtype=torch.float32)
     yield attention_case("e5m2 mqa 4:1 Sq1 Sk37 d59 sinks", device, Sq=1, Sk=37, Hq=4, Hkv=1, D=59, quant=e5m2,
                          sinks=True)
+    yield attention_case("e4m3 d16 (k of 16 in q k^T)", device, Sq=20, Sk=24, D=16, quant=e4m3)
+    yield attention_case("int8 d8 Dv16", device, Sq=9, Sk=30, D=8, Dv=16, quant=i8)
 
 
 def _attention_bwd_samples(device):
@@ -473,6 +475,8 @@ def _kvcache_fp8_samples(device):
                        seqlens=(25, 2), softcap=15.0, alibi=True, num_splits=2, descaled=i8)
     yield kvcache_case("e4m3 contiguous Sq 3 d128 sinks", device, Sq=3, Hq=8, D=128, S_new=0, seqlens=(30, 12),
                        sinks=True, descaled=e4m3)
+    yield kvcache_case("int8 d16 Dv8 paged page 4", device, D=16, Dv=8, page_size=4, S_new=0, seqlens=(9, 14),
+                       descaled=i8)
 
 
 register(Op(

@@ -88,6 +88,7 @@ def _check_grid(B: int, H: int, heads: str = "heads") -> None:
 # ---- fp8 / int8 attention and sinks (shared by the forward and the KV-cache kernels) ----
 
 QUANT_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.int8)
+MIN_K_8BIT = 32   # Triton's 8-bit tl.dot on NVIDIA takes a reduction of at least 32
 
 
 @triton.jit

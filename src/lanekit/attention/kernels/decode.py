@@ -21,7 +21,7 @@ import triton.language as tl
 
 from lanekit.attention import tuning
 from lanekit.attention.kernels.common import (LOG2E, _add_sinks, _block, _check_grid, _page_ids, _page_offsets,
-                                              _pv_dot, quant_args)
+                                              _pv_dot, quant_args, MIN_K_8BIT, QUANT_DTYPES)
 from lanekit.common.numerics import tanh as _tanh
 from lanekit.runtime import alloc
 from lanekit.runtime.lanes import triton_interpreted
@@ -407,6 +407,8 @@ def flash_attn_kvcache(
         return out, lse
     _check_grid(B, Hkv, "KV heads")
     block_d, block_dv = _block(D), _block(Dv)
+    if q.dtype in QUANT_DTYPES:  # 8-bit q k^T needs k >= 32 (NVIDIA)
+        block_d = max(block_d, MIN_K_8BIT)
     fp32, bucket = q.dtype == torch.float32, max(block_d, block_dv)
 
     cfg, layout = tuning.kvcache_tile(q.device, bucket, fp32=fp32, page_size=page_size,

@@ -8,6 +8,7 @@ sum of the scores in fp32 and rescales its accumulator as it walks the key block
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import torch
 import triton
@@ -15,7 +16,8 @@ import triton.language as tl
 
 from lanekit.attention import tuning
 from lanekit.attention.kernels.common import (LOG2E, _add_sinks, _block, _check_grid, _page_ids, _page_offsets,
-                                              _pv_dot, _strides4, _strides_bthd, _tile, _varlen_bounds, quant_args)
+                                              _pv_dot, _strides4, _strides_bthd, _tile, _varlen_bounds, quant_args,
+                                              MIN_K_8BIT, QUANT_DTYPES)
 from lanekit.common.numerics import tanh as _tanh
 from lanekit.runtime import alloc
 from lanekit.runtime.lanes import triton_interpreted
@@ -337,8 +339,12 @@ def flash_attn_fwd(
 
     block_d, block_dv = _block(D), _block(Dv)
     quant = quant_args(q, v, sinks, q_descale, k_descale, v_descale)
+    if q.dtype in QUANT_DTYPES:  # 8-bit products need k >= 32 (NVIDIA): q k^T over D, P.V over keys
+        block_d = max(block_d, MIN_K_8BIT)
     table = tuning.FLASH_ATTN_FWD_FP32 if q.dtype == torch.float32 else tuning.FLASH_ATTN_FWD
     cfg = _tile(table, q.device, max(block_d, block_dv))
+    if q.dtype in QUANT_DTYPES and cfg.block_n < MIN_K_8BIT:
+        cfg = dataclasses.replace(cfg, block_n=MIN_K_8BIT)
     left, right = window_size
     # The mask is read as bytes: a bool tensor views as uint8 without a copy.
     mask = attn_mask.view(torch.uint8) if attn_mask is not None else None
