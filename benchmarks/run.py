@@ -17,15 +17,16 @@ import triton
 from rich.console import Console
 from rich.table import Table
 
-from benchmarks import (attention, attention_fp8, attention_fp32, attention_train, decode, gemm, layers, moe, prefill,
-                        quant, report)
+from benchmarks import (attention, attention_fp8, attention_fp32, attention_train, decode, gemm, layers, mla, moe,
+                        prefill, quant, report)
 
 FAMILIES = {"attention": attention, "attention_train": attention_train, "attention_fp32": attention_fp32,
             "attention_fp8": attention_fp8,
             "layers": layers, "decode": decode, "prefill": prefill, **moe.FAMILIES,
-            **quant.FAMILIES, **gemm.FAMILIES}
+            **quant.FAMILIES, **gemm.FAMILIES, **mla.FAMILIES}
 #: Names that stand for several families: ``python -m benchmarks.run moe``.
-GROUPS = {"moe": tuple(moe.FAMILIES), "quant": tuple(quant.FAMILIES), "gemm": tuple(gemm.FAMILIES)}
+GROUPS = {"moe": tuple(moe.FAMILIES), "quant": tuple(quant.FAMILIES), "gemm": tuple(gemm.FAMILIES),
+          "mla": tuple(mla.FAMILIES)}
 
 
 def machine() -> dict:
@@ -164,6 +165,8 @@ def main(argv=None) -> int:
         rows = run_family(FAMILIES[fam], args.quick, console)
         render(rows, console, f"{fam} ({info['gpu']}, torch {info['torch']}, triton {info['triton']})",
                info.get("copy_gbps"))
+        for line in getattr(FAMILIES[fam], "annotate", lambda rows: [])(rows):   # a family's lines under its table
+            console.print(line)
         results["families"][fam] = rows
         wrong |= any(r["error"] for r in rows)
     if args.json:

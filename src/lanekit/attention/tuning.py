@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lanekit.runtime.tuning import INTERPRETER, TileConfig, block16, arch_id, lookup
+from lanekit.runtime.tuning import INTERPRETER, TileConfig, arch_id, arch_row, block16, lookup
 
 
 # flash_attn_fwd: keyed by the padded head dim (max of Dqk and Dv, rounded up to a power of two, at
@@ -325,6 +325,54 @@ def resident_programs(device: torch.device, cfg: TileConfig, stage_bytes: int) -
     return max(1, min(by_smem, by_threads, 32))
 
 
+# flash_mla_with_kvcache (MLA decode, attention/kernels/mla.py): block_m rows of (query, head) pairs
+# that share each cached row (BLOCK_H), block_n cached rows a step. One table row per architecture,
+# for the one head dim MLA has (576 = 512 latent + 64 rope; other sizes take the same row). The
+# accumulator is block_m x 512 fp32 and both q chunks stay resident, so block_m is what the
+# registers allow; the cache tile (block_n x 576) is what the loop streams. What was tried, and
+# the roofline that bounds it: docs/tuning/mla.md.
+FLASH_MLA_KVCACHE: dict[str, TileConfig] = {
+    # a portable guess (the interpreter takes its own); every GPU target has a row of its own below
+    "generic": TileConfig(64, 32, 4, 1),
+    # Ampere (from the compile report, `python -m lanekit export --target sm80`): 64 rows with 16
+    # cached rows a step, 8 warps, 2 stages (94 KB of shared memory) spill nothing; 32 a step spilled
+    # 16 bytes at H = 128. (The e4m3 cache does not compile for sm80: Triton has no fp8e4nv there.)
+    "sm80": TileConfig(64, 16, 8, 2),
+    # CDNA 3 (wave64, 64 KB of LDS: q's 72 KB stays in registers): 32 rows and 16 cached rows a step
+    # with 4 warps spill nothing (at most 330 of 512 VGPRs); 64 rows spilled 860 bytes at H = 128.
+    "gfx942": TileConfig(32, 16, 4, 1),
+    # RDNA (wave32, 256 VGPRs; gfx1151 takes the same row): each warp holds a whole 512-wide operand
+    # of the dots, so every tile tried spills (SPILL_ALLOWANCES); 16 rows x 16 cached rows, 8 warps
+    # spill least (64-80 bytes bf16, up to 520 for a cache of codes).
+    "gfx1201": TileConfig(16, 16, 8, 1),
+    # Hopper: 64 heads a program (wgmma's 64 rows per warpgroup; H = 128 is two programs reading
+    # the same rows side by side, as FlashMLA splits its 128 heads), 2 warpgroups splitting the
+    # 512-wide accumulator, 32 cached rows a step over 3 stages (3 x 36 KB of shared memory beside
+    # q's 72 KB: 180 KB of the H100's and H200's 227 KB). 64 rows a step spilled 16 bytes at H = 128
+    # with 2 stages (216 KB) and 2 KB with 4 warps; from the compile report, not yet timed.
+    "sm90": TileConfig(64, 32, 8, 3),
+}
+# The merge of split partials reads num_splits x MLA_MERGE_CHUNK fp32 values a step: 512-wide
+# values in four chunks keep 128 splits x 128 features at 128 registers a thread (4 warps).
+MLA_MERGE_CHUNK = 128
+
+
+def mla_tile(device: torch.device, rows: int, *, interpreted: bool = False) -> TileConfig:
+    """The MLA decode tile for ``device`` (FLASH_MLA_KVCACHE's row of its architecture, or the
+    generic one; the interpreter's own under Triton's interpreter). ``rows``: Sq * H / Hkv, the
+    (query, head) rows that share a cached row; read at each call, so a sweep replacing a row is
+    seen."""
+    if interpreted:
+        return INTERPRETER
+    return arch_row(FLASH_MLA_KVCACHE, device)
+
+
+def mla_block_h(cfg: TileConfig, rows: int) -> int:
+    """The MLA kernel's block of (query, head) rows: cfg.block_m, or the least power of two at
+    least 16 that holds ``rows`` (H = 16 heads: one block of 16)."""
+    return min(cfg.block_m, block16(rows))
+
+
 # ---- compile allowances (lanekit targets): where a kernel may spill, or use another matrix
 # instruction than the target's own; (kernel, target) -> (bytes | regular expression, reason).
 
@@ -340,6 +388,10 @@ _RDNA_DQ_FP32 = ("fp32 at D=256: dQ and the q tile (block_m x 256 fp32 each) bes
                  "attn_bwd_dq_fp32)")
 _RDNA_KVCACHE = ("fp32 at D=128 (its one fp32 sample): every candidate tile spills on wave32, 16 keys a step with "
                  "8 warps least (benchmarks.tune_targets --sweep attn_kvcache); the 16-bit paths do not spill")
+_RDNA_MLA = ("MLA decode's 512-wide latent: each wave32 warp holds a whole [512, block_n] operand of the score "
+             "dot beside its share of the 512-wide accumulator, over 256 VGPRs at every tile tried down to 16 rows x "
+             "16 cached rows (FLASH_MLA_KVCACHE, docs/tuning/mla.md); bf16 caches spill 64-80 bytes, codes up to 520 "
+             "(their 16-bit copy of the tile)")
 _NVIDIA_UNCOUNTED = ("spills that ptxas reports as STACK, which the record read as 0 until 2026-12-02 (it "
                      "read LOCAL only): found then, not yet tuned away; ")
 _NVIDIA_OTHERS = _NVIDIA_UNCOUNTED + "the worst are a bias with a mask at D=111 and the backward at odd head dims"
@@ -356,6 +408,9 @@ SPILL_ALLOWANCES: dict[tuple[str, str], tuple[int, str]] = {
         ("_flash_attn_bwd_dq_kernel", 2556, _RDNA_DQ_FP32),
     )},
     ("_flash_attn_kvcache_kernel", "gfx1151"): (168, _RDNA_KVCACHE),
+    ("_flash_mla_kvcache_kernel", "gfx1201"): (520, _RDNA_MLA),
+    ("_flash_mla_kvcache_kernel", "gfx1151"): (1500, _RDNA_MLA + "; RDNA 3.5 (gfx1151, the same row) spills "
+                                                "930-1500 bytes, 4 and 16 warps no less"),
     ("_flash_attn_kvcache_kernel", "gfx1201"): (36, _RDNA_KVCACHE),
     # NVIDIA: the spills there since before the record counted them (largest per kernel; the
     # record itself pins each specialization's figure, so any change still fails --check)
@@ -372,6 +427,10 @@ SPILL_ALLOWANCES: dict[tuple[str, str], tuple[int, str]] = {
 
 _DECODE_ROWS = ("decode and short appends (Sq x group <= 16 rows of (query, head) pairs) take a 16-row tile, "
                 "under wgmma's 64 rows per warpgroup, so Triton uses mma.sync there, still on the tensor cores")
+_MLA_ROWS = ("MLA decode with fewer than 64 (query, head) rows a cache head (Sq x H / Hkv: H = 16 heads, say) "
+             "takes a tile of 16 or 32 rows, under wgmma's 64 rows per warpgroup, so Triton uses mma.sync there, "
+             "still on the tensor cores; H = 128 takes wgmma")
 MATRIX_ALLOWANCES: dict[tuple[str, str], tuple[str, str]] = {
     ("_flash_attn_kvcache_kernel", "sm90"): (r"\bmma\.sync\.aligned\.\S+", _DECODE_ROWS),
+    ("_flash_mla_kvcache_kernel", "sm90"): (r"\bmma\.sync\.aligned\.\S+", _MLA_ROWS),
 }

@@ -175,16 +175,17 @@ def gather_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torc
 
 def quantize_kv(x: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn,
                 scale: torch.Tensor | None = None, *, lane: str | None = None):
-    """Quantize x per row (over its last dim) to int8 or fp8 e4m3 codes, as the cache stores them.
+    """Quantize x per row (over its last dim) to int8 or fp8 e4m3 / e5m2 codes, as the cache stores them.
 
-    scale = amax / qmax per row (qmax 127 for int8, 448 for e4m3; 1 for an all-zero row), or the
-    given ``scale``; codes = x / scale (one correctly rounded fp32 division) rounded to nearest,
-    ties to even, clamped (int8 to [-128, 127]: with a given scale -128 is reachable; e4m3 to
-    +-448). Bit for bit as ``lanekit.reference.kv_cache.quantize_kv``.
+    scale = amax / qmax per row (qmax 127 for int8, 448 for e4m3, 57344 for e5m2; 1 for an all-zero
+    row), or the given ``scale``; codes = x / scale (one correctly rounded fp32 division) rounded
+    to nearest, ties to even, clamped (int8 to [-128, 127]: with a given scale -128 is reachable;
+    e4m3 to +-448, e5m2 to +-57344). Bit for bit as ``lanekit.reference.kv_cache.quantize_kv``.
+    (e5m2 codes are for ``flash_mla_with_kvcache``'s caches; the paged K/V cache holds int8 or e4m3.)
 
     Arguments:
         x: (..., D), D >= 1; fp16, bf16 or fp32, any strides.
-        dtype: torch.int8 or torch.float8_e4m3fn.
+        dtype: torch.int8, torch.float8_e4m3fn or torch.float8_e5m2.
         scale: fp32 broadcastable to x.shape[:-1], every value > 0 and finite; or None.
         lane: as in :func:`reshape_and_cache`.
 
@@ -192,7 +193,7 @@ def quantize_kv(x: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn,
         (codes (..., D) in dtype, scale (...) fp32).
 
     Raises:
-        TypeError: a non-tensor, x not fp16/bf16/fp32, dtype not int8 or e4m3, scale not fp32.
+        TypeError: a non-tensor, x not fp16/bf16/fp32, dtype not int8, e4m3 or e5m2, scale not fp32.
         ValueError: x 0-d or with D = 0; scale of the wrong shape, <= 0 or not finite; devices.
 
     Source: per-token-head KV quantization as in vLLM's fp8/int8 KV caches; rounding as
@@ -201,8 +202,8 @@ def quantize_kv(x: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn,
     _tensor("x", x, dtypes=_DTYPES)
     if x.dim() == 0 or x.shape[-1] == 0:
         raise ValueError(f"x: expected (..., D) with D >= 1, got shape {tuple(x.shape)}")
-    if dtype not in _CODE_DTYPES:
-        raise TypeError(f"dtype: expected torch.int8 or torch.float8_e4m3fn, got {dtype!r}")
+    if dtype not in checks.QUANTIZE_DTYPES:
+        raise TypeError(f"dtype: expected torch.int8, torch.float8_e4m3fn or torch.float8_e5m2, got {dtype!r}")
     if scale is not None:
         checks.scale("scale", scale, x.shape[:-1], "x.shape[:-1], one per row", x, positive=True)
     chosen = lane_for(x, lane)
@@ -217,7 +218,7 @@ def dequantize_kv(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype =
     ``lanekit.reference.kv_cache.dequantize_kv``.
 
     Arguments:
-        codes: (..., D), int8 or torch.float8_e4m3fn, any strides.
+        codes: (..., D), int8, torch.float8_e4m3fn or torch.float8_e5m2, any strides.
         scale: fp32 broadcastable to codes.shape[:-1].
         dtype: fp16, bf16 or fp32 (default).
         lane: as in :func:`reshape_and_cache`.
@@ -226,12 +227,12 @@ def dequantize_kv(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype =
         (..., D) in dtype.
 
     Raises:
-        TypeError: a non-tensor, codes not int8/e4m3, scale not fp32, dtype not a float format.
+        TypeError: a non-tensor, codes not int8/e4m3/e5m2, scale not fp32, dtype not a float format.
         ValueError: codes 0-d; scale of the wrong shape; devices.
 
     Source: the dequantization of vLLM's fp8/int8 KV caches, per (token, head).
     """
-    _tensor("codes", codes, dtypes=_CODE_DTYPES)
+    _tensor("codes", codes, dtypes=checks.QUANTIZE_DTYPES)
     if codes.dim() == 0:
         raise ValueError("codes: expected (..., D), got a 0-d tensor")
     checks.scale("scale", scale, codes.shape[:-1], "codes.shape[:-1]", codes, positive=False)

@@ -16,6 +16,9 @@ from lanekit.runtime.validate import shape as _shape, tensor as _tensor
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 CODE_DTYPES = (torch.int8, torch.float8_e4m3fn)
+# quantize_kv and dequantize_kv also take fp8 e5m2 codes (flash_mla_with_kvcache reads e5m2 caches);
+# the paged K/V cache's writes and attention keep to CODE_DTYPES
+QUANTIZE_DTYPES = CODE_DTYPES + (torch.float8_e5m2,)
 CACHE_DTYPES = DTYPES + CODE_DTYPES
 SLOT_DTYPES = (torch.int32, torch.int64)
 

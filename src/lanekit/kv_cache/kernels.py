@@ -28,8 +28,8 @@ if triton_interpreted():
 
     fix_interpreter()
 
-QUANT_CODES = {torch.int8: 1, torch.float8_e4m3fn: 2}   # _quantize's QUANT: 1 int8, 2 e4m3
-QMAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
+QUANT_CODES = {torch.int8: 1, torch.float8_e4m3fn: 2, torch.float8_e5m2: 2}   # _quantize's QUANT: 1 int8, 2 fp8
+QMAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 
 
 @triton.jit

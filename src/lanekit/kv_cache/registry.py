@@ -19,12 +19,16 @@ from lanekit.testing import CODES, ELTWISE, EXACT, LSE, generator, noncontiguous
 _KV = "lanekit.kv_cache.op"
 _KV_REF = "lanekit.reference.kv_cache"
 _E4M3 = torch.float8_e4m3fn
+_E5M2 = torch.float8_e5m2
 
 # Round-half-even cases of the codes at scale 1, and the clamps: int8 ties +-0.5, +-1.5, +-2.5 go
 # to 0, +-2, +-2; -128.5 to -128 (even), -129 and -200 clamp to -128, 127.5 to 127 (128 clamps);
 # e4m3 (spacing 1/8 on [1, 2), 2 on [16, 32), 32 on [256, 448]): 1.0625 -> 1, 1.1875 -> 1.25,
 # 17 -> 16, 19 -> 20, 432 -> 448, 464 and 500 clamp to 448, subnormal ties 2^-10 -> 0 and
 # 3 * 2^-10 -> 2^-8. Rows of these values need fp32 (bf16 has no -128.5).
+# e5m2 (spacing 1/4 on [1, 2), 1/2 on [2, 4), 8192 on [32768, 57344]): 1.125 -> 1, 1.375 -> 1.5,
+# 3.25 -> 3, 3.75 -> 4, 53248 -> 57344 (even), 61440 and 70000 clamp to 57344.
+E5M2_TIES = (1.125, -1.125, 1.375, -1.375, 3.25, -3.75, 53248.0, -53248.0, 61440.0, -70000.0, 0.0)
 INT8_TIES = (0.5, -0.5, 1.5, -1.5, 2.5, -2.5, -128.5, -129.0, -200.0, 127.5, 126.5, -127.5, 3.5, 0.0)
 E4M3_TIES = (1.0625, -1.0625, 1.1875, -1.1875, 17.0, -19.0, 432.0, -432.0, 464.0, -500.0,
              2.0 ** -10, -(2.0 ** -10), 3 * 2.0 ** -10, 0.53125)
@@ -35,8 +39,8 @@ def tie_rows(dtype: torch.dtype, rows: int, D: int, *, with_amax: bool, generato
     values after them). ``with_amax``: the first feature of every row is qmax (127 or 448), so that
     amax / qmax is exactly 1 and the ties hold without a given scale (then the clamped cases are
     dropped: they would raise amax)."""
-    ties = INT8_TIES if dtype == torch.int8 else E4M3_TIES
-    qmax = 127.0 if dtype == torch.int8 else 448.0
+    ties = {torch.int8: INT8_TIES, _E5M2: E5M2_TIES}.get(dtype, E4M3_TIES)
+    qmax = {torch.int8: 127.0, _E5M2: 57344.0}.get(dtype, 448.0)
     if with_amax:
         ties = (qmax,) + tuple(t for t in ties if abs(t) < qmax)
     x = torch.rand(rows, D, generator=generator) - 0.5      # small values after the ties
@@ -185,7 +189,7 @@ def _kv_gather_quant_samples(device):
 
 
 def _quantize_kv_samples(device):
-    for kv, tag in _QUANT_TAGS:
+    for kv, tag in _QUANT_TAGS + ((_E5M2, "e5m2"),):   # e5m2: quantize_kv only (MLA caches)
         g = generator(tag, "quantize_kv ")
         x = randn(5, 3, 80, dtype=torch.bfloat16, device=device, generator=g, scale=4.0)
         x[1, 2] = 0
@@ -211,6 +215,9 @@ def _dequantize_kv_samples(device):
     yield Sample("e4m3 (7, 64) to fp32", dict(
         codes=_random_codes((7, 64), _E4M3, g).to(device),
         scale=(torch.rand(7, generator=g) * 3).to(device), dtype=torch.float32))
+    yield Sample("e5m2 (3, 2, 576) to bf16", dict(
+        codes=(torch.randn(3, 2, 576, generator=g) * 3000).to(_E5M2).to(device),
+        scale=(torch.rand(3, 2, generator=g) * 2).to(device), dtype=torch.bfloat16))
     yield Sample("int8 (2, 1, 128) to fp16, one scale per tensor", dict(
         codes=_random_codes((2, 1, 128), torch.int8, g).to(device),
         scale=torch.full((), 0.02, device=device), dtype=torch.float16))

@@ -28,7 +28,7 @@ F32 = torch.float32
 
 
 def quantize_kv(x: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | None = None):
-    """Per-row symmetric quantization of x (..., D) to ``dtype`` (int8 or float8_e4m3fn).
+    """Per-row symmetric quantization of x (..., D) to ``dtype`` (int8, float8_e4m3fn or float8_e5m2).
 
     Without ``scale``: :func:`lanekit.reference.numerics.quantize_per_head` of x in fp32. With
     ``scale`` (broadcastable to x.shape[:-1], > 0): codes = round-half-even(x / scale) clamped,

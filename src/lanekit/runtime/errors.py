@@ -20,6 +20,8 @@ import os
 
 import torch
 
+from lanekit.runtime.validate import ArgumentError
+
 _KINDS: dict[int, str] = {}
 _FLAGS: dict[torch.device, torch.Tensor] = {}
 
@@ -55,8 +57,9 @@ def check_indices_eagerly() -> bool:
 
 
 def check_errors() -> None:
-    """Raise a ``ValueError`` naming every kind of device-side error recorded since the last call
-    (on any device), and clear the flags. A sync per device with a flag: call it where a sync
+    """Raise an :class:`~lanekit.runtime.validate.ArgumentError` (a ``ValueError``, and a
+    ``RuntimeError`` as FlashAttention's index checks raise) naming every kind of device-side
+    error recorded since the last call (on any device), and clear the flags. A sync per device with a flag: call it where a sync
     is cheap (after a step, in a test). Returns None when no error was recorded."""
     found = []
     for device, flag in _FLAGS.items():
@@ -65,5 +68,5 @@ def check_errors() -> None:
             flag.zero_()
             found += [f"{device}: {message}" for bit, message in sorted(_KINDS.items()) if bits & bit]
     if found:
-        raise ValueError("lanekit found invalid indices on the device since the last check_errors():\n  "
-                         + "\n  ".join(found))
+        raise ArgumentError("lanekit found invalid indices on the device since the last check_errors():\n  "
+                            + "\n  ".join(found))

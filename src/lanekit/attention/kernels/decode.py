@@ -339,14 +339,15 @@ def _merge_splits_kernel(
     Sinks=None, HAS_SINKS: tl.constexpr = False,
 ):
     # Row (b, i, h) of the output from its num_splits partials: weights exp(lse_s - max lse); a
-    # partial with LSE -inf saw no key and weighs 0. All partials empty: out 0, lse -inf.
+    # partial with LSE -inf saw no key and weighs 0. All partials empty: out 0, lse -inf. The
+    # value's features in chunks of BLOCK_DV (one chunk for flash_attn_with_kvcache's Dv <= 256;
+    # MLA's 512 in several, so that BLOCK_S x BLOCK_DV partials stay in registers).
     i = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     b = tl.program_id(2).to(tl.int64)
     offs_s = tl.arange(0, BLOCK_S)
-    offs_d = tl.arange(0, BLOCK_DV)
     s_in = offs_s < num_splits
-    lse = tl.load(LseP + offs_s * stride_ls + b * stride_lb + h * stride_lh + i * stride_lm,
+    lse = tl.load(LseP + offs_s.to(tl.int64) * stride_ls + b * stride_lb + h * stride_lh + i * stride_lm,
                   mask=s_in, other=float("-inf"))
     m = tl.max(lse, 0)
     if HAS_SINKS:  # head h's sink joins the merged denominator, once
@@ -357,13 +358,16 @@ def _merge_splits_kernel(
     total = tl.sum(w, 0)
     if HAS_SINKS:
         total += tl.exp(sink - m_safe)
-    o = tl.load(OutP + offs_s[:, None] * stride_ps + b * stride_pb + i * stride_pm + h * stride_ph
-                + offs_d[None, :] * stride_pd, mask=(w[:, None] > 0) & (offs_d[None, :] < Dv), other=0.0)
-    out = tl.sum(o * w[:, None], 0) / tl.where(total == 0.0, 1.0, total)
-    tl.store(Out + b * stride_ob + i * stride_om + h * stride_oh + offs_d * stride_od,
-             out.to(Out.dtype.element_ty), mask=offs_d < Dv)
+    o_rows = OutP + offs_s.to(tl.int64)[:, None] * stride_ps + b * stride_pb + i * stride_pm + h * stride_ph
+    for d0 in range(0, Dv, BLOCK_DV):
+        offs_d = d0 + tl.arange(0, BLOCK_DV)
+        o = tl.load(o_rows + offs_d[None, :] * stride_pd, mask=(w[:, None] > 0) & (offs_d[None, :] < Dv),
+                    other=0.0)                                                    # [BLOCK_S, BLOCK_DV]
+        out = tl.sum(o * w[:, None], 0) / tl.where(total == 0.0, 1.0, total)
+        tl.store(Out + b * stride_ob + i * stride_om + h * stride_oh + offs_d * stride_od,
+                 out.to(Out.dtype.element_ty), mask=offs_d < Dv)
     tl.store(Lse + b * stride_lob + h * stride_loh + i * stride_lom,
-             tl.where(total == 0.0, float("-inf"), m_safe + tl.log(total)))
+             tl.where(total == 0.0, float("-inf"), m_safe + tl.log(tl.where(total == 0.0, 1.0, total))))
 
 
 def flash_attn_kvcache(
