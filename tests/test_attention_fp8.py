@@ -332,3 +332,26 @@ def test_bad_fp8_and_sinks_input_raises_a_clear_error(device, case):
     with poisoned_outputs():
         with pytest.raises(err, match=match):
             call()
+
+
+def test_packed_functions_pass_sinks_and_descales_through(device):
+    g = gen(23)
+    qkv = randn(2, 11, 3, 2, 32, dtype=torch.bfloat16, device=device, generator=g)
+    sinks = randn(2, dtype=torch.float32, device=device, generator=g)
+    q, k, v = qkv.unbind(2)
+    expected = lanekit.flash_attn_func(q, k, v, causal=True, sinks=sinks, lane="triton")
+    assert torch.equal(lanekit.flash_attn_qkvpacked_func(qkv, causal=True, sinks=sinks, lane="triton"), expected)
+    cu = torch.tensor([0, 11, 22], dtype=torch.int32, device=device)
+    packed = lanekit.flash_attn_varlen_qkvpacked_func(qkv.flatten(0, 1), cu, 11, causal=True, sinks=sinks,
+                                                      lane="triton")
+    assert_close(packed, ref.flash_attn(*map(upcast, (q, k, v)), softmax_scale=32 ** -0.5, window_size=(-1, 0),
+                                        sinks=upcast(sinks))[0].flatten(0, 1), ATTENTION_FWD)
+    q8, kv8 = codes(q.flatten(0, 1), torch.int8), codes(qkv[:, :, 1:].flatten(0, 1), torch.int8)
+    qd, kd, vd = descales(2, 2, device, 24)
+    out = lanekit.flash_attn_varlen_kvpacked_func(q8, kv8, cu, cu, 11, 11, q_descale=qd, k_descale=kd,
+                                                  v_descale=vd, lane="triton")
+    expected8, _ = ref.flash_attn_varlen_quantized(q8, kv8[:, 0], kv8[:, 1], cu_seqlens_q=cu.cpu(),
+                                                   cu_seqlens_k=cu.cpu(), max_seqlen_q=11, max_seqlen_k=11,
+                                                   softmax_scale=32 ** -0.5, q_descale=qd, k_descale=kd,
+                                                   v_descale=vd)
+    assert_close(out, expected8, ATTENTION_FP8)

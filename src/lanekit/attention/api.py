@@ -575,6 +575,11 @@ def flash_attn_varlen_qkvpacked_func(
     dropout_seed: int | None = None,
     dropout_offset: int = 0,
     lane: str | None = None,
+    sinks: torch.Tensor | None = None,
+    q_descale: torch.Tensor | None = None,
+    k_descale: torch.Tensor | None = None,
+    v_descale: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
 ):
     """:func:`flash_attn_varlen_func` on q, k and v packed in one tensor, FlashAttention-2's
     ``flash_attn_varlen_qkvpacked_func`` with the same arguments (self-attention of each packed
@@ -587,7 +592,8 @@ def flash_attn_varlen_qkvpacked_func(
         cu_seqlens: (B + 1,) int32, the cumulative lengths, the same for queries and keys: 0, then
             non-decreasing up to total.
         max_seqlen: int, at least every sequence's length.
-        The rest: as :func:`flash_attn_varlen_func` (alibi_slopes (H,) or (B, H)).
+        The rest: as :func:`flash_attn_varlen_func` (alibi_slopes (H,) or (B, H); sinks,
+            descales and out_dtype included).
 
     Returns: as :func:`flash_attn_varlen_func`, out (total, H, D); with ``return_attn_probs``,
     ``(out, softmax_lse, None)``, softmax_lse (H, total) fp32.
@@ -600,13 +606,14 @@ def flash_attn_varlen_qkvpacked_func(
 
     Semantics: FlashAttention 2.7's ``flash_attn_varlen_qkvpacked_func`` (Dao et al.).
     """
-    tensor("qkv", qkv, dtypes=_DTYPES + (torch.float64,), ndim=4)
+    tensor("qkv", qkv, dtypes=_DTYPES + (torch.float64,) + _QUANT_DTYPES, ndim=4)
     if qkv.shape[1] != 3:
         raise ValueError(f"qkv: expected shape (total, 3, H, D), got {tuple(qkv.shape)}")
     return flash_attn_varlen_func(
         qkv[:, 0], qkv[:, 1], qkv[:, 2], cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p,
         softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs,
-        dropout_seed=dropout_seed, dropout_offset=dropout_offset, lane=lane,
+        dropout_seed=dropout_seed, dropout_offset=dropout_offset, lane=lane, sinks=sinks,
+        q_descale=q_descale, k_descale=k_descale, v_descale=v_descale, out_dtype=out_dtype,
     )
 
 
@@ -630,6 +637,11 @@ def flash_attn_varlen_kvpacked_func(
     dropout_seed: int | None = None,
     dropout_offset: int = 0,
     lane: str | None = None,
+    sinks: torch.Tensor | None = None,
+    q_descale: torch.Tensor | None = None,
+    k_descale: torch.Tensor | None = None,
+    v_descale: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
 ):
     """:func:`flash_attn_varlen_func` with k and v packed in one tensor, FlashAttention-2's
     ``flash_attn_varlen_kvpacked_func`` with the same arguments.
@@ -638,8 +650,8 @@ def flash_attn_varlen_kvpacked_func(
         q: (total_q, Hq, D), fp16, bf16 or fp32 (fp64 on the reference lane).
         kv: (total_k, 2, Hkv, D), q's dtype: k and v of every key token along dimension 1; Hq a
             multiple of Hkv (MQA/GQA). The gradient is returned in the same layout.
-        cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k and the rest: as
-            :func:`flash_attn_varlen_func`.
+        cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k and the rest (sinks, descales
+            and out_dtype included): as :func:`flash_attn_varlen_func`.
 
     Returns: as :func:`flash_attn_varlen_func`, out (total_q, Hq, D); with
     ``return_attn_probs``, ``(out, softmax_lse, None)``, softmax_lse (Hq, total_q) fp32.
@@ -652,7 +664,7 @@ def flash_attn_varlen_kvpacked_func(
 
     Semantics: FlashAttention 2.7's ``flash_attn_varlen_kvpacked_func`` (Dao et al.).
     """
-    tensor("kv", kv, dtypes=_DTYPES + (torch.float64,), ndim=4)
+    tensor("kv", kv, dtypes=_DTYPES + (torch.float64,) + _QUANT_DTYPES, ndim=4)
     if isinstance(q, torch.Tensor) and kv.dtype != q.dtype:
         raise TypeError(f"kv: expected the dtype of q ({q.dtype}), got {kv.dtype}")
     if kv.shape[1] != 2:
@@ -660,7 +672,8 @@ def flash_attn_varlen_kvpacked_func(
     return flash_attn_varlen_func(
         q, kv[:, 0], kv[:, 1], cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
         softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs,
-        dropout_seed=dropout_seed, dropout_offset=dropout_offset, lane=lane,
+        dropout_seed=dropout_seed, dropout_offset=dropout_offset, lane=lane, sinks=sinks,
+        q_descale=q_descale, k_descale=k_descale, v_descale=v_descale, out_dtype=out_dtype,
     )
 
 
