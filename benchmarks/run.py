@@ -17,10 +17,12 @@ import triton
 from rich.console import Console
 from rich.table import Table
 
-from benchmarks import (attention, attention_fp32, attention_train, decode, gemm, layers, linear_attn, mla, moe,
+from benchmarks import (attention, attention_fp8, attention_fp32, attention_train, decode, gemm, layers, linear_attn,
+                        mla, moe,
                         prefill, quant, report)
 
 FAMILIES = {"attention": attention, "attention_train": attention_train, "attention_fp32": attention_fp32,
+            "attention_fp8": attention_fp8,
             "layers": layers, "decode": decode, "prefill": prefill, **moe.FAMILIES,
             **quant.FAMILIES, **gemm.FAMILIES, **mla.FAMILIES, **linear_attn.FAMILIES}
 #: Names that stand for several families: ``python -m benchmarks.run moe``.

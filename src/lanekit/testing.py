@@ -34,6 +34,9 @@ class Tolerance:
     fp32_ulps: float | None = None
     reason: str = "one step of the output format (the project's rule)"
     codes: bool = False   # quantized codes: every code equal to the oracle's, nothing less
+    # Steps counted in this format instead of the output's (None: the output's). fp8 attention
+    # counts in its P's fp8 format (see ATTENTION_FP8 in attention/registry.py and the note below).
+    unit: torch.dtype | None = None
 
     def steps_for(self, dtype: torch.dtype) -> float:
         if dtype == torch.float32 and self.fp32_ulps is not None:
@@ -75,6 +78,19 @@ LSE = Tolerance(
 TOLERANCES: dict[str, Tolerance] = {t.name: t for t in (EXACT, ELTWISE, CODES, LSE)}
 
 
+# What the fp8/int8 attention oracle rounds, and why (lanekit.reference.attention.flash_attn's
+# p_dtype): the kernels multiply P by V in V's fp8 format (int8 V: P in fp16 against V's codes), so
+# P = e^{s - m} is rounded to that format before the product, while the denominator sum(e^{s - m})
+# is not. The oracle does the same in float64, with m the row's final max. The kernel's m is its
+# running max, so where the max moves from one key block to a later one, the kernel rounded the
+# earlier blocks' P at another binade offset: each such P may differ from the oracle's by one step
+# of the fp8 format. The output is therefore held to "within one step of the fp8 format's rounding
+# of P": one step of P's fp8 format at max|out| (a tolerance whose unit is that format). Measured:
+# 0.17 to 0.38 steps of e4m3/e5m2 over 400 keys whose max moves; where it does not move (one key
+# block) the output is within 0.5 steps of bf16. Without the rounding in the oracle, e5m2 fails by
+# 10 bf16 steps on 33 keys. int8's P in fp16 is within the 16-bit rule (ATTENTION_FWD).
+
+
 def tolerance_named(name: str) -> Tolerance:
     """The shared tolerance called ``name`` (a family's own is imported from its registry module:
     ``from lanekit.attention.registry import ATTENTION_FWD``)."""
@@ -107,7 +123,7 @@ def compare(out: torch.Tensor, ref: torch.Tensor, tolerance: Tolerance | str = "
     ref is -inf or +inf must hold the same infinity; NaN anywhere in out fails.
     """
     tol = tolerance_named(tolerance) if isinstance(tolerance, str) else tolerance
-    dtype = dtype or out.dtype
+    dtype = dtype or tol.unit or out.dtype
     if tol.codes:
         return _compare_codes(out, ref)
     if out.shape != ref.shape:

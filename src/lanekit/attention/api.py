@@ -94,6 +94,66 @@ def _dropout_seed(dropout_p: float, dropout_seed, dropout_offset) -> int:
     return checked.get("dropout_seed", 0), checked["dropout_offset"]
 
 
+_QUANT_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.int8)
+_OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _sinks(sinks, Hq: int, q: torch.Tensor) -> torch.Tensor | None:
+    """sinks: None, or (Hq,) fp32 (fp64 too for a float64 q) on q's device."""
+    if sinks is None:
+        return None
+    tensor("sinks", sinks, dtypes=(torch.float32,) + ((torch.float64,) if q.dtype == torch.float64 else ()),
+           ndim=1, like=q, like_name="q")
+    if sinks.shape[0] != Hq:
+        raise ValueError(f"sinks: expected shape ({Hq},) (one logit per query head), got {tuple(sinks.shape)}")
+    return sinks
+
+
+def _quant(q: torch.Tensor, B: int, Hkv: int, q_descale, k_descale, v_descale, out_dtype, dropout_p,
+           grads: tuple = ()) -> tuple[tuple, torch.dtype | None]:
+    """fp8/int8 attention's arguments: for an fp8 or int8 q, the (B, Hkv) fp32 descales (None: 1)
+    and out_dtype (bf16, fp16 or fp32; None: bf16), no dropout, and no tensor of ``grads``
+    (name, tensor) requiring grad (forward only). For any other q: descales None and out_dtype
+    None or q's dtype. Returns ((q_descale, k_descale, v_descale), out_dtype)."""
+    descales = (("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale))
+    if q.dtype not in _QUANT_DTYPES:
+        for name, d in descales:
+            if d is not None:
+                raise ValueError(f"{name}: expected None for {q.dtype} inputs (descales go with fp8 "
+                                 f"e4m3/e5m2 or int8 q, k, v), got a tensor")
+        if out_dtype is not None and out_dtype != q.dtype:
+            raise ValueError(f"out_dtype: expected None or q's dtype ({q.dtype}) for {q.dtype} inputs, "
+                             f"got {out_dtype}")
+        return (None, None, None), None
+    if out_dtype is None:
+        out_dtype = torch.bfloat16
+    elif out_dtype not in _OUT_DTYPES:
+        raise ValueError(f"out_dtype: expected one of {[str(d) for d in _OUT_DTYPES]} or None, got {out_dtype!r}")
+    if dropout_p != 0:
+        raise ValueError(f"dropout_p: expected 0.0 with {q.dtype} inputs (fp8/int8 attention is "
+                         f"inference only, as FlashAttention-3's), got {dropout_p!r}")
+    if torch.is_grad_enabled():
+        for name, t in grads:
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                raise ValueError(f"{name}: fp8 and int8 attention is forward only (as FlashAttention-3's): "
+                                 "expected no tensor requiring grad, got one (use torch.no_grad() or detach)")
+    if q.is_cuda and q.dtype != torch.int8 and torch.version.hip is None \
+            and torch.cuda.get_device_capability(q.device) < (8, 9):
+        raise ValueError(f"q: {q.dtype} attention needs an NVIDIA GPU of compute capability 8.9 or later "
+                         f"(no fp8 conversions before; int8 runs there), got "
+                         f"{torch.cuda.get_device_capability(q.device)}")
+    out = []
+    for name, d in descales:
+        if d is None:
+            d = torch.ones((), dtype=torch.float32, device=q.device).expand(B, Hkv)
+        else:
+            tensor(name, d, dtypes=(torch.float32,), ndim=2, like=q, like_name="q")
+            if tuple(d.shape) != (B, Hkv):
+                raise ValueError(f"{name}: expected shape ({B}, {Hkv}) (batch, KV heads), got {tuple(d.shape)}")
+        out.append(d)
+    return tuple(out), out_dtype
+
+
 @argument_errors
 def flash_attn_func(
     q: torch.Tensor,
@@ -113,6 +173,11 @@ def flash_attn_func(
     dropout_seed: int | None = None,
     dropout_offset: int = 0,
     lane: str | None = None,
+    sinks: torch.Tensor | None = None,
+    q_descale: torch.Tensor | None = None,
+    k_descale: torch.Tensor | None = None,
+    v_descale: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
 ):
     """Scaled dot-product attention, FlashAttention-2's ``flash_attn_func`` with the same arguments.
 
@@ -147,9 +212,22 @@ def flash_attn_func(
             PyTorch's default CPU generator, so ``torch.manual_seed`` makes runs repeatable.
         lane: (lanekit) "triton" or "reference"; default: triton for CUDA/ROCm tensors, reference
             otherwise, overridden by the LANEKIT_LANE environment variable.
+        sinks: (Hq,) fp32, attention sinks (gpt-oss): a learned logit per query head that joins
+            every row's softmax denominator with no value,
+            ``out = sum_j exp(s_j) v_j / (exp(sink) + sum_j exp(s_j))``; the LSE includes it, and
+            a row that sees no key gives 0 with LSE = sink. Differentiable (its gradient is
+            ``-sum over rows of exp(sink - lse) * (rowsum(dO * O) - dLSE)``). Finite or -inf.
+        q_descale, k_descale, v_descale: (B, Hkv) fp32, FlashAttention-3's descales for fp8
+            (torch.float8_e4m3fn, torch.float8_e5m2) or int8 q, k, v (None: 1). The scores are
+            ``(q k^T) * q_descale * k_descale * softmax_scale``, then softcap, ALiBi and attn_bias
+            (never multiplied by the descales); v_descale multiplies the output. P.V runs in
+            V's fp8 format (P rounded to it; e5m2 x e5m2 for e5m2 V); for int8, P in fp16 against
+            V's codes. Forward only, no dropout. fp8 needs sm89+ on NVIDIA (int8 runs on sm80).
+        out_dtype: the output's dtype for fp8/int8 inputs: torch.bfloat16 (default), float16 or
+            float32; for other inputs None or q's dtype.
 
     Returns:
-        out: (B, Sq, Hq, Dv) in q's dtype. A query row that sees no key gives 0.
+        out: (B, Sq, Hq, Dv) in q's dtype (fp8/int8: out_dtype). A query row that sees no key gives 0.
         With ``return_attn_probs``: ``(out, softmax_lse, None)``, softmax_lse (B, Hq, Sq) fp32, the
         natural-log sum of exp of the (scaled, softcapped, biased) visible scores; -inf for a row
         that sees no key. The third item (FlashAttention's dropout-masked probabilities, for
@@ -168,7 +246,9 @@ def flash_attn_func(
             tensors count, floats and bools do not) or a dropout seed/offset not an int.
         ValueError: wrong rank or shape, Hq not a multiple of Hkv, head dim outside 1..256,
             devices differ, window sizes below -1, dropout_p outside [0, 1), softcap < 0, a bias
-            or mask not broadcastable to (B, Hq, Sq, Sk), or an unknown lane.
+            or mask not broadcastable to (B, Hq, Sq, Sk), or an unknown lane; sinks not (Hq,);
+            descales not (B, Hkv) or given for 16-bit inputs, an out_dtype outside bf16/fp16/fp32,
+            dropout or a tensor requiring grad with fp8/int8 inputs.
         Each is a RuntimeError too (``lanekit.runtime.validate.ArgumentError`` and
         ``ArgumentTypeError``), as FlashAttention's argument errors are.
 
@@ -180,9 +260,11 @@ def flash_attn_func(
     ``torch.compile(fullgraph=True)``: both directions are custom ops with fake implementations.
 
     Semantics: FlashAttention 2.7 (Dao et al.), incl. bottom-right aligned causal/window masks,
-    ALiBi and softcap; docs/semantics.md lists where lanekit differs or goes beyond.
+    ALiBi and softcap; sinks as gpt-oss's attention (and vLLM's ``sinks=``); fp8 descales as
+    FlashAttention-3's ``flash_attn_func``; docs/semantics.md lists where lanekit differs or goes
+    beyond.
     """
-    tensor("q", q, dtypes=_DTYPES + (torch.float64,), ndim=4)
+    tensor("q", q, dtypes=_DTYPES + (torch.float64,) + _QUANT_DTYPES, ndim=4)
     tensor("k", k, ndim=4, like=q, like_name="q", like_dtype=True)
     tensor("v", v, ndim=4, like=q, like_name="q", like_dtype=True)
     B, Sq, Hq, D = q.shape
@@ -208,13 +290,20 @@ def flash_attn_func(
         tensor("attn_mask", attn_mask, dtypes=(torch.bool,), ndim=(0, 1, 2, 3, 4), like=q, like_name="q")
         attn_mask = _broadcast_4d("attn_mask", attn_mask, shape4)
     dropout_seed, dropout_offset = _dropout_seed(dropout_p, dropout_seed, dropout_offset)
+    sinks = _sinks(sinks, Hq, q)
+    descales, out_dtype = _quant(q, B, Hkv, q_descale, k_descale, v_descale, out_dtype, dropout_p,
+                                 (("q", q), ("k", k), ("v", v), ("attn_bias", attn_bias), ("sinks", sinks)))
+    extra = {}
+    if sinks is not None or q.dtype in _QUANT_DTYPES:
+        extra = dict(sinks=sinks, q_descale=descales[0], k_descale=descales[1], v_descale=descales[2],
+                     out_dtype=out_dtype)
     chosen = lane_for(q, lane, "q")
     # The lane functions the registry names (ops.py), looked up by attribute rather than through
     # the registry's importlib, which torch.compile cannot trace.
     out, lse = getattr(_lanes, f"flash_attn_{chosen}")(
         q=q, k=k, v=v, softmax_scale=softmax_scale, window_size=(left, right),
         softcap=float(softcap), alibi_slopes=alibi_slopes, attn_bias=attn_bias, attn_mask=attn_mask,
-        dropout_p=float(dropout_p), seed=dropout_seed, offset=dropout_offset,
+        dropout_p=float(dropout_p), seed=dropout_seed, offset=dropout_offset, **extra,
     )
     if return_attn_probs:
         return out, lse, None
@@ -238,6 +327,11 @@ def flash_attn_qkvpacked_func(
     dropout_seed: int | None = None,
     dropout_offset: int = 0,
     lane: str | None = None,
+    sinks: torch.Tensor | None = None,
+    q_descale: torch.Tensor | None = None,
+    k_descale: torch.Tensor | None = None,
+    v_descale: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
 ):
     """:func:`flash_attn_func` on q, k and v packed in one tensor, FlashAttention-2's signature.
 
@@ -245,7 +339,7 @@ def flash_attn_qkvpacked_func(
         qkv: (B, S, 3, H, D), fp16, bf16 or fp32 (fp64 on the reference lane): q, k and v along
             dimension 2 (self-attention, as many key/value heads as query heads). The gradient is
             returned in the same layout.
-        The rest: as :func:`flash_attn_func`.
+        The rest (sinks, descales and out_dtype included): as :func:`flash_attn_func`.
 
     Returns: as :func:`flash_attn_func`, out (B, S, H, D).
 
@@ -253,13 +347,14 @@ def flash_attn_qkvpacked_func(
         TypeError: qkv is not a tensor, or has an unsupported dtype.
         ValueError: qkv is not 5-D with size 3 in dimension 2; and as :func:`flash_attn_func`.
     """
-    tensor("qkv", qkv, dtypes=_DTYPES + (torch.float64,), ndim=5)
+    tensor("qkv", qkv, dtypes=_DTYPES + (torch.float64,) + _QUANT_DTYPES, ndim=5)
     if qkv.shape[2] != 3:
         raise ValueError(f"qkv: expected shape (B, S, 3, H, D), got {tuple(qkv.shape)}")
     return flash_attn_func(
         qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], dropout_p, softmax_scale, causal, window_size, softcap,
         alibi_slopes, deterministic, return_attn_probs, attn_bias=attn_bias, attn_mask=attn_mask,
-        dropout_seed=dropout_seed, dropout_offset=dropout_offset, lane=lane,
+        dropout_seed=dropout_seed, dropout_offset=dropout_offset, lane=lane, sinks=sinks,
+        q_descale=q_descale, k_descale=k_descale, v_descale=v_descale, out_dtype=out_dtype,
     )
 
 
@@ -281,13 +376,18 @@ def flash_attn_kvpacked_func(
     dropout_seed: int | None = None,
     dropout_offset: int = 0,
     lane: str | None = None,
+    sinks: torch.Tensor | None = None,
+    q_descale: torch.Tensor | None = None,
+    k_descale: torch.Tensor | None = None,
+    v_descale: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
 ):
     """:func:`flash_attn_func` with k and v packed in one tensor, FlashAttention-2's signature.
 
     Arguments:
         q: (B, Sq, Hq, D), fp16, bf16 or fp32.
         kv: (B, Sk, 2, Hkv, D), q's dtype: k and v along dimension 2; Hq a multiple of Hkv.
-        The rest: as :func:`flash_attn_func`.
+        The rest (sinks, descales and out_dtype included): as :func:`flash_attn_func`.
 
     Returns: as :func:`flash_attn_func`, out (B, Sq, Hq, D).
 
@@ -295,7 +395,7 @@ def flash_attn_kvpacked_func(
         TypeError: kv is not a tensor, or has an unsupported dtype or one other than q's.
         ValueError: kv is not 5-D with size 2 in dimension 2; and as :func:`flash_attn_func`.
     """
-    tensor("kv", kv, dtypes=_DTYPES + (torch.float64,), ndim=5)
+    tensor("kv", kv, dtypes=_DTYPES + (torch.float64,) + _QUANT_DTYPES, ndim=5)
     if isinstance(q, torch.Tensor) and kv.dtype != q.dtype:
         raise TypeError(f"kv: expected the dtype of q ({q.dtype}), got {kv.dtype}")
     if kv.shape[2] != 2:
@@ -303,7 +403,8 @@ def flash_attn_kvpacked_func(
     return flash_attn_func(
         q, kv[:, :, 0], kv[:, :, 1], dropout_p, softmax_scale, causal, window_size, softcap,
         alibi_slopes, deterministic, return_attn_probs, attn_bias=attn_bias, attn_mask=attn_mask,
-        dropout_seed=dropout_seed, dropout_offset=dropout_offset, lane=lane,
+        dropout_seed=dropout_seed, dropout_offset=dropout_offset, lane=lane, sinks=sinks,
+        q_descale=q_descale, k_descale=k_descale, v_descale=v_descale, out_dtype=out_dtype,
     )
 
 
@@ -355,6 +456,11 @@ def flash_attn_varlen_func(
     dropout_seed: int | None = None,
     dropout_offset: int = 0,
     lane: str | None = None,
+    sinks: torch.Tensor | None = None,
+    q_descale: torch.Tensor | None = None,
+    k_descale: torch.Tensor | None = None,
+    v_descale: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
 ):
     """Attention over a packed batch of sequences of different lengths, FlashAttention-2's
     ``flash_attn_varlen_func`` with the same arguments.
@@ -384,6 +490,9 @@ def flash_attn_varlen_func(
         return_attn_probs: also return the LSE (see Returns).
         block_table: (B, max_pages) int32, the pages of sequence b's keys in order (FlashAttention
             2.6's paged varlen). Inference only: no gradient flows through a paged k or v.
+        sinks, out_dtype: as :func:`flash_attn_func` (sinks (Hq,) fp32, differentiable).
+        q_descale, k_descale, v_descale: (B, Hkv) fp32 for fp8/int8 q, k, v, row b for
+            sequence b: as :func:`flash_attn_func` (forward only).
 
     Returns:
         out: (total_q, Hq, Dv) in q's dtype. With ``return_attn_probs``: ``(out, softmax_lse,
@@ -410,7 +519,7 @@ def flash_attn_varlen_func(
     Semantics: FlashAttention 2.7's ``flash_attn_varlen_func`` (Dao et al.); the LSE layout
     (Hq, total_q) is its own.
     """
-    tensor("q", q, dtypes=_DTYPES + (torch.float64,), ndim=3)
+    tensor("q", q, dtypes=_DTYPES + (torch.float64,) + _QUANT_DTYPES, ndim=3)
     tensor("k", k, ndim=4 if block_table is not None else 3, like=q, like_name="q", like_dtype=True)
     tensor("v", v, ndim=k.dim(), like=q, like_name="q", like_dtype=True)
     total_q, Hq, D = q.shape
@@ -439,6 +548,13 @@ def flash_attn_varlen_func(
     return_attn_probs = flag("return_attn_probs", return_attn_probs)
     alibi_slopes = _alibi(alibi_slopes, B, Hq, q)
     dropout_seed, dropout_offset = _dropout_seed(dropout_p, dropout_seed, dropout_offset)
+    sinks = _sinks(sinks, Hq, q)
+    descales, out_dtype = _quant(q, B, Hkv, q_descale, k_descale, v_descale, out_dtype, dropout_p,
+                                 (("q", q), ("k", k), ("v", v), ("sinks", sinks)))
+    extra = {}
+    if sinks is not None or q.dtype in _QUANT_DTYPES:
+        extra = dict(sinks=sinks, q_descale=descales[0], k_descale=descales[1], v_descale=descales[2],
+                     out_dtype=out_dtype)
 
     chosen = lane_for(q, lane, "q")
     out, lse = getattr(_lanes, f"flash_attn_varlen_{chosen}")(
@@ -447,6 +563,7 @@ def flash_attn_varlen_func(
         block_table=block_table.contiguous() if block_table is not None else None,
         softmax_scale=softmax_scale, window_size=(left, right), softcap=float(softcap),
         alibi_slopes=alibi_slopes, dropout_p=float(dropout_p), seed=dropout_seed, offset=dropout_offset,
+        **extra,
     )
     if return_attn_probs:
         return out, lse, None
@@ -471,6 +588,11 @@ def flash_attn_varlen_qkvpacked_func(
     dropout_seed: int | None = None,
     dropout_offset: int = 0,
     lane: str | None = None,
+    sinks: torch.Tensor | None = None,
+    q_descale: torch.Tensor | None = None,
+    k_descale: torch.Tensor | None = None,
+    v_descale: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
 ):
     """:func:`flash_attn_varlen_func` on q, k and v packed in one tensor, FlashAttention-2's
     ``flash_attn_varlen_qkvpacked_func`` with the same arguments (self-attention of each packed
@@ -483,7 +605,8 @@ def flash_attn_varlen_qkvpacked_func(
         cu_seqlens: (B + 1,) int32, the cumulative lengths, the same for queries and keys: 0, then
             non-decreasing up to total.
         max_seqlen: int, at least every sequence's length.
-        The rest: as :func:`flash_attn_varlen_func` (alibi_slopes (H,) or (B, H)).
+        The rest: as :func:`flash_attn_varlen_func` (alibi_slopes (H,) or (B, H); sinks,
+            descales and out_dtype included).
 
     Returns: as :func:`flash_attn_varlen_func`, out (total, H, D); with ``return_attn_probs``,
     ``(out, softmax_lse, None)``, softmax_lse (H, total) fp32.
@@ -496,13 +619,14 @@ def flash_attn_varlen_qkvpacked_func(
 
     Semantics: FlashAttention 2.7's ``flash_attn_varlen_qkvpacked_func`` (Dao et al.).
     """
-    tensor("qkv", qkv, dtypes=_DTYPES + (torch.float64,), ndim=4)
+    tensor("qkv", qkv, dtypes=_DTYPES + (torch.float64,) + _QUANT_DTYPES, ndim=4)
     if qkv.shape[1] != 3:
         raise ValueError(f"qkv: expected shape (total, 3, H, D), got {tuple(qkv.shape)}")
     return flash_attn_varlen_func(
         qkv[:, 0], qkv[:, 1], qkv[:, 2], cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p,
         softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs,
-        dropout_seed=dropout_seed, dropout_offset=dropout_offset, lane=lane,
+        dropout_seed=dropout_seed, dropout_offset=dropout_offset, lane=lane, sinks=sinks,
+        q_descale=q_descale, k_descale=k_descale, v_descale=v_descale, out_dtype=out_dtype,
     )
 
 
@@ -526,6 +650,11 @@ def flash_attn_varlen_kvpacked_func(
     dropout_seed: int | None = None,
     dropout_offset: int = 0,
     lane: str | None = None,
+    sinks: torch.Tensor | None = None,
+    q_descale: torch.Tensor | None = None,
+    k_descale: torch.Tensor | None = None,
+    v_descale: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
 ):
     """:func:`flash_attn_varlen_func` with k and v packed in one tensor, FlashAttention-2's
     ``flash_attn_varlen_kvpacked_func`` with the same arguments.
@@ -534,8 +663,8 @@ def flash_attn_varlen_kvpacked_func(
         q: (total_q, Hq, D), fp16, bf16 or fp32 (fp64 on the reference lane).
         kv: (total_k, 2, Hkv, D), q's dtype: k and v of every key token along dimension 1; Hq a
             multiple of Hkv (MQA/GQA). The gradient is returned in the same layout.
-        cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k and the rest: as
-            :func:`flash_attn_varlen_func`.
+        cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k and the rest (sinks, descales
+            and out_dtype included): as :func:`flash_attn_varlen_func`.
 
     Returns: as :func:`flash_attn_varlen_func`, out (total_q, Hq, D); with
     ``return_attn_probs``, ``(out, softmax_lse, None)``, softmax_lse (Hq, total_q) fp32.
@@ -548,7 +677,7 @@ def flash_attn_varlen_kvpacked_func(
 
     Semantics: FlashAttention 2.7's ``flash_attn_varlen_kvpacked_func`` (Dao et al.).
     """
-    tensor("kv", kv, dtypes=_DTYPES + (torch.float64,), ndim=4)
+    tensor("kv", kv, dtypes=_DTYPES + (torch.float64,) + _QUANT_DTYPES, ndim=4)
     if isinstance(q, torch.Tensor) and kv.dtype != q.dtype:
         raise TypeError(f"kv: expected the dtype of q ({q.dtype}), got {kv.dtype}")
     if kv.shape[1] != 2:
@@ -556,7 +685,8 @@ def flash_attn_varlen_kvpacked_func(
     return flash_attn_varlen_func(
         q, kv[:, 0], kv[:, 1], cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
         softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs,
-        dropout_seed=dropout_seed, dropout_offset=dropout_offset, lane=lane,
+        dropout_seed=dropout_seed, dropout_offset=dropout_offset, lane=lane, sinks=sinks,
+        q_descale=q_descale, k_descale=k_descale, v_descale=v_descale, out_dtype=out_dtype,
     )
 
 
@@ -642,6 +772,11 @@ def flash_attn_with_kvcache(
     v_cache_scale: torch.Tensor | None = None,
     max_seqlen_k: int | None = None,
     lane: str | None = None,
+    sinks: torch.Tensor | None = None,
+    q_descale: torch.Tensor | None = None,
+    k_descale: torch.Tensor | None = None,
+    v_descale: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
 ):
     """Attention of new queries over a KV cache, appending new keys and values to it first:
     FlashAttention-2's ``flash_attn_with_kvcache`` with the same arguments (decode, chunked
@@ -690,6 +825,12 @@ def flash_attn_with_kvcache(
             (a serving engine's length bucket); None there takes the long-cache tile. The tile
             orders the sums differently: outputs for two bounds differ by rounding.
         lane: as :func:`flash_attn_func`.
+        sinks: (Hq,) fp32, as :func:`flash_attn_func` (added once, after the split merge).
+        q_descale, k_descale, v_descale, out_dtype: an fp8 (e4m3, e5m2) or int8 q over caches
+            of q's dtype (values, no per-token scales) with FlashAttention-3's (B, Hkv) fp32
+            descales, as :func:`flash_attn_func`: paged or not, split or not; no append (k, v)
+            and no rotary there (write the cache with :mod:`lanekit.kv_cache` first). The
+            per-token-scaled int8/e4m3 caches above take a 16-bit q.
 
     Returns:
         out (B, Sq, Hq, Dv) in q's dtype; with ``return_softmax_lse``, ``(out, softmax_lse)``,
@@ -728,7 +869,11 @@ def flash_attn_with_kvcache(
     Semantics: FlashAttention 2.7's ``flash_attn_with_kvcache`` (Dao et al.); beyond it: any
     page_size, paged caches with num_splits and with cache_leftpad, quantized caches.
     """
-    S_new = _kvcache_tensors(q, k_cache, v_cache, k, v, k_cache_scale, v_cache_scale, block_table is not None)
+    if isinstance(q, torch.Tensor) and q.dtype in _QUANT_DTYPES:
+        S_new = _kvcache_quant_tensors(q, k_cache, v_cache, k, v, k_cache_scale, v_cache_scale, rotary_cos,
+                                       rotary_sin, block_table is not None)
+    else:
+        S_new = _kvcache_tensors(q, k_cache, v_cache, k, v, k_cache_scale, v_cache_scale, block_table is not None)
     cache_seqlens, capacity = _kvcache_indices(q, k_cache, S_new, cache_seqlens, cache_batch_idx,
                                                cache_leftpad, block_table)
     S_ro = _kvcache_rotary(q, rotary_cos, rotary_sin, rotary_interleaved)
@@ -738,6 +883,12 @@ def flash_attn_with_kvcache(
     softmax_scale, left, right = _options(D, Sq, capacity, 0.0, softmax_scale, softcap, causal, window_size)
     return_softmax_lse = flag("return_softmax_lse", return_softmax_lse)
     alibi_slopes = _alibi(alibi_slopes, B, Hq, q)
+    sinks = _sinks(sinks, Hq, q)
+    descales, out_dtype = _quant(q, B, k_cache.shape[2], q_descale, k_descale, v_descale, out_dtype, 0.0)
+    extra = {}
+    if sinks is not None or q.dtype in _QUANT_DTYPES:
+        extra = dict(sinks=sinks, q_descale=descales[0], k_descale=descales[1], v_descale=descales[2],
+                     out_dtype=out_dtype)
 
     max_used = None
     if not _capturing():
@@ -760,7 +911,7 @@ def flash_attn_with_kvcache(
         cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad, block_table=block_table,
         k_cache_scale=k_cache_scale, v_cache_scale=v_cache_scale, softmax_scale=softmax_scale,
         window_size=(left, right), softcap=float(softcap), alibi_slopes=alibi_slopes, num_splits=num_splits,
-        max_seqlen_k=bound,
+        max_seqlen_k=bound, **extra,
     )
     return (out, lse) if return_softmax_lse else out
 
@@ -800,6 +951,31 @@ def _kvcache_tensors(q, k_cache, v_cache, k, v, k_cache_scale, v_cache_scale, pa
             if t is not None:
                 check_inplace(name, t, "the append of k, v", differentiable=False)
     return S_new
+
+
+def _kvcache_quant_tensors(q, k_cache, v_cache, k, v, k_cache_scale, v_cache_scale, rotary_cos, rotary_sin,
+                           paged: bool) -> int:
+    """An fp8/int8 q (FlashAttention-3's fp8 decode): caches of q's dtype holding values (no
+    per-token scales), no append, no rotary. Returns S_new (0)."""
+    tensor("q", q, ndim=4)
+    tensor("k_cache", k_cache, ndim=4, like=q, like_name="q", like_dtype=True)
+    tensor("v_cache", v_cache, ndim=4, like=q, like_name="q", like_dtype=True)
+    blocks, page_size, Hkv, D = k_cache.shape
+    if tuple(v_cache.shape[:3]) != (blocks, page_size, Hkv):
+        raise ValueError(f"v_cache: expected (num_blocks, page_size, Hkv, Dv) = ({blocks}, {page_size}, {Hkv}, Dv) "
+                         f"as k_cache's, got {tuple(v_cache.shape)}")
+    if (blocks == 0 and paged) or page_size * Hkv == 0:
+        raise ValueError(f"k_cache: expected num_blocks, page_size and Hkv >= 1, got {tuple(k_cache.shape)}")
+    for name, t in (("k_cache_scale", k_cache_scale), ("v_cache_scale", v_cache_scale), ("k", k), ("v", v),
+                    ("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
+        if t is not None:
+            raise ValueError(f"{name}: expected None with a {q.dtype} q (fp8/int8 attention reads caches of "
+                             f"q's dtype through q/k/v_descale; append and rotate with lanekit.kv_cache "
+                             f"first), got a tensor")
+    if k_cache.shape[3] != q.shape[3]:
+        raise ValueError(f"k_cache: expected head dim {q.shape[3]} (that of q), got {k_cache.shape[3]}")
+    _check_heads(q.shape, q.shape[3], v_cache.shape[3], q.shape[2], Hkv, "k_cache")
+    return 0
 
 
 def _kvcache_indices(q, k_cache, S_new: int, cache_seqlens, cache_batch_idx, cache_leftpad,

@@ -18,21 +18,26 @@ def _flash_attn_fwd_op(
     attn_bias: torch.Tensor | None, attn_mask: torch.Tensor | None, alibi_slopes: torch.Tensor | None,
     softmax_scale: float, window_left: int, window_right: int, softcap: float,
     dropout_p: float, seed: int, offset: int,
+    sinks: torch.Tensor | None = None, q_descale: torch.Tensor | None = None,
+    k_descale: torch.Tensor | None = None, v_descale: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     from lanekit.attention.kernels import flash_attn_fwd  # imported on first use: see runtime.lanes
 
     return flash_attn_fwd(
         q=q, k=k, v=v, softmax_scale=softmax_scale, window_size=(window_left, window_right),
         softcap=softcap, alibi_slopes=alibi_slopes, attn_bias=attn_bias, attn_mask=attn_mask,
-        dropout_p=dropout_p, seed=seed, offset=offset,
+        dropout_p=dropout_p, seed=seed, offset=offset, sinks=sinks, q_descale=q_descale,
+        k_descale=k_descale, v_descale=v_descale, out_dtype=out_dtype,
     )
 
 
 @_flash_attn_fwd_op.register_fake
 def _(q, k, v, attn_bias, attn_mask, alibi_slopes, softmax_scale, window_left, window_right,
-      softcap, dropout_p, seed, offset):
+      softcap, dropout_p, seed, offset, sinks=None, q_descale=None, k_descale=None, v_descale=None,
+      out_dtype=None):
     B, Sq, Hq, _ = q.shape
-    return (q.new_empty((B, Sq, Hq, v.shape[3])),
+    return (q.new_empty((B, Sq, Hq, v.shape[3]), dtype=out_dtype or q.dtype),
             q.new_empty((B, Hq, Sq), dtype=torch.float32))
 
 
@@ -68,39 +73,88 @@ def _(dout, q, k, v, out, lse, dlse, attn_bias, attn_mask, alibi_slopes, softmax
 
 def _setup_context(ctx, inputs, output):
     (q, k, v, attn_bias, attn_mask, alibi_slopes, softmax_scale, window_left, window_right,
-     softcap, dropout_p, seed, offset) = inputs
+     softcap, dropout_p, seed, offset, *extra) = inputs
+    sinks = extra[0] if extra else None
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, attn_bias, attn_mask, alibi_slopes)
+    ctx.save_for_backward(q, k, v, out, lse, attn_bias, attn_mask, alibi_slopes, sinks)
     ctx.scalars = (softmax_scale, window_left, window_right, softcap, dropout_p, seed, offset)
 
 
 def _backward(ctx, dout, dlse):
-    q, k, v, out, lse, attn_bias, attn_mask, alibi_slopes = ctx.saved_tensors
+    q, k, v, out, lse, attn_bias, attn_mask, alibi_slopes, sinks = ctx.saved_tensors
+    if q.dtype in _QUANT_DTYPES:
+        raise RuntimeError("flash_attn_func: fp8 and int8 attention is forward only (as "
+                           "FlashAttention-3's); no gradient flows through it")
     bias_grad = attn_bias is not None and ctx.needs_input_grad[3]
     dq, dk, dv, dbias = _flash_attn_bwd_op(
         dout, q, k, v, out, lse, dlse, attn_bias, attn_mask, alibi_slopes, *ctx.scalars, bias_grad)
     dbias = dbias.to(attn_bias.dtype) if bias_grad else None
-    return dq, dk, dv, dbias, None, None, None, None, None, None, None, None, None
+    dsinks = sinks_grad(dout, out, lse, dlse, sinks, varlen=False) if sinks is not None and ctx.needs_input_grad[13] else None
+    return dq, dk, dv, dbias, None, None, None, None, None, None, None, None, None, dsinks, None, None, None, None
+
+
+_QUANT_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.int8)
+
+
+def sinks_grad(dout, out, lse, dlse, sinks, *, varlen: bool) -> torch.Tensor:
+    """The gradient of the sinks (Hq,) fp32: with P_sink = exp(sink - lse) the sink's share of each
+    row and Delta = rowsum(dO * O) - dLSE (the backward kernels' Delta, from the rounded output),
+    d sink_h = -sum over rows of head h of P_sink * Delta (the sink has no value, so only the
+    denominator carries it). lse (B, Hq, Sq), or (Hq, total_q) when ``varlen``. A few fp32 torch
+    reductions, no kernel of its own."""
+    delta = (dout.float() * out.float()).sum(-1)             # (B, Sq, Hq) or (total_q, Hq)
+    delta = delta.transpose(-1, -2)                          # lse's layout
+    if dlse is not None:
+        delta = delta - dlse.float()
+    shape = (-1, 1) if varlen else (1, -1, 1)
+    p_sink = torch.exp(sinks.float().reshape(shape) - lse)
+    p_sink = torch.where(torch.isneginf(lse), 0.0, p_sink)   # a sink of -inf over no key
+    dims = (1,) if varlen else (0, 2)
+    return -(p_sink * delta).sum(dims).to(sinks.dtype)
 
 
 _flash_attn_fwd_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def flash_attn_triton(*, q, k, v, softmax_scale, window_size, softcap, alibi_slopes, attn_bias,
-                      attn_mask, dropout_p, seed, offset):
+                      attn_mask, dropout_p, seed, offset, sinks=None, q_descale=None, k_descale=None,
+                      v_descale=None, out_dtype=None):
+    extra = ()
+    if sinks is not None or q.dtype in _QUANT_DTYPES:  # (the 16-bit call stays as it was)
+        extra = (sinks, q_descale, k_descale, v_descale, _out_dtype(q, out_dtype))
     return _flash_attn_fwd_op(q, k, v, attn_bias, attn_mask, alibi_slopes, softmax_scale,
-                              window_size[0], window_size[1], softcap, dropout_p, seed, offset)
+                              window_size[0], window_size[1], softcap, dropout_p, seed, offset, *extra)
 
 
-def flash_attn_reference(*, q, k, v, alibi_slopes, attn_bias, **kw):
-    """The oracle as a lane: computes in float64, returns out in q's dtype and lse in fp32."""
+def p_dtype_of(v: torch.Tensor) -> torch.dtype | None:
+    """The format the kernels round P to before P.V for fp8/int8 values (V's fp8 format; fp16 for
+    int8): the oracle rounds there too. None for 16-bit and fp32 values (see ATTENTION_FWD)."""
+    if v.dtype == torch.int8:
+        return torch.float16
+    return v.dtype if v.dtype in _QUANT_DTYPES else None
+
+
+def _f64(t):
+    return t.to(torch.float64) if t is not None else None
+
+
+def flash_attn_reference(*, q, k, v, alibi_slopes, attn_bias, sinks=None, q_descale=None, k_descale=None,
+                         v_descale=None, out_dtype=None, **kw):
+    """The oracle as a lane: computes in float64, returns out in q's dtype (fp8/int8 inputs:
+    ``out_dtype``, bf16 by default) and lse in fp32."""
     f64 = torch.float64
     out, lse = ref.flash_attn(
         q.to(f64), k.to(f64), v.to(f64),
         alibi_slopes=alibi_slopes.to(f64) if alibi_slopes is not None else None,
-        attn_bias=attn_bias.to(f64) if attn_bias is not None else None, **kw,
+        attn_bias=attn_bias.to(f64) if attn_bias is not None else None, sinks=_f64(sinks),
+        q_descale=_f64(q_descale), k_descale=_f64(k_descale), v_descale=_f64(v_descale), p_dtype=p_dtype_of(v),
+        **kw,
     )
-    return out.to(q.dtype), lse.to(torch.float32)
+    return out.to(_out_dtype(q, out_dtype)), lse.to(torch.float32)
+
+
+def _out_dtype(q, out_dtype):
+    return out_dtype or (torch.bfloat16 if q.dtype in _QUANT_DTYPES else q.dtype)
 
 
 def flash_attn_backward_triton(*, dout, **kw):
@@ -122,6 +176,9 @@ def _flash_attn_varlen_fwd_op(
     cu_seqlens_k: torch.Tensor, block_table: torch.Tensor | None, alibi_slopes: torch.Tensor | None,
     max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float, window_left: int, window_right: int,
     softcap: float, dropout_p: float, seed: int, offset: int,
+    sinks: torch.Tensor | None = None, q_descale: torch.Tensor | None = None,
+    k_descale: torch.Tensor | None = None, v_descale: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     from lanekit.attention.kernels import flash_attn_fwd
 
@@ -130,15 +187,17 @@ def _flash_attn_varlen_fwd_op(
         softcap=softcap, alibi_slopes=alibi_slopes, attn_bias=None, attn_mask=None,
         dropout_p=dropout_p, seed=seed, offset=offset, cu_seqlens_q=cu_seqlens_q,
         cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
-        block_table=block_table,
+        block_table=block_table, sinks=sinks, q_descale=q_descale, k_descale=k_descale,
+        v_descale=v_descale, out_dtype=out_dtype,
     )
 
 
 @_flash_attn_varlen_fwd_op.register_fake
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes, max_seqlen_q, max_seqlen_k,
-      softmax_scale, window_left, window_right, softcap, dropout_p, seed, offset):
+      softmax_scale, window_left, window_right, softcap, dropout_p, seed, offset, sinks=None,
+      q_descale=None, k_descale=None, v_descale=None, out_dtype=None):
     total_q, Hq, _ = q.shape
-    return (q.new_empty((total_q, Hq, v.shape[-1])),
+    return (q.new_empty((total_q, Hq, v.shape[-1]), dtype=out_dtype or q.dtype),
             q.new_empty((Hq, total_q), dtype=torch.float32))
 
 
@@ -170,10 +229,11 @@ def _(dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, m
 
 def _varlen_setup_context(ctx, inputs, output):
     (q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes, max_seqlen_q, max_seqlen_k,
-     softmax_scale, window_left, window_right, softcap, dropout_p, seed, offset) = inputs
+     softmax_scale, window_left, window_right, softcap, dropout_p, seed, offset, *extra) = inputs
+    sinks = extra[0] if extra else None
     out, lse = output
     ctx.paged = block_table is not None
-    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes)
+    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks)
     ctx.scalars = (max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right, softcap,
                    dropout_p, seed, offset)
 
@@ -182,10 +242,14 @@ def _varlen_backward(ctx, dout, dlse):
     if ctx.paged:
         raise RuntimeError("flash_attn_varlen_func: the backward with a block_table (a paged K/V "
                            "cache) is not supported; pass packed k and v to train")
-    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes = ctx.saved_tensors
+    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks = ctx.saved_tensors
+    if q.dtype in _QUANT_DTYPES:
+        raise RuntimeError("flash_attn_varlen_func: fp8 and int8 attention is forward only (as "
+                           "FlashAttention-3's); no gradient flows through it")
     dq, dk, dv = _flash_attn_varlen_bwd_op(dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k,
                                            alibi_slopes, *ctx.scalars)
-    return (dq, dk, dv) + (None,) * 13
+    dsinks = sinks_grad(dout, out, lse, dlse, sinks, varlen=True) if sinks is not None and ctx.needs_input_grad[16] else None
+    return (dq, dk, dv) + (None,) * 13 + (dsinks, None, None, None, None)
 
 
 _flash_attn_varlen_fwd_op.register_autograd(_varlen_backward, setup_context=_varlen_setup_context)
@@ -193,26 +257,37 @@ _flash_attn_varlen_fwd_op.register_autograd(_varlen_backward, setup_context=_var
 
 def flash_attn_varlen_triton(*, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                              block_table, softmax_scale, window_size, softcap, alibi_slopes,
-                             dropout_p, seed, offset):
+                             dropout_p, seed, offset, sinks=None, q_descale=None, k_descale=None,
+                             v_descale=None, out_dtype=None):
+    extra = ()
+    if sinks is not None or q.dtype in _QUANT_DTYPES:
+        extra = (sinks, q_descale, k_descale, v_descale, _out_dtype(q, out_dtype))
     return _flash_attn_varlen_fwd_op(
         q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes, max_seqlen_q, max_seqlen_k,
-        softmax_scale, window_size[0], window_size[1], softcap, dropout_p, seed, offset)
+        softmax_scale, window_size[0], window_size[1], softcap, dropout_p, seed, offset, *extra)
 
 
-def flash_attn_varlen_reference(*, q, k, v, alibi_slopes, **kw):
-    """The varlen oracle as a lane: float64 inside, out in q's dtype and lse in fp32."""
+def flash_attn_varlen_reference(*, q, k, v, alibi_slopes, sinks=None, q_descale=None, k_descale=None,
+                                v_descale=None, out_dtype=None, **kw):
+    """The varlen oracle as a lane: float64 inside, out in q's dtype (fp8/int8: out_dtype, bf16 by
+    default) and lse in fp32."""
     f64 = torch.float64
     out, lse = ref.flash_attn_varlen(
         q.to(f64), k.to(f64), v.to(f64),
-        alibi_slopes=alibi_slopes.to(f64) if alibi_slopes is not None else None, **kw)
-    return out.to(q.dtype), lse.to(torch.float32)
+        alibi_slopes=alibi_slopes.to(f64) if alibi_slopes is not None else None, sinks=_f64(sinks),
+        q_descale=_f64(q_descale), k_descale=_f64(k_descale), v_descale=_f64(v_descale), p_dtype=p_dtype_of(v),
+        **kw)
+    return out.to(_out_dtype(q, out_dtype)), lse.to(torch.float32)
 
 
-def _varlen_gradients(forward, dout, *, q, k, v, **kw):
+def _varlen_gradients(forward, dout, *, q, k, v, sinks=None, **kw):
+    """(dq, dk, dv, dsinks) by autograd; dsinks empty without sinks."""
     leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    sink = [sinks.detach().requires_grad_()] if sinks is not None else []
     with torch.enable_grad():
-        out, _ = forward(q=leaves[0], k=leaves[1], v=leaves[2], **kw)
-        return torch.autograd.grad(out, leaves, dout)
+        out, _ = forward(q=leaves[0], k=leaves[1], v=leaves[2], **({"sinks": sink[0]} if sink else {}), **kw)
+        grads = torch.autograd.grad(out, leaves + sink, dout)
+    return (*grads[:3], grads[3] if sink else q.new_zeros(0))
 
 
 def flash_attn_varlen_backward_triton(*, dout, **kw):
@@ -302,7 +377,8 @@ def flash_attn_with_kvcache_inplace(*, q, k_cache, v_cache, cache_seqlens, k, v,
                                     rotary_sin, rotary_interleaved, cache_batch_idx, cache_leftpad,
                                     block_table, k_cache_scale, v_cache_scale, softmax_scale,
                                     window_size, softcap, alibi_slopes, num_splits, kv_dtype=None,
-                                    rotary_dtype=None, max_seqlen_k=None):
+                                    rotary_dtype=None, max_seqlen_k=None, sinks=None, q_descale=None,
+                                    k_descale=None, v_descale=None, out_dtype=None):
     """The Triton lane: appends k, v into the caches in place (a KV-cache write kernel), rotates
     q and k (the RoPE kernel), then runs the cache attention kernel. ``max_seqlen_k``: the most
     keys a sequence holds after the append, which picks the tile (None: unknown, the long-cache
@@ -338,7 +414,8 @@ def flash_attn_with_kvcache_inplace(*, q, k_cache, v_cache, cache_seqlens, k, v,
             leftpad=cache_leftpad, k_cache_scale=k_cache_scale, v_cache_scale=v_cache_scale,
             softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
             alibi_slopes=alibi_slopes, num_splits=num_splits,
-            max_seqlen_k=max_seqlen_k)
+            max_seqlen_k=max_seqlen_k, sinks=sinks, q_descale=q_descale, k_descale=k_descale,
+            v_descale=v_descale, out_dtype=_out_dtype(q, out_dtype))
 
 
 def flash_attn_with_kvcache_reference_inplace(*, q, k_cache, v_cache, k_cache_scale, v_cache_scale,
@@ -372,7 +449,9 @@ def _write_back_reference(q, k_cache, v_cache, k_cache_scale, v_cache_scale, kw)
 def _dequantized(cache, scale):
     from lanekit.reference.kv_cache import dequantize_kv
 
-    return dequantize_kv(cache, scale) if scale is not None else cache
+    if scale is None:   # an int8 cache of values (fp8/int8 attention): compared as floats
+        return cache if cache.is_floating_point() else cache.float()
+    return dequantize_kv(cache, scale)
 
 
 def flash_attn_with_kvcache_triton(*, k_cache, v_cache, k_cache_scale=None, v_cache_scale=None, **kw):
@@ -386,13 +465,16 @@ def flash_attn_with_kvcache_triton(*, k_cache, v_cache, k_cache_scale=None, v_ca
 
 
 def flash_attn_with_kvcache_reference(*, q, k_cache, v_cache, k_cache_scale=None, v_cache_scale=None,
-                                      kv_dtype=None, rotary_dtype=None, **kw):
-    """For the registry: the oracle in float64 (codes stay codes), outputs as the Triton lane's."""
+                                      kv_dtype=None, rotary_dtype=None, out_dtype=None, **kw):
+    """For the registry: the oracle in float64 (codes stay codes), outputs as the Triton lane's
+    (an fp8/int8 q: out in ``out_dtype``, bf16 by default; P rounded where the kernel rounds it)."""
     f64 = torch.float64
     quantized = k_cache_scale is not None
     cast = {n: (t.to(f64) if isinstance(t, torch.Tensor) and t.is_floating_point() else t) for n, t in kw.items()}
+    if q.dtype in _QUANT_DTYPES:
+        cast["p_dtype"] = p_dtype_of(v_cache)
     out, lse, kc, vc = ref.flash_attn_with_kvcache(
         q.to(f64), k_cache if quantized else k_cache.to(f64), v_cache if quantized else v_cache.to(f64),
         k_cache_scale=k_cache_scale, v_cache_scale=v_cache_scale, kv_dtype=kv_dtype or k_cache.dtype,
         rotary_dtype=rotary_dtype or q.dtype, **cast)
-    return out.to(q.dtype), lse.to(torch.float32), kc, vc
+    return out.to(_out_dtype(q, out_dtype)), lse.to(torch.float32), kc, vc

@@ -63,14 +63,68 @@ ATTENTION_DBIAS = Tolerance(
 )
 
 
+ATTENTION_FP8 = Tolerance(
+    name="attention_fp8",
+    ulps=2.0,
+    unit=torch.float8_e4m3fn,
+    reason=(
+        "fp8 attention: within one step of the fp8 format's rounding of P (lanekit.testing's note: "
+        "the oracle rounds P where the kernel does, at the row's final max; the kernel rounds at "
+        "its running max). Counted in e4m3 steps at max|out|; e5m2's step is two of them, so two "
+        "steps (tests/test_attention_fp8.py holds each format to one step of its own). int8 "
+        "samples (P in fp16) are within it by far."
+    ),
+)
+
+ATTENTION_DSINKS = Tolerance(
+    name="attention_dsinks",
+    ulps=4.0,
+    unit=torch.bfloat16,
+    reason=(
+        "d sink = -sum over B * Sq rows of exp(sink - lse) * (rowsum(dO * O) - dLSE): fp32, but "
+        "from the output rounded to the inputs' 16-bit format (as FlashAttention's Delta), so "
+        "each term carries that rounding and the sum may cancel. Counted in steps of bf16 (the "
+        "coarser 16-bit input) at max|d sink|. On the registered samples PyTorch in the same "
+        "precision errs by up to 3.4 steps (bf16), lanekit by 1.6: FlashAttention's rule (at "
+        "most twice PyTorch's error) would allow 6.8; four steps."
+    ),
+)
+
+
+def _quantized(x: torch.Tensor, dtype, B: int, Hkv: int, g) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 draws ``x`` as fp8/int8 codes (about 4 standard deviations to the format's top) and a
+    (B, Hkv) fp32 descale drawn in [0.5, 1.5) over that factor: the values are codes * descale."""
+    top = 127.0 if dtype == torch.int8 else min(torch.finfo(dtype).max, 448.0)
+    c = top / 4.0
+    codes = x * c
+    codes = codes.round().clamp(-127, 127).to(dtype) if dtype == torch.int8 else codes.to(dtype)
+    descale = (torch.rand(B, Hkv, generator=g) + 0.5) / c
+    return codes, descale.to(x.device)
+
+
+def _quant_kwargs(q, k, v, quant, B, Hkv, g, out_dtype=None) -> dict:
+    """q, k, v as ``quant`` codes with their descales (and out_dtype), for a sample's kwargs."""
+    q, qd = _quantized(q, quant, B, Hkv, g)
+    k, kd = _quantized(k, quant, B, Hkv, g)
+    v, vd = _quantized(v, quant, B, Hkv, g)
+    return dict(q=q, k=k, v=v, q_descale=qd, k_descale=kd, v_descale=vd, out_dtype=out_dtype)
+
+
+def _sink_logits(Hq: int, g, device) -> torch.Tensor:
+    """(Hq,) fp32 sinks, about the size of gpt-oss's learned ones (a few units, either sign)."""
+    return (torch.randn(Hq, generator=g) * 2.0).to(device)
+
+
 def attention_case(name, device, *, B=1, Sq=17, Sk=17, Hq=2, Hkv=None, D=64, Dv=None,
                    dtype=torch.float16, causal=False, window_size=(-1, -1), softcap=0.0,
                    alibi=None, bias_shape=None, mask_shape=None, dropout_p=0.0, seed=0,
-                   kv_transposed=False) -> Sample:
+                   kv_transposed=False, sinks=False, quant=None, out_dtype=None) -> Sample:
     """A ``flash_attn_func`` sample in the lanes' normalized form, from readable parameters.
 
     ``alibi``: None, "head" (Hq,) or "batch" (B, Hq). ``bias_shape``/``mask_shape``: a shape
     broadcastable to (B, Hq, Sq, Sk). ``kv_transposed``: k and v are non-contiguous views.
+    ``sinks``: a (Hq,) fp32 sink per head. ``quant``: fp8/int8 q, k, v with (B, Hkv) descales
+    (drawn in fp32, then quantized; ``dtype`` then only types the bias).
     """
     g = generator(name)
     Hkv = Hkv or Hq
@@ -92,10 +146,16 @@ def attention_case(name, device, *, B=1, Sq=17, Sk=17, Hq=2, Hkv=None, D=64, Dv=
     if mask_shape is not None:
         mask = (torch.rand(*mask_shape, generator=g) > 0.3).to(device).expand(B, Hq, Sq, Sk)
     left, right = window_size
+    extra = {}
+    if sinks:
+        extra["sinks"] = _sink_logits(Hq, g, device)
+    if quant is not None:
+        extra.update(_quant_kwargs(q.float(), k.float(), v.float(), quant, B, Hkv, g, out_dtype))
+        q, k, v = extra.pop("q"), extra.pop("k"), extra.pop("v")
     return Sample(name, dict(
         q=q, k=k, v=v, softmax_scale=D ** -0.5, window_size=(left, 0 if causal else right),
         softcap=softcap, alibi_slopes=slopes, attn_bias=bias, attn_mask=mask,
-        dropout_p=dropout_p, seed=seed, offset=0,
+        dropout_p=dropout_p, seed=seed, offset=0, **extra,
     ))
 
 
@@ -116,6 +176,31 @@ def _attention_samples(device):
     yield attention_case("dropout0.2 d32", device, Sq=33, Sk=47, D=32, dropout_p=0.2, seed=1234)
     yield attention_case("k,v transposed views d64", device, Sq=21, Sk=50, Hq=4, Hkv=2, D=64, kv_transposed=True)
     yield attention_case("Sk0", device, Sq=5, Sk=0, D=16)
+    yield attention_case("sinks gqa 4:2 causal d64 bf16", device, B=2, Sq=33, Sk=40, Hq=4, Hkv=2, D=64,
+                         dtype=bf16, causal=True, sinks=True)
+    yield attention_case("sinks window(8,0) softcap alibi d80", device, Sq=29, Sk=50, D=80, window_size=(8, 0),
+                         softcap=20.0, alibi="head", sinks=True)
+    yield attention_case("sinks Sk0 (every row: the sink alone)", device, Sq=5, Sk=0, D=16, sinks=True)
+
+
+def _attention_fp8_samples(device):
+    e4m3, e5m2, i8 = torch.float8_e4m3fn, torch.float8_e5m2, torch.int8
+    bf16, f16 = torch.bfloat16, torch.float16
+    yield attention_case("e4m3 gqa 6:2 causal Sq17 Sk129 d64", device, Sq=17, Sk=129, Hq=6, Hkv=2, D=64,
+                         causal=True, quant=e4m3)
+    yield attention_case("e5m2 d128 softcap30 alibi(B,H) B2", device, B=2, Sq=33, Sk=65, D=128, softcap=30.0,
+                         alibi="batch", quant=e5m2)
+    yield attention_case("e4m3 bias+mask window(8,3) d80 out fp16", device, B=2, Sq=19, Sk=41, D=80,
+                         dtype=bf16, window_size=(8, 3), bias_shape=(1, 2, 19, 41), mask_shape=(2, 1, 1, 41),
+                         quant=e4m3, out_dtype=f16)
+    yield attention_case("int8 gqa 4:2 causal d96 sinks", device, Sq=40, Sk=40, Hq=4, Hkv=2, D=96, causal=True,
+                         quant=i8, sinks=True)
+    yield attention_case("int8 bias d64 Dv48 out fp32", device, Sq=9, Sk=70, D=64, Dv=48, dtype=f16,
+                         bias_shape=(1, 1, 9, 70), quant=i8, out_dtype=torch.float32)
+    yield attention_case("e5m2 mqa 4:1 Sq1 Sk37 d59 sinks", device, Sq=1, Sk=37, Hq=4, Hkv=1, D=59, quant=e5m2,
+                         sinks=True)
+    yield attention_case("e4m3 d16 (k of 16 in q k^T)", device, Sq=20, Sk=24, D=16, quant=e4m3)
+    yield attention_case("int8 d8 Dv16", device, Sq=9, Sk=30, D=8, Dv=16, quant=i8)
 
 
 def _attention_bwd_samples(device):
@@ -148,14 +233,25 @@ register(Op(
            "reference": "lanekit.attention.op:flash_attn_backward_reference"},
     samples=_attention_bwd_samples,
     outputs=(("dq", ATTENTION_BWD), ("dk", ATTENTION_BWD), ("dv", ATTENTION_BWD),
-             ("dbias", ATTENTION_DBIAS)),
-    doc="Gradients of flash_attn_func by autograd: dq, dk, dv, and the bias's gradient when it has one",
+             ("dbias", ATTENTION_DBIAS), ("dsinks", ATTENTION_DSINKS)),
+    doc="Gradients of flash_attn_func by autograd: dq, dk, dv, and the bias's and sinks' gradients when given",
+))
+
+register(Op(
+    name="flash_attn_func.fp8",
+    family="attention",
+    oracle="lanekit.reference.attention:flash_attn_quantized",
+    lanes={"triton": "lanekit.attention.op:flash_attn_triton",
+           "reference": "lanekit.attention.op:flash_attn_reference"},
+    samples=_attention_fp8_samples,
+    outputs=(("out", ATTENTION_FP8), ("lse", LSE)),
+    doc="fp8 (e4m3, e5m2) and int8 flash_attn_func with FlashAttention-3's descales; P.V in V's fp8 format",
 ))
 
 
 def varlen_case(name, device, *, seqlens_q, seqlens_k, Hq=2, Hkv=None, D=64, dtype=torch.float16,
                 causal=False, window_size=(-1, -1), softcap=0.0, alibi=False, dropout_p=0.0, seed=0,
-                page_size=None, num_blocks=None) -> Sample:
+                page_size=None, num_blocks=None, sinks=False, quant=None) -> Sample:
     """A ``flash_attn_varlen_func`` sample in the lanes' normalized form: packed q, k, v for the
     given per-sequence lengths; with ``page_size``, k and v in a paged cache whose pages are
     handed out in a shuffled order (and a spare page nobody owns)."""
@@ -183,11 +279,17 @@ def varlen_case(name, device, *, seqlens_q, seqlens_k, Hq=2, Hkv=None, D=64, dty
         block_table = torch.tensor(rows, dtype=torch.int32).to(device)
     slopes = (torch.rand(B, Hq, generator=g) * 0.5).to(device) if alibi else None
     left, right = window_size
+    extra = {}
+    if sinks:
+        extra["sinks"] = _sink_logits(Hq, g, device)
+    if quant is not None:   # (sinks, then) codes and descales, row b for sequence b
+        extra.update(_quant_kwargs(q.float(), k.float(), v.float(), quant, B, Hkv, g))
+        q, k, v = extra.pop("q"), extra.pop("k"), extra.pop("v")
     return Sample(name, dict(
         q=q, k=k, v=v, cu_seqlens_q=cu_q.to(device), cu_seqlens_k=cu_k.to(device),
         max_seqlen_q=max(seqlens_q), max_seqlen_k=max(seqlens_k), block_table=block_table,
         softmax_scale=D ** -0.5, window_size=(left, 0 if causal else right), softcap=softcap,
-        alibi_slopes=slopes, dropout_p=dropout_p, seed=seed, offset=0,
+        alibi_slopes=slopes, dropout_p=dropout_p, seed=seed, offset=0, **extra,
     ))
 
 
@@ -207,6 +309,22 @@ def _varlen_samples(device, *, paged=True):
                           Hq=4, Hkv=2, D=64, dtype=bf16, causal=True, page_size=3)
         yield varlen_case("paged page16 d128 window(8,0)", device, seqlens_q=[5, 16], seqlens_k=[37, 16],
                           D=128, window_size=(8, 0), page_size=16)
+        yield varlen_case("sinks paged page5 causal d64", device, seqlens_q=[3, 9], seqlens_k=[12, 9], Hq=4,
+                          Hkv=2, D=64, dtype=bf16, causal=True, page_size=5, sinks=True)
+    yield varlen_case("sinks gqa 4:2 Sq[17,0,9] Sk[30,4,0] causal d64", device, seqlens_q=[17, 0, 9],
+                      seqlens_k=[30, 4, 0], Hq=4, Hkv=2, D=64, dtype=bf16, causal=True, sinks=True)
+
+
+def _varlen_fp8_samples(device):
+    e4m3, e5m2, i8 = torch.float8_e4m3fn, torch.float8_e5m2, torch.int8
+    yield varlen_case("e4m3 gqa 4:2 causal Sq[17,1,40] Sk[30,9,40] d64", device, seqlens_q=[17, 1, 40],
+                      seqlens_k=[30, 9, 40], Hq=4, Hkv=2, D=64, causal=True, quant=e4m3)
+    yield varlen_case("e5m2 window(5,2) softcap alibi sinks d96", device, seqlens_q=[17, 40], seqlens_k=[50, 40],
+                      D=96, window_size=(5, 2), softcap=20.0, alibi=True, sinks=True, quant=e5m2)
+    yield varlen_case("int8 paged page3 causal Sk[10,7,4] d64", device, seqlens_q=[1, 7, 0], seqlens_k=[10, 7, 4],
+                      Hq=4, Hkv=2, D=64, causal=True, page_size=3, quant=i8)
+    yield varlen_case("e4m3 paged page16 d128 window(8,0)", device, seqlens_q=[5, 16], seqlens_k=[37, 16],
+                      D=128, window_size=(8, 0), page_size=16, quant=e4m3)
 
 
 def _varlen_bwd_samples(device):
@@ -231,8 +349,19 @@ register(Op(
     lanes={"triton": "lanekit.attention.op:flash_attn_varlen_backward_triton",
            "reference": "lanekit.attention.op:flash_attn_varlen_backward_reference"},
     samples=_varlen_bwd_samples,
-    outputs=(("dq", ATTENTION_BWD), ("dk", ATTENTION_BWD), ("dv", ATTENTION_BWD)),
-    doc="Gradients of flash_attn_varlen_func (packed K/V) by autograd: dq, dk, dv",
+    outputs=(("dq", ATTENTION_BWD), ("dk", ATTENTION_BWD), ("dv", ATTENTION_BWD), ("dsinks", ATTENTION_DSINKS)),
+    doc="Gradients of flash_attn_varlen_func (packed K/V) by autograd: dq, dk, dv, and the sinks' when given",
+))
+
+register(Op(
+    name="flash_attn_varlen_func.fp8",
+    family="attention",
+    oracle="lanekit.reference.attention:flash_attn_varlen_quantized",
+    lanes={"triton": "lanekit.attention.op:flash_attn_varlen_triton",
+           "reference": "lanekit.attention.op:flash_attn_varlen_reference"},
+    samples=_varlen_fp8_samples,
+    outputs=(("out", ATTENTION_FP8), ("lse", LSE)),
+    doc="fp8 (e4m3, e5m2) and int8 flash_attn_varlen_func with descales, packed or paged K/V",
 ))
 
 
@@ -323,10 +452,11 @@ register(Op(
 def kvcache_case(name, device, *, B=2, Sq=1, Hq=4, Hkv=2, D=64, Dv=None, dtype=torch.bfloat16,
                  seqlens=(5, 29), S_new=1, capacity=40, page_size=None, rotary_dim=0, interleaved=True,
                  leftpad=None, batch_idx=None, causal=True, window_size=(-1, -1), softcap=0.0,
-                 alibi=False, quant=None, num_splits=1, max_seqlen_k=None) -> Sample:
+                 alibi=False, quant=None, num_splits=1, max_seqlen_k=None, sinks=False, descaled=None) -> Sample:
     """A ``flash_attn_with_kvcache`` sample in the lanes' normalized form: a contiguous cache of
     ``capacity`` tokens per row, or a paged one whose pages are shuffled (with spare pages nobody
-    owns), filled with random values (or their int8 / e4m3 codes and scales)."""
+    owns), filled with random values (or their int8 / e4m3 codes and scales). ``descaled``: an
+    fp8/int8 q over caches of that dtype with (B, Hkv) descales (no append, no rotary)."""
     from lanekit.reference.kv_cache import quantize_kv
 
     g = generator(name)
@@ -359,6 +489,12 @@ def kvcache_case(name, device, *, B=2, Sq=1, Hq=4, Hkv=2, D=64, Dv=None, dtype=t
         angles = torch.rand(capacity + Sq, rotary_dim // 2, generator=g, dtype=torch.float64) * 6.0
         cos, sin = angles.cos().float().to(device), angles.sin().float().to(device)
     left, right = window_size
+    extra = {}
+    if sinks:
+        extra["sinks"] = _sink_logits(Hq, g, device)
+    if descaled is not None:
+        extra.update(_quant_kwargs(q.float(), k_cache.float(), v_cache.float(), descaled, B, Hkv, g))
+        q, k_cache, v_cache = extra.pop("q"), extra.pop("k"), extra.pop("v")
     return Sample(name, dict(
         q=q, k_cache=k_cache, v_cache=v_cache,
         cache_seqlens=torch.tensor(seqlens, dtype=torch.int32, device=device), k=k, v=v,
@@ -368,7 +504,7 @@ def kvcache_case(name, device, *, B=2, Sq=1, Hq=4, Hkv=2, D=64, Dv=None, dtype=t
         block_table=block_table, k_cache_scale=k_scale, v_cache_scale=v_scale, kv_dtype=k_cache.dtype,
         rotary_dtype=dtype, softmax_scale=D ** -0.5, window_size=(left, 0 if causal else right),
         softcap=softcap, alibi_slopes=(torch.rand(B, Hq, generator=g) * 0.5).to(device) if alibi else None,
-        num_splits=num_splits, max_seqlen_k=max_seqlen_k,
+        num_splits=num_splits, max_seqlen_k=max_seqlen_k, **extra,
     ))
 
 
@@ -405,6 +541,27 @@ def _kvcache_samples(device):
                        page_size=16, capacity=320, seqlens=(250, 57), window_size=(90, 0), num_splits=3)
     yield kvcache_case("d128 int8 pages of 8, splits 2 (short-cache rows)", device, Hq=8, D=128, page_size=8,
                        capacity=200, seqlens=(150, 9), quant=torch.int8, num_splits=2, max_seqlen_k=151)
+    yield kvcache_case("sinks paged page 7, splits 3, gqa 4:2", device, page_size=7, seqlens=(13, 30), num_splits=3,
+                       sinks=True)
+    yield kvcache_case("sinks unsplit, seqlens (0, 20): a row of the sink alone", device, S_new=0, seqlens=(0, 20),
+                       sinks=True)
+
+
+def _kvcache_fp8_samples(device):
+    e4m3, e5m2, i8 = torch.float8_e4m3fn, torch.float8_e5m2, torch.int8
+    # value heads of 40, 48 and 80 on paged fp8/int8 caches: the loads along Dv stop at Dv
+    yield kvcache_case("e4m3 paged page 5 Dv40 splits 2", device, D=64, Dv=40, page_size=5, S_new=0,
+                       seqlens=(13, 33), num_splits=2, descaled=e4m3)
+    yield kvcache_case("int8 paged page 16 Dv48 splits 3 sinks", device, D=64, Dv=48, page_size=16, S_new=0,
+                       seqlens=(40, 7), num_splits=3, sinks=True, descaled=i8)
+    yield kvcache_case("e5m2 paged page 3 Dv80 gqa 6:1 window(9,0)", device, Hq=6, Hkv=1, D=80, Dv=80,
+                       page_size=3, S_new=0, seqlens=(20, 11), window_size=(9, 0), descaled=e5m2)
+    yield kvcache_case("int8 paged page 7 Dv80 softcap alibi splits 2", device, D=96, Dv=80, page_size=7, S_new=0,
+                       seqlens=(25, 2), softcap=15.0, alibi=True, num_splits=2, descaled=i8)
+    yield kvcache_case("e4m3 contiguous Sq 3 d128 sinks", device, Sq=3, Hq=8, D=128, S_new=0, seqlens=(30, 12),
+                       sinks=True, descaled=e4m3)
+    yield kvcache_case("int8 d16 Dv8 paged page 4", device, D=16, Dv=8, page_size=4, S_new=0, seqlens=(9, 14),
+                       descaled=i8)
 
 
 register(Op(
@@ -416,6 +573,17 @@ register(Op(
     samples=_kvcache_samples,
     outputs=(("out", ATTENTION_FWD), ("lse", LSE), ("k_cache", ELTWISE), ("v_cache", ELTWISE)),
     doc="Decode over a contiguous or paged (quantized) KV cache: append, RoPE, split-KV (FlashAttention's with_kvcache)",
+))
+
+register(Op(
+    name="flash_attn_with_kvcache.fp8",
+    family="attention",
+    oracle="lanekit.reference.attention:flash_attn_with_kvcache_quantized",
+    lanes={"triton": "lanekit.attention.op:flash_attn_with_kvcache_triton",
+           "reference": "lanekit.attention.op:flash_attn_with_kvcache_reference"},
+    samples=_kvcache_fp8_samples,
+    outputs=(("out", ATTENTION_FP8), ("lse", LSE), ("k_cache", ELTWISE), ("v_cache", ELTWISE)),
+    doc="fp8 (e4m3, e5m2) and int8 q over caches of its dtype with descales: paged, split-K (with_kvcache)",
 ))
 
 # MLA decode (flash_mla_with_kvcache) registers from a module of its own

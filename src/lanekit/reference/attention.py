@@ -94,12 +94,29 @@ def flash_attn(
     seed: int = 0,
     offset: int = 0,
     dropout_draws: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
+    q_descale: torch.Tensor | None = None,
+    k_descale: torch.Tensor | None = None,
+    v_descale: torch.Tensor | None = None,
+    p_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention forward. q (B, Sq, Hq, D), k (B, Sk, Hkv, D), v (B, Sk, Hkv, Dv).
 
     ``window_size`` already holds the causal mask (causal is (left, 0)). Returns out (B, Sq, Hq, Dv)
     and lse (B, Hq, Sq), both in the compute dtype (that of q). ``dropout_draws`` (B, Hq, Sq, Sk)
     replaces the draws of :func:`dropout_uniforms` (a packed batch numbers its draws otherwise).
+
+    ``sinks`` (Hq,): a logit per head that joins every row's softmax denominator with no value
+    (gpt-oss): out = sum_j e^{s_j} v_j / (e^{sink} + sum_j e^{s_j}), and the LSE includes it; a
+    row that sees no key gives 0 and LSE = sink.
+
+    fp8/int8 attention (FlashAttention-3's descales): q, k, v hold the codes (as floats), and
+    ``q_descale``, ``k_descale``, ``v_descale`` (B, Hkv) multiply them back: the scores are
+    (q k^T) * q_descale * k_descale * softmax_scale (softcap, ALiBi and bias after that, never
+    multiplied by the descales), and v_descale multiplies the output. ``p_dtype``: the format the
+    kernel rounds the unnormalized probabilities e^{s - m} (m: the row's largest visible score, sinks
+    aside) to before its P.V product (V's fp8 format; fp16 for int8 V); the denominator is not
+    rounded, as in the kernel.
     """
     B, Sq, Hq, _ = q.shape
     Sk, Hkv = k.shape[1], k.shape[2]
@@ -109,7 +126,10 @@ def flash_attn(
     kh = k.transpose(1, 2).repeat_interleave(group, dim=1)          # (B, Hq, Sk, D)
     vh = v.transpose(1, 2).repeat_interleave(group, dim=1).to(dtype)  # (B, Hq, Sk, Dv)
 
-    s = (qh @ kh.transpose(-1, -2)) * softmax_scale                 # (B, Hq, Sq, Sk)
+    s = qh @ kh.transpose(-1, -2)                                   # (B, Hq, Sq, Sk)
+    if q_descale is not None or k_descale is not None:
+        s = s * _head_descale(q_descale, B, Hq, dtype, q.device) * _head_descale(k_descale, B, Hq, dtype, q.device)
+    s = s * softmax_scale
     if softcap > 0:
         s = softcap * torch.tanh(s / softcap)
     if alibi_slopes is not None:
@@ -128,14 +148,29 @@ def flash_attn(
     m = torch.where(torch.isneginf(m), 0, m)                        # a row that sees no key
     e = torch.exp(s - m)
     total = e.sum(dim=-1, keepdim=True)
+    if sinks is not None:   # the sink's term joins the denominator: e^{sink - m}
+        total = total + torch.exp(sinks.to(dtype)[None, :, None, None] - m)
+    if p_dtype is not None:  # the kernel's P.V takes e^{s - m} rounded to p_dtype; the sum is not
+        e = e.to(p_dtype).to(dtype)
     p = e / torch.where(total == 0, 1, total)                       # empty rows: all zeros
     lse = (m + torch.log(total)).squeeze(-1)                        # (B, Hq, Sq); -inf if empty
     if dropout_p > 0:
         u = dropout_draws if dropout_draws is not None else dropout_uniforms(seed, offset, B, Hq, Sq, Sk)
         u = u.to(q.device)
         p = torch.where(u >= dropout_p, p / (1 - dropout_p), 0)
-    out = (p @ vh).transpose(1, 2)                                  # (B, Sq, Hq, Dv)
-    return out, lse
+    out = p @ vh                                                    # (B, Hq, Sq, Dv)
+    if v_descale is not None:
+        out = out * _head_descale(v_descale, B, Hq, dtype, q.device)
+    return out.transpose(1, 2), lse
+
+
+def _head_descale(descale: torch.Tensor | None, B: int, Hq: int, dtype, device) -> torch.Tensor:
+    """A (B, Hkv) descale as a (B, Hq, 1, 1) factor (query head h takes KV head h // group's);
+    1 when None."""
+    if descale is None:
+        return torch.ones((), dtype=dtype, device=device)
+    group = Hq // descale.shape[1]
+    return descale.to(dtype).repeat_interleave(group, dim=1).reshape(B, Hq, 1, 1)
 
 
 def paged_to_dense(k_cache: torch.Tensor, block_table_row: torch.Tensor, n: int) -> torch.Tensor:
@@ -162,8 +197,14 @@ def flash_attn_varlen(
     dropout_p: float = 0.0,
     seed: int = 0,
     offset: int = 0,
+    sinks: torch.Tensor | None = None,
+    q_descale: torch.Tensor | None = None,
+    k_descale: torch.Tensor | None = None,
+    v_descale: torch.Tensor | None = None,
+    p_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention over a packed batch: :func:`flash_attn` on each sequence by itself.
+    """Attention over a packed batch: :func:`flash_attn` on each sequence by itself (``sinks``,
+    the (B, Hkv) descales and ``p_dtype`` as there, descale row b for sequence b).
 
     q (total_q, Hq, D); k, v (total_k, Hkv, D), or paged (num_blocks, page_size, Hkv, D) with
     ``block_table`` (B, max_pages); sequence b holds query rows cu_seqlens_q[b] .. cu_seqlens_q[b + 1]
@@ -193,26 +234,38 @@ def flash_attn_varlen(
         o, l = flash_attn(q[q0:q1][None], kb[None], vb[None], softmax_scale=softmax_scale,
                           window_size=window_size, softcap=softcap,
                           alibi_slopes=alibi_slopes[b:b + 1] if alibi_slopes is not None else None,
-                          dropout_p=dropout_p, seed=seed, offset=offset, dropout_draws=draws)
+                          dropout_p=dropout_p, seed=seed, offset=offset, dropout_draws=draws, sinks=sinks,
+                          p_dtype=p_dtype, **_row_descales(b, q_descale, k_descale, v_descale))
         out[q0:q1] = o[0]
         lse[:, q0:q1] = l[0]
     return out, lse
 
 
+def _row_descales(b: int, q_descale, k_descale, v_descale) -> dict:
+    """Row b of each (B, Hkv) descale, as (1, Hkv), for :func:`flash_attn` on sequence b alone."""
+    return {name: (d[b:b + 1] if d is not None else None)
+            for name, d in (("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale))}
+
+
 def gradients(forward, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
-              attn_bias: torch.Tensor | None = None, **kwargs):
-    """(dq, dk, dv, dbias) of ``forward(q=, k=, v=, attn_bias=, **kwargs) -> (out, lse)`` by
-    autograd, for the gradient ``dout`` (B, Sq, Hq, Dv) of out. dbias is the gradient of
+              attn_bias: torch.Tensor | None = None, sinks: torch.Tensor | None = None, **kwargs):
+    """(dq, dk, dv, dbias, dsinks) of ``forward(q=, k=, v=, attn_bias=, sinks=, **kwargs) -> (out,
+    lse)`` by autograd, for the gradient ``dout`` (B, Sq, Hq, Dv) of out. dbias is the gradient of
     ``attn_bias`` in its shape (per element of the (B, Hq, Sq, Sk) view the lanes receive), or an
-    empty tensor without a bias.
+    empty tensor without a bias; dsinks that of ``sinks`` (Hq,), or empty without sinks.
     """
     leaves = [t.detach().requires_grad_() for t in (q, k, v)]
     bias = attn_bias.detach().requires_grad_() if attn_bias is not None else None
+    sink = sinks.detach().requires_grad_() if sinks is not None else None
+    extra = {"sinks": sink} if sinks is not None else {}
     with torch.enable_grad():
-        out, _ = forward(q=leaves[0], k=leaves[1], v=leaves[2], attn_bias=bias, **kwargs)
-        grads = torch.autograd.grad(out, leaves + ([bias] if bias is not None else []), dout)
-    dbias = grads[3] if bias is not None else q.new_zeros(0)
-    return grads[0], grads[1], grads[2], dbias
+        out, _ = forward(q=leaves[0], k=leaves[1], v=leaves[2], attn_bias=bias, **extra, **kwargs)
+        wrt = leaves + [t for t in (bias, sink) if t is not None]
+        grads = list(torch.autograd.grad(out, wrt, dout))
+    dq, dk, dv = grads[:3]
+    dbias = grads.pop(3) if bias is not None else q.new_zeros(0)
+    dsinks = grads[3] if sink is not None else q.new_zeros(0)
+    return dq, dk, dv, dbias, dsinks
 
 
 def flash_attn_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs):
@@ -221,11 +274,15 @@ def flash_attn_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
 
 
 def flash_attn_varlen_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs):
-    """(dq, dk, dv) of :func:`flash_attn_varlen` by autograd, for the gradient ``dout`` of out."""
+    """(dq, dk, dv, dsinks) of :func:`flash_attn_varlen` by autograd, for the gradient ``dout`` of
+    out; dsinks empty without ``sinks``."""
     leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    sinks = kwargs.pop("sinks", None)
+    sink = [sinks.detach().requires_grad_()] if sinks is not None else []
     with torch.enable_grad():
-        out, _ = flash_attn_varlen(*leaves, **kwargs)
-        return torch.autograd.grad(out, leaves, dout)
+        out, _ = flash_attn_varlen(*leaves, sinks=sink[0] if sink else None, **kwargs)
+        grads = torch.autograd.grad(out, leaves + sink, dout)
+    return (*grads[:3], grads[3] if sink else q.new_zeros(0))
 
 
 def flash_attn_varlen_qkvpacked(qkv: torch.Tensor, *, cu_seqlens: torch.Tensor, max_seqlen: int, **kwargs):
@@ -284,6 +341,11 @@ def flash_attn_with_kvcache(
     alibi_slopes: torch.Tensor | None = None,
     num_splits: int = 1,
     max_seqlen_k: int | None = None,
+    sinks: torch.Tensor | None = None,
+    q_descale: torch.Tensor | None = None,
+    k_descale: torch.Tensor | None = None,
+    v_descale: torch.Tensor | None = None,
+    p_dtype: torch.dtype | None = None,
 ):
     """Decode attention over a KV cache, FlashAttention's ``flash_attn_with_kvcache``, on copies.
 
@@ -297,7 +359,8 @@ def flash_attn_with_kvcache(
     Then each sequence is :func:`flash_attn` of its q over its positions [leftpad, seqlens + S_new)
     (dequantized). The rotated q and k are rounded to ``rotary_dtype`` (the inputs' dtype: the
     kernels store them so) when given. ``num_splits`` and ``max_seqlen_k`` change nothing here
-    (they are the kernel's schedule and tile).
+    (they are the kernel's schedule and tile). ``sinks``, the (B, Hkv) descales of an fp8/int8
+    q over a cache of its dtype, and ``p_dtype``: as :func:`flash_attn`.
 
     Returns (out (B, Sq, Hq, Dv), lse (B, Hq, Sq), k_cache, v_cache), the caches after the write,
     dequantized to fp32 when they hold codes.
@@ -349,7 +412,8 @@ def flash_attn_with_kvcache(
             vb = kvref.dequantize_kv(vb, paged_to_dense(v_cache_scale[..., None], block_table[b], n)[int(lp[b]):, :, 0], dtype)
         o, l = flash_attn(q[b:b + 1], kb[None].to(dtype), vb[None].to(dtype), softmax_scale=softmax_scale,
                           window_size=window_size, softcap=softcap,
-                          alibi_slopes=alibi_slopes[b:b + 1] if alibi_slopes is not None else None)
+                          alibi_slopes=alibi_slopes[b:b + 1] if alibi_slopes is not None else None,
+                          sinks=sinks, p_dtype=p_dtype, **_row_descales(b, q_descale, k_descale, v_descale))
         outs.append(o)
         lses.append(l)
     if B == 0:   # an empty batch: empty results of the documented shapes
@@ -361,3 +425,36 @@ def flash_attn_with_kvcache(
         k_cache = kvref.dequantize_kv(k_cache, k_cache_scale)
         v_cache = kvref.dequantize_kv(v_cache, v_cache_scale)
     return out, lse, k_cache, v_cache
+
+
+def quantized_p_dtype(v: torch.Tensor) -> torch.dtype:
+    """Where fp8/int8 attention rounds P before P.V: V's fp8 format; fp16 for int8 V (P in fp16
+    against V's codes, exact in fp16)."""
+    return torch.float16 if v.dtype == torch.int8 else v.dtype
+
+
+def _upcast_all(kw: dict) -> dict:
+    return {n: (t.to(torch.float64) if isinstance(t, torch.Tensor) and t.is_floating_point() else t)
+            for n, t in kw.items()}
+
+
+def flash_attn_quantized(q, k, v, *, out_dtype=None, **kwargs):
+    """:func:`flash_attn` of fp8/int8 q, k, v (codes) with their descales, in float64: P rounded
+    to :func:`quantized_p_dtype`. ``out_dtype`` is the lanes' (the oracle stays float64)."""
+    f64 = torch.float64
+    return flash_attn(q.to(f64), k.to(f64), v.to(f64), p_dtype=quantized_p_dtype(v), **_upcast_all(kwargs))
+
+
+def flash_attn_varlen_quantized(q, k, v, *, out_dtype=None, **kwargs):
+    """:func:`flash_attn_varlen` of fp8/int8 q, k, v with their descales, as :func:`flash_attn_quantized`."""
+    f64 = torch.float64
+    return flash_attn_varlen(q.to(f64), k.to(f64), v.to(f64), p_dtype=quantized_p_dtype(v), **_upcast_all(kwargs))
+
+
+def flash_attn_with_kvcache_quantized(q, k_cache, v_cache, *, out_dtype=None, kv_dtype=None, rotary_dtype=None,
+                                      **kwargs):
+    """:func:`flash_attn_with_kvcache` of an fp8/int8 q over caches of its dtype with the
+    descales, as :func:`flash_attn_quantized`."""
+    f64 = torch.float64
+    return flash_attn_with_kvcache(q.to(f64), k_cache.to(f64), v_cache.to(f64), p_dtype=quantized_p_dtype(v_cache),
+                                   **_upcast_all(kwargs))

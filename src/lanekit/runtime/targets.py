@@ -61,6 +61,12 @@ UNSUPPORTED: dict[str, tuple[str, str]] = {
              "Ampere has no e4m3 type (Triton's fp8e4nv needs sm89 or newer): the e4m3 KV cache and "
              "quantization paths are for sm89+ and AMD"),
 }
+# More of the same, where a target has the type but not the instructions a kernel needs.
+UNSUPPORTED_ALSO: dict[str, tuple[str, str]] = {
+    "sm80": ("Feature 'cvt with .e4m3x2/.e5m2x2' requires .target sm_89",
+             "Ampere has no fp8 conversions (cvt .e5m2x2 needs sm89): fp8 attention, which rounds P "
+             "to V's fp8 format, is for sm89+ and AMD; int8 attention runs on sm80"),
+}
 
 
 @dataclass(frozen=True)
@@ -280,9 +286,9 @@ def compile_spec(spec: Specialization):
                                 target=target.gpu_target(), options=spec.compile_options)
     except Exception as e:  # the compiler's own message is the report
         message = " ".join(str(e).split())
-        lacking, reason = UNSUPPORTED.get(spec.target, (None, ""))
-        if lacking is not None and lacking in message:
-            return None, Report(spec.key, spec.kernel, spec.target, False, unsupported=reason)
+        for lacking, reason in (UNSUPPORTED.get(spec.target, (None, "")), UNSUPPORTED_ALSO.get(spec.target, (None, ""))):
+            if lacking is not None and lacking in message:
+                return None, Report(spec.key, spec.kernel, spec.target, False, unsupported=reason)
         return None, Report(spec.key, spec.kernel, spec.target, False,
                             problems=[f"does not compile: {type(e).__name__}: {message[:300]}"])
     return kernel, read_report(kernel, target, spec.key, spec.kernel, spec.matrix_allowance, spec.spill_budget)

@@ -86,3 +86,50 @@ def _check_grid(B: int, H: int, heads: str = "heads") -> None:
     if B > MAX_GRID_YZ or H > MAX_GRID_YZ:
         raise ArgumentError(f"q: the Triton lane runs at most {MAX_GRID_YZ} batches and {heads} "
                          f"(grid dimensions 1 and 2), got B={B}, {'Hq' if heads == 'heads' else 'Hkv'}={H}")
+
+
+# ---- fp8 / int8 attention and sinks (shared by the forward and the KV-cache kernels) ----
+
+QUANT_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.int8)
+MIN_K_8BIT = 32   # Triton's 8-bit tl.dot on NVIDIA takes a reduction of at least 32
+
+
+@triton.jit
+def _pv_dot(p, v, INPUT_PRECISION: tl.constexpr, PV_FP16: tl.constexpr = False):
+    # [BLOCK_M, BLOCK_N] probabilities times [BLOCK_N, BLOCK_DV] values, fp32. P is rounded to V's
+    # format (fp8 x fp8 where V is fp8, e5m2 x e5m2 for e5m2); PV_FP16 (int8 V): P in fp16 against
+    # V's codes, exact in fp16.
+    if PV_FP16:  # (one return: the branch not taken is not compiled, an int8 P.V never built)
+        pv = tl.dot(p.to(tl.float16), v.to(tl.float16))
+    else:
+        pv = tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION)
+    return pv
+
+
+@triton.jit
+def _add_sinks(acc, l_i, m_i, sink):
+    # A row's sink logit (natural units) joins its running sum with no value: the max, sum and
+    # accumulator rescaled to max(m, sink) (log2 units). A sink of -inf adds nothing.
+    sink_log2 = sink.to(tl.float32) * 1.4426950408889634
+    m_new = tl.maximum(m_i, sink_log2)
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.math.exp2(m_i - m_safe)
+    return acc * alpha[:, None], l_i * alpha + tl.math.exp2(sink_log2 - m_safe), m_new
+
+
+def quant_args(q: torch.Tensor, v: torch.Tensor, sinks, q_descale, k_descale, v_descale) -> dict:
+    """The kernels' sinks and fp8/int8 arguments (appended to their signatures): nothing when
+    neither is used, so the 16-bit kernel compiles as before. fp8 and int8 q, k, v take their
+    (B, Hkv) descales: the scores are (q k^T) * q_descale * k_descale before the softmax scale,
+    and v_descale multiplies the output. P.V: P rounded to V's fp8 format and multiplied in that
+    format (e5m2 x e5m2 for e5m2); for int8 V, P in fp16 against V's codes (exact in fp16)."""
+    if sinks is None and q.dtype not in QUANT_DTYPES:
+        return {}
+    quant = q.dtype in QUANT_DTYPES
+    strides = {}
+    for name, d in (("q", q_descale), ("k", k_descale), ("v", v_descale)):
+        strides[f"stride_d{name}b"], strides[f"stride_d{name}h"] = d.stride() if quant else (0, 0)
+    return dict(Sinks=sinks if sinks is not None else q,
+                DescQ=q_descale if quant else q, DescK=k_descale if quant else q,
+                DescV=v_descale if quant else q, **strides,
+                HAS_SINKS=sinks is not None, HAS_DESCALE=quant, PV_FP16=v.dtype == torch.int8)

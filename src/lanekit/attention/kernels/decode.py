@@ -20,7 +20,8 @@ import triton
 import triton.language as tl
 
 from lanekit.attention import tuning
-from lanekit.attention.kernels.common import LOG2E, _block, _check_grid, _page_ids, _page_offsets
+from lanekit.attention.kernels.common import (LOG2E, _add_sinks, _block, _check_grid, _page_ids, _page_offsets,
+                                              _pv_dot, quant_args, MIN_K_8BIT, QUANT_DTYPES)
 from lanekit.common.numerics import tanh as _tanh
 from lanekit.runtime import alloc
 from lanekit.runtime.lanes import triton_interpreted
@@ -140,6 +141,7 @@ def _kvcache_step(
     sm_scale_log2, softcap_scale, softcap_log2, D, Dv, window_left, window_right,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     QUANTIZED: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    qk_descale=1.0, HAS_DESCALE: tl.constexpr = False, PV_FP16: tl.constexpr = False,
 ):
     # One block of keys offs_n (n_in: those this split owns) at the given offsets: the rows'
     # scores, masks and online-softmax update of (acc, l_i, m_i), as the forward's inner loop.
@@ -157,6 +159,8 @@ def _kvcache_step(
     qk = tl.dot(q, k, input_precision=INPUT_PRECISION)                          # [BLOCK_M, BLOCK_N]
     if QUANTIZED:
         qk = qk * k_scale[None, :]
+    if HAS_DESCALE:  # an fp8/int8 q over a cache of its dtype: the descales before the scale
+        qk = qk.to(tl.float32) * qk_descale
     if HAS_SOFTCAP:
         s = softcap_log2 * _tanh(qk * softcap_scale)
     else:
@@ -181,16 +185,22 @@ def _kvcache_step(
     l_i = l_i * alpha + tl.sum(p, 1)
     if QUANTIZED:
         p = p * v_scale[None, :]
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION)
+    acc = acc * alpha[:, None] + _pv_dot(p, v, INPUT_PRECISION, PV_FP16)
     return acc, l_i, m_new
 
 
 @triton.jit
 def _kvcache_store(Out, Lse, acc, l_i, m_i, split, b, i, h, row_in, offs_dv, Dv,
                    stride_os, stride_ob, stride_om, stride_oh, stride_od,
-                   stride_ls, stride_lb, stride_lh, stride_lm):
+                   stride_ls, stride_lb, stride_lh, stride_lm, Sinks=None, v_descale=1.0,
+                   HAS_SINKS: tl.constexpr = False, HAS_DESCALE: tl.constexpr = False):
     # The rows' normalized output and LSE (natural log) into split ``split``'s partials (or the
-    # output itself, unsplit); a row that saw no key gets 0 and -inf.
+    # output itself, unsplit); a row that saw no key gets 0 and -inf. HAS_SINKS (unsplit only:
+    # the merge adds them otherwise): the rows' heads' sinks join the denominator.
+    if HAS_SINKS:
+        acc, l_i, m_i = _add_sinks(acc, l_i, m_i, tl.load(Sinks + h, mask=row_in, other=0.0))
+    if HAS_DESCALE:
+        acc = acc * v_descale
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
     out = acc / l_safe[:, None]
@@ -220,6 +230,9 @@ def _flash_attn_kvcache_kernel(
     HAS_ALIBI: tl.constexpr, HAS_LEFTPAD: tl.constexpr, QUANTIZED: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, PAGES: tl.constexpr, EVEN_D: tl.constexpr, POW2_PAGE: tl.constexpr,
     HAS_TABLE: tl.constexpr, PAGES_AHEAD: tl.constexpr, PAGE: tl.constexpr,
+    Sinks=None, DescQ=None, DescK=None, DescV=None, stride_dqb=0, stride_dqh=0, stride_dkb=0, stride_dkh=0,
+    stride_dvb=0, stride_dvh=0,
+    HAS_SINKS: tl.constexpr = False, HAS_DESCALE: tl.constexpr = False, PV_FP16: tl.constexpr = False,
 ):
     # PAGES: how keys find their page. 0: the whole sequence is one page (a contiguous cache),
     # looked up once; 1: pages hold whole key blocks (page_size a multiple of BLOCK_N, no left
@@ -271,6 +284,11 @@ def _flash_attn_kvcache_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    qk_descale = 1.0
+    v_descale = 1.0
+    if HAS_DESCALE:  # FlashAttention-3's descales of (sequence b, KV head hk)
+        qk_descale = tl.load(DescQ + b * stride_dqb + hk * stride_dqh) * tl.load(DescK + b * stride_dkb + hk * stride_dkh)
+        v_descale = tl.load(DescV + b * stride_dvb + hk * stride_dvh)
     for start_n in range(s_lo, s_hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)                                   # [BLOCK_N]
         n_in = (offs_n >= first) & (offs_n < s_hi)
@@ -301,11 +319,12 @@ def _flash_attn_kvcache_kernel(
             acc, l_i, m_i, q, k_base, v_base, ks_base, vs_base, k_off, v_off, ks_off, vs_off,
             offs_n, n_in, offs_d, offs_dv, row_in, pos, slope_log2, stride_kd, stride_vd,
             sm_scale_log2, softcap_scale, softcap_log2, D, Dv, window_left, window_right,
-            HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, QUANTIZED, INPUT_PRECISION)
+            HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, QUANTIZED, INPUT_PRECISION,
+            qk_descale, HAS_DESCALE, PV_FP16)
 
     _kvcache_store(Out, Lse, acc, l_i, m_i, split, b, i, h, row_in, offs_dv, Dv,
                    stride_os, stride_ob, stride_om, stride_oh, stride_od,
-                   stride_ls, stride_lb, stride_lh, stride_lm)
+                   stride_ls, stride_lb, stride_lh, stride_lm, Sinks, v_descale, HAS_SINKS, HAS_DESCALE)
 
 
 @triton.jit
@@ -317,6 +336,7 @@ def _merge_splits_kernel(
     stride_lob, stride_loh, stride_lom,
     num_splits, Dv,
     BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr,
+    Sinks=None, HAS_SINKS: tl.constexpr = False,
 ):
     # Row (b, i, h) of the output from its num_splits partials: weights exp(lse_s - max lse); a
     # partial with LSE -inf saw no key and weighs 0. All partials empty: out 0, lse -inf. The
@@ -330,9 +350,14 @@ def _merge_splits_kernel(
     lse = tl.load(LseP + offs_s.to(tl.int64) * stride_ls + b * stride_lb + h * stride_lh + i * stride_lm,
                   mask=s_in, other=float("-inf"))
     m = tl.max(lse, 0)
+    if HAS_SINKS:  # head h's sink joins the merged denominator, once
+        sink = tl.load(Sinks + h).to(tl.float32)
+        m = tl.maximum(m, sink)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
     w = tl.exp(lse - m_safe)                                                      # [BLOCK_S]
     total = tl.sum(w, 0)
+    if HAS_SINKS:
+        total += tl.exp(sink - m_safe)
     o_rows = OutP + offs_s.to(tl.int64)[:, None] * stride_ps + b * stride_pb + i * stride_pm + h * stride_ph
     for d0 in range(0, Dv, BLOCK_DV):
         offs_d = d0 + tl.arange(0, BLOCK_DV)
@@ -361,6 +386,11 @@ def flash_attn_kvcache(
     alibi_slopes: torch.Tensor | None,
     num_splits: int,
     max_seqlen_k: int | None = None,
+    sinks: torch.Tensor | None = None,
+    q_descale: torch.Tensor | None = None,
+    k_descale: torch.Tensor | None = None,
+    v_descale: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of q (B, Sq, Hq, D) over a paged cache (num_blocks, page_size, Hkv, D), already
     validated: sequence b's keys are cache positions leftpad[b] .. seqlens[b] (int32, (B,)), found
@@ -368,17 +398,21 @@ def flash_attn_kvcache(
     sequence b's (B_cache, S_cache, Hkv, D) (no table to build and read). A quantized cache (int8 /
     e4m3 codes) comes with its (num_blocks, page_size, Hkv) fp32 scales. Returns out (B, Sq, Hq,
     Dv) in q's dtype and lse (B, Hq, Sq) fp32. ``num_splits`` >= 1 splits each row's keys across that many programs;
-    ``max_seqlen_k``, the most keys a sequence holds (None: unknown), picks the tile.
+    ``max_seqlen_k``, the most keys a sequence holds (None: unknown), picks the tile. ``sinks``
+    (Hq,) fp32 and an fp8/int8 q over a cache of its dtype with (B, Hkv) descales and
+    ``out_dtype``: as ``fwd.flash_attn_fwd`` (``common.quant_args``).
     """
     B, Sq, Hq, D = q.shape
     Hkv, Dv = k_cache.shape[2], v_cache.shape[3]
     group, page_size = Hq // Hkv, k_cache.shape[1]
-    out = alloc.empty((B, Sq, Hq, Dv), dtype=q.dtype, device=q.device)
+    out = alloc.empty((B, Sq, Hq, Dv), dtype=out_dtype or q.dtype, device=q.device)
     lse = alloc.empty((B, Hq, Sq), dtype=torch.float32, device=q.device)
     if out.numel() == 0:
         return out, lse
     _check_grid(B, Hkv, "KV heads")
     block_d, block_dv = _block(D), _block(Dv)
+    if q.dtype in QUANT_DTYPES:  # 8-bit q k^T needs k >= 32 (NVIDIA)
+        block_d = max(block_d, MIN_K_8BIT)
     fp32, bucket = q.dtype == torch.float32, max(block_d, block_dv)
 
     cfg, layout = tuning.kvcache_tile(q.device, bucket, fp32=fp32, page_size=page_size,
@@ -397,6 +431,8 @@ def flash_attn_kvcache(
     else:
         dest, dest_lse = out, lse
         o_strides, l_strides = (0, *out.stride()), (0, *lse.stride())
+    # sinks join in the kernel when unsplit, else in the merge
+    quant = quant_args(q, v_cache, sinks if num_splits == 1 else None, q_descale, k_descale, v_descale)
     quantized = k_cache_scale is not None
     scale_strides = (*k_cache_scale.stride(), *v_cache_scale.stride()) if quantized else (0,) * 6
     with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
@@ -419,12 +455,12 @@ def flash_attn_kvcache(
             HAS_ALIBI=alibi_slopes is not None, HAS_LEFTPAD=leftpad is not None, QUANTIZED=quantized,
             INPUT_PRECISION="ieee" if q.dtype == torch.float32 else None, EVEN_D=(D == block_d and Dv == block_dv),
             HAS_TABLE=block_table is not None, PAGES=layout.pages, POW2_PAGE=layout.pow2_page, PAGE=layout.page,
-            PAGES_AHEAD=layout.pages_ahead, **cfg.options(),
+            PAGES_AHEAD=layout.pages_ahead, **quant, **cfg.options(),
         )
         if num_splits > 1:
             _merge_splits_kernel[(Sq, Hq, B)](
                 part, part_lse, out, lse, *part.stride(), *part_lse.stride(), *out.stride(), *lse.stride(),
                 num_splits, Dv, BLOCK_S=max(2, triton.next_power_of_2(num_splits)), BLOCK_DV=block_dv,
-                num_warps=4,
+                num_warps=4, **({"Sinks": sinks, "HAS_SINKS": True} if sinks is not None else {}),
             )
     return out, lse

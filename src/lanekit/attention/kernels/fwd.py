@@ -8,14 +8,16 @@ sum of the scores in fp32 and rescales its accumulator as it walks the key block
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import torch
 import triton
 import triton.language as tl
 
 from lanekit.attention import tuning
-from lanekit.attention.kernels.common import (LOG2E, _block, _check_grid, _page_ids, _page_offsets,
-                                              _strides4, _strides_bthd, _tile, _varlen_bounds)
+from lanekit.attention.kernels.common import (LOG2E, _add_sinks, _block, _check_grid, _page_ids, _page_offsets,
+                                              _pv_dot, _strides4, _strides_bthd, _tile, _varlen_bounds, quant_args,
+                                              MIN_K_8BIT, QUANT_DTYPES)
 from lanekit.common.numerics import tanh as _tanh
 from lanekit.runtime import alloc
 from lanekit.runtime.lanes import triton_interpreted
@@ -41,7 +43,7 @@ def _flash_attn_fwd_inner(
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, INPUT_PRECISION: tl.constexpr, INT64_TILES: tl.constexpr,
-    PAGED: tl.constexpr,
+    PAGED: tl.constexpr, qk_descale=1.0, HAS_DESCALE: tl.constexpr = False, PV_FP16: tl.constexpr = False,
 ):
     offs_n_local = tl.arange(0, BLOCK_N)
     if INT64_TILES:
@@ -69,6 +71,8 @@ def _flash_attn_fwd_inner(
             k = tl.load(k_ptrs, mask=offs_d[:, None] < D, other=0.0)
             v = tl.load(v_ptrs, mask=offs_dv[None, :] < Dv, other=0.0)
         qk = tl.dot(q, k, input_precision=INPUT_PRECISION)                      # [BLOCK_M, BLOCK_N] fp32
+        if HAS_DESCALE:  # fp8 (fp32 sums) or int8 (int32, exact) codes: the descales first, then the scale
+            qk = qk.to(tl.float32) * qk_descale
         if HAS_SOFTCAP:
             s = softcap_log2 * _tanh(qk * softcap_scale)
         else:
@@ -112,7 +116,7 @@ def _flash_attn_fwd_inner(
         if HAS_DROPOUT:
             counter = rng_base + offs_m_local[:, None].to(tl.int64) * rng_stride + offs_n[None, :]
             p = tl.where(tl.rand(seed, counter) >= dropout_p, p, 0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION)
+        acc = acc * alpha[:, None] + _pv_dot(p, v, INPUT_PRECISION, PV_FP16)
         m_i = m_new
     return acc, l_i, m_i
 
@@ -150,6 +154,9 @@ def _flash_attn_fwd_kernel(
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_BIAS: tl.constexpr,
     HAS_MASK: tl.constexpr, HAS_DROPOUT: tl.constexpr, INPUT_PRECISION: tl.constexpr,
     INT64_TILES: tl.constexpr, IS_VARLEN: tl.constexpr, PAGED: tl.constexpr,
+    Sinks=None, DescQ=None, DescK=None, DescV=None, stride_dqb=0, stride_dqh=0, stride_dkb=0, stride_dkh=0,
+    stride_dvb=0, stride_dvh=0,
+    HAS_SINKS: tl.constexpr = False, HAS_DESCALE: tl.constexpr = False, PV_FP16: tl.constexpr = False,
 ):
     if EVEN_D:  # D fills its block: see EVEN_D above _flash_attn_fwd_kernel
         D = BLOCK_D
@@ -220,6 +227,9 @@ def _flash_attn_fwd_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    qk_descale = 1.0
+    if HAS_DESCALE:  # FlashAttention-3's descales, one per (sequence, KV head)
+        qk_descale = tl.load(DescQ + b * stride_dqb + hk * stride_dqh) * tl.load(DescK + b * stride_dkb + hk * stride_dkh)
     # [lo, full_lo) masked (empty without a left window), [full_lo, full_hi) unmasked,
     # [full_hi, hi) masked
     if HAS_LEFT:
@@ -230,7 +240,8 @@ def _flash_attn_fwd_kernel(
             softcap_log2, Sq, Sk, D, Dv, window_left, window_right, dropout_p, seed, rng_stride,
             bt_row, page_size, stride_kb, stride_vb, lo, full_lo,
             BLOCK_N, True, EVEN_D, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_BIAS, HAS_MASK,
-            HAS_DROPOUT, INPUT_PRECISION, INT64_TILES, PAGED)
+            HAS_DROPOUT, INPUT_PRECISION, INT64_TILES, PAGED,
+            qk_descale, HAS_DESCALE, PV_FP16)
     acc, l_i, m_i = _flash_attn_fwd_inner(
         acc, l_i, m_i, q, k_base, v_base, bias_base, mask_base, rng_base,
         stride_kn, stride_kd, stride_vn, stride_vd, stride_bm, stride_bn, stride_mm, stride_mn,
@@ -238,7 +249,8 @@ def _flash_attn_fwd_kernel(
         softcap_log2, Sq, Sk, D, Dv, window_left, window_right, dropout_p, seed, rng_stride,
         bt_row, page_size, stride_kb, stride_vb, full_lo, full_hi,
         BLOCK_N, False, EVEN_D, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_BIAS, HAS_MASK,
-        HAS_DROPOUT, INPUT_PRECISION, INT64_TILES, PAGED)
+        HAS_DROPOUT, INPUT_PRECISION, INT64_TILES, PAGED,
+        qk_descale, HAS_DESCALE, PV_FP16)
     acc, l_i, m_i = _flash_attn_fwd_inner(
         acc, l_i, m_i, q, k_base, v_base, bias_base, mask_base, rng_base,
         stride_kn, stride_kd, stride_vn, stride_vd, stride_bm, stride_bn, stride_mm, stride_mn,
@@ -246,11 +258,16 @@ def _flash_attn_fwd_kernel(
         softcap_log2, Sq, Sk, D, Dv, window_left, window_right, dropout_p, seed, rng_stride,
         bt_row, page_size, stride_kb, stride_vb, full_hi, hi,
         BLOCK_N, True, EVEN_D, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_BIAS, HAS_MASK,
-        HAS_DROPOUT, INPUT_PRECISION, INT64_TILES, PAGED)
+        HAS_DROPOUT, INPUT_PRECISION, INT64_TILES, PAGED,
+        qk_descale, HAS_DESCALE, PV_FP16)
 
+    if HAS_SINKS:  # each head's sink joins the denominator (gpt-oss)
+        acc, l_i, m_i = _add_sinks(acc, l_i, m_i, tl.load(Sinks + h))
     empty = l_i == 0.0                                                           # no visible key
     l_safe = tl.where(empty, 1.0, l_i)
     out = acc / l_safe[:, None]
+    if HAS_DESCALE:
+        out = out * tl.load(DescV + b * stride_dvb + hk * stride_dvh)
     if HAS_DROPOUT:
         out = out * (1.0 / (1.0 - dropout_p))
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
@@ -280,6 +297,11 @@ def flash_attn_fwd(
     max_seqlen_q: int = 0,
     max_seqlen_k: int = 0,
     block_table: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
+    q_descale: torch.Tensor | None = None,
+    k_descale: torch.Tensor | None = None,
+    v_descale: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the forward. Arguments are already validated and normalized by the public function:
     ``attn_bias``/``attn_mask`` are 4-D views expanded to (B, Hq, Sq, Sk) (stride 0 where
@@ -291,19 +313,23 @@ def flash_attn_fwd(
     (num_blocks, page_size, Hkv, D); ``cu_seqlens_q``/``cu_seqlens_k`` (B + 1,) int32; no bias or
     mask. Returns out (total_q, Hq, Dv) and lse (Hq, total_q). Dropout draw (h, row, j) of the
     packed query row is counter offset + (h * total_q + row) * max_seqlen_k + j.
+
+    ``sinks`` (Hq,) fp32: a logit per head in every row's denominator. fp8 or int8 q, k, v come
+    with their (B, Hkv) fp32 descales (all three given) and ``out_dtype`` (bf16, fp16 or fp32):
+    see ``common.quant_args`` for how P.V runs.
     """
     varlen = cu_seqlens_q is not None
     paged = block_table is not None
     if varlen:
         total_q, Hq, D = q.shape
         B, Sq, Sk = cu_seqlens_q.shape[0] - 1, max_seqlen_q, max_seqlen_k
-        out = alloc.empty((total_q, Hq, v.shape[-1]), dtype=q.dtype, device=q.device)
+        out = alloc.empty((total_q, Hq, v.shape[-1]), dtype=out_dtype or q.dtype, device=q.device)
         lse = alloc.empty((Hq, total_q), dtype=torch.float32, device=q.device)
         stride_lb, stride_lh, rng_stride = 0, total_q, Sk
     else:
         B, Sq, Hq, D = q.shape
         Sk = k.shape[1]
-        out = alloc.empty((B, Sq, Hq, v.shape[3]), dtype=q.dtype, device=q.device)
+        out = alloc.empty((B, Sq, Hq, v.shape[3]), dtype=out_dtype or q.dtype, device=q.device)
         lse = alloc.empty((B, Hq, Sq), dtype=torch.float32, device=q.device)
         stride_lb, stride_lh, rng_stride = Hq * Sq, Sq, Sk
     Hkv, Dv = k.shape[-2], v.shape[-1]
@@ -312,8 +338,13 @@ def flash_attn_fwd(
     _check_grid(B, Hq)
 
     block_d, block_dv = _block(D), _block(Dv)
+    quant = quant_args(q, v, sinks, q_descale, k_descale, v_descale)
+    if q.dtype in QUANT_DTYPES:  # 8-bit products need k >= 32 (NVIDIA): q k^T over D, P.V over keys
+        block_d = max(block_d, MIN_K_8BIT)
     table = tuning.FLASH_ATTN_FWD_FP32 if q.dtype == torch.float32 else tuning.FLASH_ATTN_FWD
     cfg = _tile(table, q.device, max(block_d, block_dv))
+    if q.dtype in QUANT_DTYPES and cfg.block_n < MIN_K_8BIT:
+        cfg = dataclasses.replace(cfg, block_n=MIN_K_8BIT)
     left, right = window_size
     # The mask is read as bytes: a bool tensor views as uint8 without a copy.
     mask = attn_mask.view(torch.uint8) if attn_mask is not None else None
@@ -351,6 +382,6 @@ def flash_attn_fwd(
             HAS_MASK=mask is not None, HAS_DROPOUT=dropout_p > 0,
             INPUT_PRECISION="ieee" if q.dtype == torch.float32 else None, INT64_TILES=int64_tiles,
             IS_VARLEN=varlen, PAGED=paged,
-            **cfg.options(),
+            **quant, **cfg.options(),
         )
     return out, lse
