@@ -20,6 +20,11 @@ import os
 
 import torch
 
+class DeviceIndexError(ValueError, RuntimeError):
+    """What :func:`check_errors` raises: a ``ValueError`` (bad input values), catchable as a
+    ``RuntimeError`` too, as FlashAttention's and vLLM's callers catch their kernels' errors."""
+
+
 _KINDS: dict[int, str] = {}
 _FLAGS: dict[torch.device, torch.Tensor] = {}
 
@@ -55,7 +60,7 @@ def check_indices_eagerly() -> bool:
 
 
 def check_errors() -> None:
-    """Raise a ``ValueError`` naming every kind of device-side error recorded since the last call
+    """Raise a ``ValueError`` (:class:`DeviceIndexError`, a RuntimeError too) naming every kind of device-side error recorded since the last call
     (on any device), and clear the flags. A sync per device with a flag: call it where a sync
     is cheap (after a step, in a test). Returns None when no error was recorded."""
     found = []
@@ -65,5 +70,5 @@ def check_errors() -> None:
             flag.zero_()
             found += [f"{device}: {message}" for bit, message in sorted(_KINDS.items()) if bits & bit]
     if found:
-        raise ValueError("lanekit found invalid indices on the device since the last check_errors():\n  "
+        raise DeviceIndexError("lanekit found invalid indices on the device since the last check_errors():\n  "
                          + "\n  ".join(found))

@@ -25,7 +25,8 @@ import triton
 import triton.language as tl
 
 from lanekit.attention import tuning
-from lanekit.attention.kernels.common import LOG2E, _block, _check_grid, _strides4, _strides_bthd, _tile, _varlen_bounds
+from lanekit.attention.kernels.common import (LOG2E, _block, _check_grid, _strides4, _strides_bthd, _tile,
+                                              _varlen_bounds, clamp_varlen)
 from lanekit.common.numerics import tanh as _tanh
 from lanekit.runtime import alloc
 from lanekit.runtime.lanes import triton_interpreted
@@ -535,7 +536,8 @@ def flash_attn_bwd(
     no block table).
     """
     varlen = cu_seqlens_q is not None
-    if varlen:
+    if varlen:   # in range on the device, as the forward read them
+        cu_seqlens_q, cu_seqlens_k = clamp_varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
         total_q, Hq, D = q.shape
         B, Sq, Sk = cu_seqlens_q.shape[0] - 1, max_seqlen_q, max_seqlen_k
         stride_lb, stride_lh, rng_stride = 0, total_q, Sk

@@ -14,10 +14,11 @@ import triton
 import triton.language as tl
 
 from lanekit.attention import tuning
-from lanekit.attention.kernels.common import (LOG2E, _block, _check_grid, _page_ids, _page_offsets,
-                                              _strides4, _strides_bthd, _tile, _varlen_bounds)
+from lanekit.attention.kernels.common import (BAD_PAGE, LOG2E, _block, _check_grid, _page_ids, _page_offsets,
+                                              _record, _strides4, _strides_bthd, _tile, _valid_pages, clamp_varlen,
+                                              _varlen_bounds)
 from lanekit.common.numerics import tanh as _tanh
-from lanekit.runtime import alloc
+from lanekit.runtime import alloc, errors
 from lanekit.runtime.lanes import triton_interpreted
 
 if triton_interpreted():
@@ -36,7 +37,7 @@ def _flash_attn_fwd_inner(
     slope_log2, sm_scale_log2, softcap_scale, softcap_log2,
     Sq, Sk, D, Dv, window_left, window_right, dropout_p, seed, rng_stride,
     bt_row, page_size, stride_kpage, stride_vpage,
-    lo, hi,
+    lo, hi, num_blocks, ERR, PAGE_BIT,
     BLOCK_N: tl.constexpr, MASKED: tl.constexpr, EVEN_D: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr,
@@ -52,8 +53,9 @@ def _flash_attn_fwd_inner(
         n_in = offs_n < Sk
         if PAGED:
             # key n of the sequence sits in page bt_row[n // page_size], at row n % page_size
-            k_off, v_off = _paged_rows(bt_row, offs_n, n_in, page_size, stride_kpage, stride_kn,
-                                       stride_vpage, stride_vn)
+            k_off, v_off, n_in, bad = _paged_rows(bt_row, offs_n, n_in, page_size, num_blocks, stride_kpage,
+                                                  stride_kn, stride_vpage, stride_vn)
+            _record(ERR, PAGE_BIT, bad)
             k_ptrs = k_base + k_off[None, :] + offs_d[:, None] * stride_kd
             v_ptrs = v_base + v_off[:, None] + offs_dv[None, :] * stride_vd
         else:
@@ -76,6 +78,9 @@ def _flash_attn_fwd_inner(
 
         # keep: inside the window and the mask; the additive terms (ALiBi, bias) go in b, log2 units
         keep = offs_m[:, None] < Sq
+        if PAGED:
+            if not MASKED:  # a page id out of range masks its keys, in any block
+                keep = keep & n_in[None, :]
         if MASKED:
             keep = keep & n_in[None, :]
             if HAS_LEFT:
@@ -118,11 +123,14 @@ def _flash_attn_fwd_inner(
 
 
 @triton.jit
-def _paged_rows(bt_row, offs_n, n_in, page_size, stride_kpage, stride_kn, stride_vpage, stride_vn):
-    # K's and V's offsets of keys offs_n of one sequence in a paged cache (see _page_ids).
+def _paged_rows(bt_row, offs_n, n_in, page_size, num_blocks, stride_kpage, stride_kn, stride_vpage, stride_vn):
+    # K's and V's offsets of keys offs_n of one sequence in a paged cache (see _page_ids), the
+    # keys still in (a page id outside [0, num_blocks) reads page 0 and masks its keys) and the
+    # keys whose page was out of range.
     page = _page_ids(bt_row, offs_n, n_in, page_size)
+    page, n_in, bad = _valid_pages(page, n_in, num_blocks)
     return (_page_offsets(page, offs_n, page_size, stride_kpage, stride_kn),
-            _page_offsets(page, offs_n, page_size, stride_vpage, stride_vn))
+            _page_offsets(page, offs_n, page_size, stride_vpage, stride_vn), n_in, bad)
 
 
 # Lengths, window sizes and the RNG state change from call to call: not specializing them keeps one
@@ -150,6 +158,7 @@ def _flash_attn_fwd_kernel(
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_BIAS: tl.constexpr,
     HAS_MASK: tl.constexpr, HAS_DROPOUT: tl.constexpr, INPUT_PRECISION: tl.constexpr,
     INT64_TILES: tl.constexpr, IS_VARLEN: tl.constexpr, PAGED: tl.constexpr,
+    num_blocks, ERR, PAGE_BIT,
 ):
     if EVEN_D:  # D fills its block: see EVEN_D above _flash_attn_fwd_kernel
         D = BLOCK_D
@@ -228,7 +237,7 @@ def _flash_attn_fwd_kernel(
             stride_kn, stride_kd, stride_vn, stride_vd, stride_bm, stride_bn, stride_mm, stride_mn,
             offs_m, offs_m_local, offs_d, offs_dv, pos_m, slope_log2, sm_scale_log2, softcap_scale,
             softcap_log2, Sq, Sk, D, Dv, window_left, window_right, dropout_p, seed, rng_stride,
-            bt_row, page_size, stride_kb, stride_vb, lo, full_lo,
+            bt_row, page_size, stride_kb, stride_vb, lo, full_lo, num_blocks, ERR, PAGE_BIT,
             BLOCK_N, True, EVEN_D, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_BIAS, HAS_MASK,
             HAS_DROPOUT, INPUT_PRECISION, INT64_TILES, PAGED)
     acc, l_i, m_i = _flash_attn_fwd_inner(
@@ -236,7 +245,7 @@ def _flash_attn_fwd_kernel(
         stride_kn, stride_kd, stride_vn, stride_vd, stride_bm, stride_bn, stride_mm, stride_mn,
         offs_m, offs_m_local, offs_d, offs_dv, pos_m, slope_log2, sm_scale_log2, softcap_scale,
         softcap_log2, Sq, Sk, D, Dv, window_left, window_right, dropout_p, seed, rng_stride,
-        bt_row, page_size, stride_kb, stride_vb, full_lo, full_hi,
+        bt_row, page_size, stride_kb, stride_vb, full_lo, full_hi, num_blocks, ERR, PAGE_BIT,
         BLOCK_N, False, EVEN_D, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_BIAS, HAS_MASK,
         HAS_DROPOUT, INPUT_PRECISION, INT64_TILES, PAGED)
     acc, l_i, m_i = _flash_attn_fwd_inner(
@@ -244,7 +253,7 @@ def _flash_attn_fwd_kernel(
         stride_kn, stride_kd, stride_vn, stride_vd, stride_bm, stride_bn, stride_mm, stride_mn,
         offs_m, offs_m_local, offs_d, offs_dv, pos_m, slope_log2, sm_scale_log2, softcap_scale,
         softcap_log2, Sq, Sk, D, Dv, window_left, window_right, dropout_p, seed, rng_stride,
-        bt_row, page_size, stride_kb, stride_vb, full_hi, hi,
+        bt_row, page_size, stride_kb, stride_vb, full_hi, hi, num_blocks, ERR, PAGE_BIT,
         BLOCK_N, True, EVEN_D, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_BIAS, HAS_MASK,
         HAS_DROPOUT, INPUT_PRECISION, INT64_TILES, PAGED)
 
@@ -294,7 +303,9 @@ def flash_attn_fwd(
     """
     varlen = cu_seqlens_q is not None
     paged = block_table is not None
-    if varlen:
+    if varlen:   # the lengths brought into range on the device (no value read back)
+        cu_seqlens_q, cu_seqlens_k = clamp_varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                                  block_table)
         total_q, Hq, D = q.shape
         B, Sq, Sk = cu_seqlens_q.shape[0] - 1, max_seqlen_q, max_seqlen_k
         out = alloc.empty((total_q, Hq, v.shape[-1]), dtype=q.dtype, device=q.device)
@@ -352,5 +363,7 @@ def flash_attn_fwd(
             INPUT_PRECISION="ieee" if q.dtype == torch.float32 else None, INT64_TILES=int64_tiles,
             IS_VARLEN=varlen, PAGED=paged,
             **cfg.options(),
+            num_blocks=k.shape[0] if paged else 0, ERR=errors.error_flag(q.device) if paged else q,
+            PAGE_BIT=BAD_PAGE,
         )
     return out, lse
