@@ -85,7 +85,7 @@ def main(argv=None) -> None:
     if args.profile:
         fn = table[args.profile]
         fn()
-        prof = cProfile.Profile()
+        prof = cProfile.Profile(time.process_time)
         prof.enable()
         for _ in range(args.calls):
             fn()

@@ -104,12 +104,14 @@ NOTES = {
 def _rates(row: dict) -> dict:
     """A row's figures by name: TFLOP/s (compute-bound families), GB/s (memory-bound) or
     microseconds per call (host-timed families)."""
-    return row.get("tflops", row.get("gbps", row.get("us", {})))
+    return row.get("tflops", row.get("gbps", row.get("us", row.get("tok_s", {}))))
 
 
 def _unit(rows: list[dict]) -> str:
     if any("us" in r for r in rows):
         return "us"
+    if any("tok_s" in r for r in rows):
+        return "tokens/s"
     return "GB/s" if any("gbps" in r for r in rows) else "TFLOP/s"
 
 
