@@ -22,6 +22,7 @@ from lanekit.common.numerics import quantize as _quantize  # the same rounding a
 from lanekit.kv_cache import tuning
 from lanekit.runtime import errors
 from lanekit.runtime.alloc import empty
+from lanekit.runtime.host import cdiv, next_power_of_2
 from lanekit.runtime.lanes import triton_interpreted
 
 if triton_interpreted():
@@ -198,8 +199,8 @@ def _merge_attn_states_kernel(
 def _tiles(rows: int, D: int, device: torch.device) -> tuple[int, int, int]:
     """(BLOCK_R, BLOCK_D, num_warps) for rows of D features."""
     cfg = tuning.kv_cache_config(device)
-    block_d = triton.next_power_of_2(max(D, 1))
-    block_r = min(max(1, cfg.tile // block_d), triton.next_power_of_2(max(rows, 1)))
+    block_d = next_power_of_2(max(D, 1))
+    block_r = min(max(1, cfg.tile // block_d), next_power_of_2(max(rows, 1)))
     return block_r, block_d, cfg.num_warps
 
 
@@ -214,7 +215,7 @@ def scatter_kv(*, x, cache, slots=None, scale_in=None, scale_out=None):
         return
     quant = QUANT_CODES.get(cache.dtype, 0)
     block_r, block_d, num_warps = _tiles(N * H, D, x.device)
-    _scatter_kv_kernel[(triton.cdiv(N * H, block_r),)](
+    _scatter_kv_kernel[(cdiv(N * H, block_r),)](
         x, slots, scale_in, cache, scale_out,
         *x.stride(), slots.stride(0) if slots is not None else 0,
         *(scale_in.stride() if scale_in is not None else (0, 0)),
@@ -242,7 +243,7 @@ def append_kv(*, x, cache, table, seqlens, scale_out=None):
     rows = x.reshape(B * S_new, H, D) if x.is_contiguous() else x.flatten(0, 1)
     quant = QUANT_CODES.get(cache.dtype, 0)
     block_r, block_d, num_warps = _tiles(B * S_new * H, D, x.device)
-    _scatter_kv_kernel[(triton.cdiv(B * S_new * H, block_r),)](
+    _scatter_kv_kernel[(cdiv(B * S_new * H, block_r),)](
         rows, None, None, cache, scale_out,
         *rows.stride(), 0, 0, 0,
         *cache.stride(), *(scale_out.stride() if scale_out is not None else (0, 0, 0)),
@@ -268,7 +269,7 @@ def gather_kv(*, cache, scale=None, block_table=None, seqlens=None, max_seqlen, 
     if B * rows * D == 0:
         return out
     block_r, block_d, num_warps = _tiles(rows, D, cache.device)
-    blocks_per_seq = triton.cdiv(rows, block_r)
+    blocks_per_seq = cdiv(rows, block_r)
     _gather_kv_kernel[(B * blocks_per_seq,)](
         cache, scale, block_table, seqlens, out,
         *cache.stride(), *(scale.stride() if scale is not None else (0, 0, 0)),
@@ -309,7 +310,7 @@ def merge_attn_states_fwd(*, out_a, lse_a, out_b, lse_b):
     if B * rows == 0:
         return out, lse
     block_r, block_d, num_warps = _tiles(rows, D, out_a.device)
-    blocks_per_seq = triton.cdiv(rows, block_r)
+    blocks_per_seq = cdiv(rows, block_r)
     _merge_attn_states_kernel[(B * blocks_per_seq,)](
         out_a, lse_a, out_b, lse_b, out, lse,
         *out_a.stride(), *out_b.stride(), *out.stride(), *lse_a.stride(), *lse_b.stride(), *lse.stride(),

@@ -14,6 +14,7 @@ import triton.language as tl
 
 from lanekit.attention import tuning
 from lanekit.runtime import errors
+from lanekit.runtime.host import cdiv, next_power_of_2
 from lanekit.runtime.lanes import triton_interpreted
 from lanekit.runtime.tuning import INTERPRETER, TileConfig, lookup
 
@@ -156,7 +157,7 @@ def clamp_cu_seqlens(cu: torch.Tensor, *, total: int, capacity: int, max_len: in
     n = cu.shape[0]
     with torch.cuda.device(cu.device) if cu.is_cuda else _null():
         _clamp_cu_seqlens_kernel[(1,)](cu, out, n, total, capacity, max_len, errors.error_flag(cu.device),
-                                       BAD_CU_SEQLENS, PAGED=paged, BLOCK=max(2, triton.next_power_of_2(n)),
+                                       BAD_CU_SEQLENS, PAGED=paged, BLOCK=max(2, next_power_of_2(n)),
                                        num_warps=4)
     return out
 

@@ -24,6 +24,7 @@ from lanekit.attention.kernels.common import (BAD_PAGE, BAD_SEQLENS, LOG2E, _blo
                                               _page_offsets, _record, _valid_pages)
 from lanekit.common.numerics import tanh as _tanh
 from lanekit.runtime import alloc, errors
+from lanekit.runtime.host import cdiv, next_power_of_2
 from lanekit.runtime.lanes import triton_interpreted
 
 if triton_interpreted():
@@ -408,7 +409,7 @@ def flash_attn_kvcache(
                                       interpreted=triton_interpreted())
     # Rows are (query, head) pairs: decode (Sq * group <= 16) takes the smallest tile tl.dot allows.
     block_m = tuning.kvcache_block_m(cfg, Sq * group)
-    m_blocks = triton.cdiv(Sq * group, block_m)
+    m_blocks = cdiv(Sq * group, block_m)
     left, right = window_size
     if num_splits > 1:
         part = torch.empty((num_splits, B, Sq, Hq, Dv), dtype=torch.float32, device=q.device)
@@ -447,7 +448,7 @@ def flash_attn_kvcache(
         if num_splits > 1:
             _merge_splits_kernel[(Sq, Hq, B)](
                 part, part_lse, out, lse, *part.stride(), *part_lse.stride(), *out.stride(), *lse.stride(),
-                num_splits, Dv, BLOCK_S=max(2, triton.next_power_of_2(num_splits)), BLOCK_DV=block_dv,
+                num_splits, Dv, BLOCK_S=max(2, next_power_of_2(num_splits)), BLOCK_DV=block_dv,
                 num_warps=4,
             )
     return out, lse

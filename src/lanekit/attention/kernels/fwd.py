@@ -19,6 +19,7 @@ from lanekit.attention.kernels.common import (BAD_PAGE, LOG2E, _block, _check_gr
                                               _varlen_bounds)
 from lanekit.common.numerics import tanh as _tanh
 from lanekit.runtime import alloc, errors
+from lanekit.runtime.host import cdiv, next_power_of_2
 from lanekit.runtime.lanes import triton_interpreted
 
 if triton_interpreted():
@@ -335,7 +336,7 @@ def flash_attn_fwd(
     # A varlen sequence holds at most total_q queries: a larger max_seqlen_q would only add
     # programs that find no row (10**7 for 7 tokens took minutes interpreted).
     rows = min(Sq, total_q) if varlen else Sq
-    grid = (triton.cdiv(rows, cfg.block_m), Hq, B)
+    grid = (cdiv(rows, cfg.block_m), Hq, B)
     # Triton launches on the current device: make it q's.
     with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
         _flash_attn_fwd_kernel[grid](

@@ -10,6 +10,7 @@ import triton.language as tl
 
 from lanekit.layers import tuning
 from lanekit.runtime import errors
+from lanekit.runtime.host import cdiv, next_power_of_2
 from lanekit.runtime.lanes import triton_interpreted
 
 if triton_interpreted():
@@ -193,15 +194,15 @@ def rotary_fwd(*, x, cos, sin, out, rot_start, rotary_dim, interleaved=False, co
     offsets_tensor = isinstance(seqlen_offsets, torch.Tensor)
     cfg = tuning.rotary_config(x.device)
     half = rotary_dim // 2
-    block_h = min(triton.next_power_of_2(H), cfg.block_rows)   # a token's heads first, then tokens
+    block_h = min(next_power_of_2(H), cfg.block_rows)   # a token's heads first, then tokens
     block_s = max(1, cfg.block_rows // block_h)
-    grid = (triton.cdiv(S, block_s), B, triton.cdiv(H, block_h))
+    grid = (cdiv(S, block_s), B, cdiv(H, block_h))
     _rotary_kernel[grid](
         x4, o4, cos, sin, pos, cu_seqlens, seqlen_offsets if offsets_tensor else None,
         *x_strides, *o_strides, *cos.stride(), *sin.stride(), *pos_strides,
         S, H, D, rot_start, half, 0 if offsets_tensor else int(seqlen_offsets),
-        BLOCK_S=block_s, BLOCK_H=block_h, BLOCK_HALF=triton.next_power_of_2(max(half, 1)),
-        BLOCK_D=triton.next_power_of_2(D), HAS_REST=rotary_dim < D, INTERLEAVED=interleaved,
+        BLOCK_S=block_s, BLOCK_H=block_h, BLOCK_HALF=next_power_of_2(max(half, 1)),
+        BLOCK_D=next_power_of_2(D), HAS_REST=rotary_dim < D, INTERLEAVED=interleaved,
         CONJUGATE=conjugate, WRITE_REST=out.data_ptr() != x.data_ptr(),
         IS_VARLEN=varlen, HAS_POS_IDS=pos is not None, HAS_OFFSET_TENSOR=offsets_tensor,
         num_warps=cfg.num_warps,
@@ -224,17 +225,17 @@ def rotary_qk_fwd(*, q, k, q_out, k_out, cos, sin, rotary_dim, interleaved=False
     offsets_tensor = isinstance(seqlen_offsets, torch.Tensor)
     cfg = tuning.rotary_config(q.device)
     half = rotary_dim // 2
-    block_h = min(triton.next_power_of_2(max(Hq, Hk)), cfg.block_rows)
+    block_h = min(next_power_of_2(max(Hq, Hk)), cfg.block_rows)
     block_s = max(1, cfg.block_rows // block_h)
-    q_blocks = triton.cdiv(Hq, block_h)
-    grid = (triton.cdiv(S, block_s), B, q_blocks + triton.cdiv(Hk, block_h))
+    q_blocks = cdiv(Hq, block_h)
+    grid = (cdiv(S, block_s), B, q_blocks + cdiv(Hk, block_h))
     _rotary_qk_kernel[grid](
         q, k, q_out, k_out, cos, sin, pos, seqlen_offsets if offsets_tensor else None,
         *q.stride(), *k.stride(), *q_out.stride(), *k_out.stride(), *cos.stride(), *sin.stride(),
         *pos_strides, S, Hq, Hk, D, half, 0 if offsets_tensor else int(seqlen_offsets), q_blocks,
         cos.shape[0], errors.error_flag(q.device), BAD_POSITION,
-        BLOCK_S=block_s, BLOCK_H=block_h, BLOCK_HALF=triton.next_power_of_2(max(half, 1)),
-        BLOCK_D=triton.next_power_of_2(D), HAS_REST=rotary_dim < D, INTERLEAVED=interleaved,
+        BLOCK_S=block_s, BLOCK_H=block_h, BLOCK_HALF=next_power_of_2(max(half, 1)),
+        BLOCK_D=next_power_of_2(D), HAS_REST=rotary_dim < D, INTERLEAVED=interleaved,
         CONJUGATE=conjugate, HAS_POS_IDS=pos is not None, HAS_OFFSET_TENSOR=offsets_tensor,
         num_warps=cfg.num_warps,
     )
