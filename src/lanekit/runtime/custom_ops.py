@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 
 def custom_op(name: str, mutates_args=()):
@@ -18,13 +19,25 @@ def _needs_grad(inputs) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs)
 
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def _traced(args) -> bool:
+    """Whether the call is being traced or transformed (torch.compile, make_fx, AOT autograd,
+    fake or functional tensors, a dispatch mode): then only the op itself is right."""
+    if torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None:
+        return True
+    return any(isinstance(a, torch.Tensor) and type(a) not in _PLAIN for a in args)
+
+
 def call(op, *args, inputs=()):
     """Run a custom op, or its plain function when nothing needs the op: in eager mode with no
     input requiring a gradient, the dispatcher's work (about 20 us of host time per call, longer
     than a norm over a few MB takes on the GPU) buys nothing. Eager training goes through an
     ``autograd.Function`` built from the op's own registered autograd (:func:`eager_function`),
-    which calls the plain function too; torch.compile goes through the op."""
-    if torch.compiler.is_compiling():
+    which calls the plain function too; torch.compile, tracing and tensor subclasses go through
+    the op."""
+    if _traced(args):
         return op(*args)
     if _needs_grad(inputs):
         fn = eager_function(op)
