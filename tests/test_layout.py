@@ -18,7 +18,7 @@ LAYERS = (
     ("testing",),                        # the tolerance rule, poisoning, sample helpers
     FAMILIES,                            # the op families, each a folder
     ("families",),                       # the one list of families
-    ("check", "matrix", "export", "cli", "demo", "integrations", "__main__", "__init__"),
+    ("check", "matrix", "export", "cli", "demo", "integrations", "compat", "__main__", "__init__"),
 )
 
 

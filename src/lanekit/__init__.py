@@ -3,10 +3,12 @@ readable PyTorch oracle (``lanekit.reference``)."""
 
 from lanekit import kv_cache, layers, moe, rnn
 from lanekit.attention.api import (flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func,
-                                  flash_attn_varlen_func, flash_attn_with_kvcache)
+                                  flash_attn_varlen_func, flash_attn_varlen_kvpacked_func,
+                                  flash_attn_varlen_qkvpacked_func, flash_attn_with_kvcache)
 from lanekit.kv_cache.api import merge_attn_states
 from lanekit.runtime.errors import check_errors
 
 __version__ = "0.1.0"
 __all__ = ["kv_cache", "layers", "moe", "rnn", "check_errors", "flash_attn_func", "flash_attn_kvpacked_func", "flash_attn_qkvpacked_func",
-           "flash_attn_varlen_func", "flash_attn_with_kvcache", "merge_attn_states"]
+           "flash_attn_varlen_func", "flash_attn_varlen_kvpacked_func", "flash_attn_varlen_qkvpacked_func",
+           "flash_attn_with_kvcache", "merge_attn_states"]

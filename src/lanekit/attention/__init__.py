@@ -1,7 +1,8 @@
 """Attention: FlashAttention-compatible functions."""
 
 from lanekit.attention.api import (flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func,
-                                  flash_attn_varlen_func, flash_attn_with_kvcache)
+                                  flash_attn_varlen_func, flash_attn_varlen_kvpacked_func,
+                                  flash_attn_varlen_qkvpacked_func, flash_attn_with_kvcache)
 
 __all__ = ["flash_attn_func", "flash_attn_kvpacked_func", "flash_attn_qkvpacked_func", "flash_attn_varlen_func",
-           "flash_attn_with_kvcache"]
+           "flash_attn_varlen_kvpacked_func", "flash_attn_varlen_qkvpacked_func", "flash_attn_with_kvcache"]

@@ -11,8 +11,8 @@ from lanekit.attention import tuning
 from lanekit.kv_cache import checks
 from lanekit.runtime.errors import check_indices_eagerly
 from lanekit.runtime.lanes import triton_interpreted
-from lanekit.runtime.validate import (check_inplace, check_outputs, flag, int_at_least, int_in, is_int,
-                                      is_real, lane_for, tensor)
+from lanekit.runtime.validate import (argument_errors, check_inplace, check_outputs, flag, int_at_least, int_in,
+                                      int_pair, is_int, is_real, lane_for, tensor)
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
@@ -56,12 +56,9 @@ def _options(D: int, Sq: int, Sk: int, dropout_p, softmax_scale, softcap, causal
     if not (is_real(softcap) and softcap >= 0 and math.isfinite(softcap)):
         raise ValueError(f"softcap: expected a finite float >= 0, got {softcap!r}")
     causal = flag("causal", causal)
-    if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
-            or not all(map(is_int, window_size))):
-        raise TypeError(f"window_size: expected a pair of ints (left, right), got {window_size!r}")
-    left, right = (int(w) for w in window_size)
+    left, right = int_pair("window_size", window_size, " (left, right)")
     if left < -1 or right < -1:
-        raise ValueError(f"window_size: expected values >= -1 (-1 is unbounded), got {tuple(window_size)}")
+        raise ValueError(f"window_size: expected values >= -1 (-1 is unbounded), got {(left, right)}")
     # A side that reaches past every key is unbounded (FlashAttention also turns window sizes
     # >= Sk into -1); this keeps the kernel's int32 window arithmetic in range.
     if left >= Sk:
@@ -98,6 +95,7 @@ def _dropout_seed(dropout_p: float, dropout_seed, dropout_offset) -> int:
     return checked.get("dropout_seed", 0), checked["dropout_offset"]
 
 
+@argument_errors
 def flash_attn_func(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -160,12 +158,14 @@ def flash_attn_func(
 
     Raises:
         TypeError: an argument is not a tensor, or has an unsupported dtype, or dtypes differ; a
-            flag (causal, deterministic, return_attn_probs) not a bool, or a window size or
-            dropout seed/offset not an int (NumPy's and 0-d tensors count, floats and bools do
-            not).
+            flag (causal, deterministic, return_attn_probs) not a bool, window_size not a pair of
+            ints (a tuple, list, tensor or array of two; NumPy's ints and 0-d or 1-element
+            tensors count, floats and bools do not) or a dropout seed/offset not an int.
         ValueError: wrong rank or shape, Hq not a multiple of Hkv, head dim outside 1..256,
             devices differ, window sizes below -1, dropout_p outside [0, 1), softcap < 0, a bias
             or mask not broadcastable to (B, Hq, Sq, Sk), or an unknown lane.
+        Each is a RuntimeError too (``lanekit.runtime.validate.ArgumentError`` and
+        ``ArgumentTypeError``), as FlashAttention's argument errors are.
 
     Gradients: differentiable in q, k, v and ``attn_bias`` (its gradient is summed over the
     dimensions it was broadcast along; FlashAttention has no bias). A gradient of the returned
@@ -216,6 +216,7 @@ def flash_attn_func(
     return out
 
 
+@argument_errors
 def flash_attn_qkvpacked_func(
     qkv: torch.Tensor,
     dropout_p: float = 0.0,
@@ -257,6 +258,7 @@ def flash_attn_qkvpacked_func(
     )
 
 
+@argument_errors
 def flash_attn_kvpacked_func(
     q: torch.Tensor,
     kv: torch.Tensor,
@@ -335,6 +337,7 @@ def _cu_seqlens_values(name: str, vals: list[int], total: int, max_seqlen: int) 
                          f"got one of {max(lengths)}")
 
 
+@argument_errors
 def flash_attn_varlen_func(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -407,7 +410,8 @@ def flash_attn_varlen_func(
     page id outside [0, num_blocks) masks its keys, and each is recorded in a device-side error
     flag that :func:`lanekit.check_errors` reads and raises (a ``ValueError``, also a
     RuntimeError). Rows of a sequence whose own range was invalid are not written then
-    (docs/semantics.md, "Index values").
+    (docs/semantics.md, "Index values"). Each error is a RuntimeError too, as in
+    :func:`flash_attn_func`.
 
     Semantics: FlashAttention 2.7's ``flash_attn_varlen_func`` (Dao et al.); the LSE layout
     (Hq, total_q) is its own.
@@ -453,6 +457,113 @@ def flash_attn_varlen_func(
     if return_attn_probs:
         return out, lse, None
     return out
+
+
+
+@argument_errors
+def flash_attn_varlen_qkvpacked_func(
+    qkv: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+    *,
+    dropout_seed: int | None = None,
+    dropout_offset: int = 0,
+    lane: str | None = None,
+):
+    """:func:`flash_attn_varlen_func` on q, k and v packed in one tensor, FlashAttention-2's
+    ``flash_attn_varlen_qkvpacked_func`` with the same arguments (self-attention of each packed
+    sequence on itself).
+
+    Arguments:
+        qkv: (total, 3, H, D), fp16, bf16 or fp32 (fp64 on the reference lane): q, k and v of
+            every token along dimension 1, as many key/value heads as query heads. The
+            gradient is returned in the same layout.
+        cu_seqlens: (B + 1,) int32, the cumulative lengths, the same for queries and keys: 0, then
+            non-decreasing up to total.
+        max_seqlen: int, at least every sequence's length.
+        The rest: as :func:`flash_attn_varlen_func` (alibi_slopes (H,) or (B, H)).
+
+    Returns: as :func:`flash_attn_varlen_func`, out (total, H, D); with ``return_attn_probs``,
+    ``(out, softmax_lse, None)``, softmax_lse (H, total) fp32.
+
+    Raises:
+        TypeError: qkv is not a tensor or has an unsupported dtype; and as
+            :func:`flash_attn_varlen_func`.
+        ValueError: qkv is not (total, 3, H, D); and as :func:`flash_attn_varlen_func`.
+        Each is a RuntimeError too (:class:`lanekit.runtime.validate.ArgumentError`).
+
+    Semantics: FlashAttention 2.7's ``flash_attn_varlen_qkvpacked_func`` (Dao et al.).
+    """
+    tensor("qkv", qkv, dtypes=_DTYPES + (torch.float64,), ndim=4)
+    if qkv.shape[1] != 3:
+        raise ValueError(f"qkv: expected shape (total, 3, H, D), got {tuple(qkv.shape)}")
+    return flash_attn_varlen_func(
+        qkv[:, 0], qkv[:, 1], qkv[:, 2], cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p,
+        softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs,
+        dropout_seed=dropout_seed, dropout_offset=dropout_offset, lane=lane,
+    )
+
+
+@argument_errors
+def flash_attn_varlen_kvpacked_func(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+    *,
+    dropout_seed: int | None = None,
+    dropout_offset: int = 0,
+    lane: str | None = None,
+):
+    """:func:`flash_attn_varlen_func` with k and v packed in one tensor, FlashAttention-2's
+    ``flash_attn_varlen_kvpacked_func`` with the same arguments.
+
+    Arguments:
+        q: (total_q, Hq, D), fp16, bf16 or fp32 (fp64 on the reference lane).
+        kv: (total_k, 2, Hkv, D), q's dtype: k and v of every key token along dimension 1; Hq a
+            multiple of Hkv (MQA/GQA). The gradient is returned in the same layout.
+        cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k and the rest: as
+            :func:`flash_attn_varlen_func`.
+
+    Returns: as :func:`flash_attn_varlen_func`, out (total_q, Hq, D); with
+    ``return_attn_probs``, ``(out, softmax_lse, None)``, softmax_lse (Hq, total_q) fp32.
+
+    Raises:
+        TypeError: kv is not a tensor, or has an unsupported dtype or one other than q's; and as
+            :func:`flash_attn_varlen_func`.
+        ValueError: kv not (total_k, 2, Hkv, D); and as :func:`flash_attn_varlen_func`. Each is a
+            RuntimeError too (:class:`lanekit.runtime.validate.ArgumentError`).
+
+    Semantics: FlashAttention 2.7's ``flash_attn_varlen_kvpacked_func`` (Dao et al.).
+    """
+    tensor("kv", kv, dtypes=_DTYPES + (torch.float64,), ndim=4)
+    if isinstance(q, torch.Tensor) and kv.dtype != q.dtype:
+        raise TypeError(f"kv: expected the dtype of q ({q.dtype}), got {kv.dtype}")
+    if kv.shape[1] != 2:
+        raise ValueError(f"kv: expected shape (total_k, 2, Hkv, D), got {tuple(kv.shape)}")
+    return flash_attn_varlen_func(
+        q, kv[:, 0], kv[:, 1], cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+        softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs,
+        dropout_seed=dropout_seed, dropout_offset=dropout_offset, lane=lane,
+    )
 
 
 MAX_SPLITS = 128
@@ -511,6 +622,7 @@ def kvcache_num_splits(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     return num_splits_heuristic(B * Hkv * max(m_blocks, 1), max_seqlen_k, q.device, cfg.block_n, resident)
 
 
+@argument_errors
 def flash_attn_with_kvcache(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -611,7 +723,8 @@ def flash_attn_with_kvcache(
             rows, pages, slots, rotary positions, max_seqlen_k against the lengths) are raised
             here only in the debug mode ``LANEKIT_CHECK_INDICES=1`` and on the reference lane
             (one device sync; never inside a CUDA graph capture). Nothing is written when an
-            argument is rejected.
+            argument is rejected. Each error is a RuntimeError too, as in :func:`flash_attn_func`
+            (FlashAttention raises RuntimeError for a block_table too narrow for cache_seqlens).
 
     Index values (no device sync): on the Triton lane cache_seqlens, cache_leftpad,
     cache_batch_idx and block_table are not read back. The kernels keep every read and write in

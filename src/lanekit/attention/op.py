@@ -227,6 +227,56 @@ def flash_attn_varlen_backward_reference(*, dout, **kw):
     return _varlen_gradients(flash_attn_varlen_reference, dout, **kw)
 
 
+# ---- the packed varlen variants, for the registry (the public functions slice and call the above) ----
+
+def _unpacked_qkv(qkv, cu_seqlens, max_seqlen):
+    return dict(q=qkv[:, 0], k=qkv[:, 1], v=qkv[:, 2], cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens,
+                max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen, block_table=None)
+
+
+def flash_attn_varlen_qkvpacked_triton(*, qkv, cu_seqlens, max_seqlen, **kw):
+    """flash_attn_varlen_qkvpacked_func's Triton lane: views of qkv (total, 3, H, D) into the
+    varlen lane (its custom op), so autograd gathers dqkv in qkv's layout."""
+    return flash_attn_varlen_triton(**_unpacked_qkv(qkv, cu_seqlens, max_seqlen), **kw)
+
+
+def flash_attn_varlen_qkvpacked_reference(*, qkv, cu_seqlens, max_seqlen, **kw):
+    return flash_attn_varlen_reference(**_unpacked_qkv(qkv, cu_seqlens, max_seqlen), **kw)
+
+
+def flash_attn_varlen_kvpacked_triton(*, q, kv, **kw):
+    """flash_attn_varlen_kvpacked_func's Triton lane: views of kv (total_k, 2, Hkv, D)."""
+    return flash_attn_varlen_triton(q=q, k=kv[:, 0], v=kv[:, 1], block_table=None, **kw)
+
+
+def flash_attn_varlen_kvpacked_reference(*, q, kv, **kw):
+    return flash_attn_varlen_reference(q=q, k=kv[:, 0], v=kv[:, 1], block_table=None, **kw)
+
+
+def _packed_gradients(forward, dout, names, kw):
+    leaves = {n: kw.pop(n).detach().requires_grad_() for n in names}
+    with torch.enable_grad():
+        out, _ = forward(**leaves, **kw)
+        return torch.autograd.grad(out, list(leaves.values()), dout)
+
+
+def flash_attn_varlen_qkvpacked_backward_triton(*, dout, **kw):
+    """(dqkv,) through the Triton lane's autograd."""
+    return _packed_gradients(flash_attn_varlen_qkvpacked_triton, dout, ("qkv",), kw)
+
+
+def flash_attn_varlen_qkvpacked_backward_reference(*, dout, **kw):
+    return _packed_gradients(flash_attn_varlen_qkvpacked_reference, dout, ("qkv",), kw)
+
+
+def flash_attn_varlen_kvpacked_backward_triton(*, dout, **kw):
+    """(dq, dkv) through the Triton lane's autograd."""
+    return _packed_gradients(flash_attn_varlen_kvpacked_triton, dout, ("q", "kv"), kw)
+
+
+def flash_attn_varlen_kvpacked_backward_reference(*, dout, **kw):
+    return _packed_gradients(flash_attn_varlen_kvpacked_reference, dout, ("q", "kv"), kw)
+
 # ---- attention over a KV cache (flash_attn_with_kvcache) ----
 
 def _kernel_table(q, block_table, cache_batch_idx):

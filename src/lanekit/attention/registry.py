@@ -1,5 +1,6 @@
 """The attention family's registry entries: sample builders, tolerances, and the ``register``
-calls of flash_attn_func, flash_attn_varlen_func and flash_attn_with_kvcache (forward and backward).
+calls of flash_attn_func, flash_attn_varlen_func (and its packed variants) and flash_attn_with_kvcache
+(forward and backward).
 
 Each sample is in the lanes' normalized form (the keyword arguments of ``lanekit.attention.op``'s
 lane functions); its values come from a generator seeded by its name, so every process draws the
@@ -234,6 +235,90 @@ register(Op(
     doc="Gradients of flash_attn_varlen_func (packed K/V) by autograd: dq, dk, dv",
 ))
 
+
+def _packed(sample: Sample, qkv: bool) -> Sample:
+    """A (non-paged) varlen sample in the packed variants' normalized form: q, k, v stacked along
+    dimension 1 as qkv (total, 3, H, D) with one set of lengths, or k, v as kv (total_k, 2, Hkv, D)."""
+    kw = dict(sample.kwargs)
+    q, k, v = kw.pop("q"), kw.pop("k"), kw.pop("v")
+    kw.pop("block_table")
+    if not qkv:
+        return Sample(sample.name, dict(q=q, kv=torch.stack((k, v), dim=1), **kw))
+    cu, max_seqlen = kw.pop("cu_seqlens_q"), kw.pop("max_seqlen_q")
+    kw.pop("cu_seqlens_k"), kw.pop("max_seqlen_k")
+    return Sample(sample.name, dict(qkv=torch.stack((q, k, v), dim=1), cu_seqlens=cu, max_seqlen=max_seqlen, **kw))
+
+
+def _varlen_qkvpacked_samples(device):
+    bf16, f32 = torch.bfloat16, torch.float32
+    for lengths, kw in ((([17, 0, 33]), dict(name="d64 causal S[17,0,33]", D=64, causal=True)),
+                        (([40, 9]), dict(name="bf16 d80 window(5,2) softcap alibi S[40,9]", D=80, dtype=bf16,
+                                         window_size=(5, 2), softcap=20.0, alibi=True)),
+                        (([20, 7]), dict(name="fp32 d128 S[20,7]", D=128, dtype=f32, Hq=3)),
+                        (([9, 21]), dict(name="dropout0.2 d32 S[9,21]", D=32, dropout_p=0.2, seed=77))):
+        name = kw.pop("name")
+        yield _packed(varlen_case(name, device, seqlens_q=lengths, seqlens_k=lengths, **kw), qkv=True)
+
+
+def _varlen_kvpacked_samples(device):
+    bf16 = torch.bfloat16
+    for (sq, sk), kw in ((([5, 33], [40, 33]), dict(name="gqa 6:2 d64 causal Sq[5,33] Sk[40,33]", Hq=6, Hkv=2,
+                                                    D=64, causal=True)),
+                         (([1, 17], [37, 0]), dict(name="mqa 4:1 bf16 d96 window(8,0) Sq[1,17] Sk[37,0]", Hq=4,
+                                                   Hkv=1, D=96, dtype=bf16, window_size=(8, 0))),
+                         (([20, 9], [7, 33]), dict(name="softcap alibi d59 Sq[20,9] Sk[7,33]", D=59, softcap=20.0,
+                                                   alibi=True)),
+                         (([9, 21], [30, 21]), dict(name="dropout0.2 d32 Sq[9,21] Sk[30,21]", D=32, dropout_p=0.2,
+                                                    seed=77))):
+        name = kw.pop("name")
+        yield _packed(varlen_case(name, device, seqlens_q=sq, seqlens_k=sk, **kw), qkv=False)
+
+
+register(Op(
+    name="flash_attn_varlen_qkvpacked_func",
+    family="attention",
+    oracle="lanekit.reference.attention:flash_attn_varlen_qkvpacked",
+    lanes={"triton": "lanekit.attention.op:flash_attn_varlen_qkvpacked_triton",
+           "reference": "lanekit.attention.op:flash_attn_varlen_qkvpacked_reference"},
+    samples=_varlen_qkvpacked_samples,
+    outputs=(("out", ATTENTION_FWD), ("lse", LSE)),
+    doc="flash_attn_varlen_func on q, k, v packed as qkv (total, 3, H, D), one set of lengths",
+))
+
+register(Op(
+    name="flash_attn_varlen_qkvpacked_func.backward",
+    family="attention",
+    oracle="lanekit.reference.attention:flash_attn_varlen_qkvpacked_backward",
+    lanes={"triton": "lanekit.attention.op:flash_attn_varlen_qkvpacked_backward_triton",
+           "reference": "lanekit.attention.op:flash_attn_varlen_qkvpacked_backward_reference"},
+    samples=lambda device: with_output_grads(
+        _varlen_qkvpacked_samples(device), lambda kw: {"dout": (kw["qkv"][:, 0].shape, kw["qkv"])}),
+    outputs=(("dqkv", ATTENTION_BWD),),
+    doc="Gradient of flash_attn_varlen_qkvpacked_func by autograd: dqkv in qkv's layout",
+))
+
+register(Op(
+    name="flash_attn_varlen_kvpacked_func",
+    family="attention",
+    oracle="lanekit.reference.attention:flash_attn_varlen_kvpacked",
+    lanes={"triton": "lanekit.attention.op:flash_attn_varlen_kvpacked_triton",
+           "reference": "lanekit.attention.op:flash_attn_varlen_kvpacked_reference"},
+    samples=_varlen_kvpacked_samples,
+    outputs=(("out", ATTENTION_FWD), ("lse", LSE)),
+    doc="flash_attn_varlen_func with k, v packed as kv (total_k, 2, Hkv, D)",
+))
+
+register(Op(
+    name="flash_attn_varlen_kvpacked_func.backward",
+    family="attention",
+    oracle="lanekit.reference.attention:flash_attn_varlen_kvpacked_backward",
+    lanes={"triton": "lanekit.attention.op:flash_attn_varlen_kvpacked_backward_triton",
+           "reference": "lanekit.attention.op:flash_attn_varlen_kvpacked_backward_reference"},
+    samples=lambda device: with_output_grads(
+        _varlen_kvpacked_samples(device), lambda kw: {"dout": (kw["q"].shape[:-1] + kw["kv"].shape[-1:], kw["q"])}),
+    outputs=(("dq", ATTENTION_BWD), ("dkv", ATTENTION_BWD)),
+    doc="Gradients of flash_attn_varlen_kvpacked_func by autograd: dq, and dkv in kv's layout",
+))
 
 def kvcache_case(name, device, *, B=2, Sq=1, Hq=4, Hkv=2, D=64, Dv=None, dtype=torch.bfloat16,
                  seqlens=(5, 29), S_new=1, capacity=40, page_size=None, rotary_dim=0, interleaved=True,

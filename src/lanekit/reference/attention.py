@@ -228,6 +228,34 @@ def flash_attn_varlen_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Ten
         return torch.autograd.grad(out, leaves, dout)
 
 
+def flash_attn_varlen_qkvpacked(qkv: torch.Tensor, *, cu_seqlens: torch.Tensor, max_seqlen: int, **kwargs):
+    """:func:`flash_attn_varlen` on qkv (total, 3, H, D): q, k, v along dimension 1, one set of
+    lengths for queries and keys (FlashAttention's ``flash_attn_varlen_qkvpacked_func``)."""
+    return flash_attn_varlen(qkv[:, 0], qkv[:, 1], qkv[:, 2], cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens,
+                             max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen, **kwargs)
+
+
+def flash_attn_varlen_kvpacked(q: torch.Tensor, kv: torch.Tensor, **kwargs):
+    """:func:`flash_attn_varlen` with kv (total_k, 2, Hkv, D): k and v along dimension 1
+    (FlashAttention's ``flash_attn_varlen_kvpacked_func``)."""
+    return flash_attn_varlen(q, kv[:, 0], kv[:, 1], **kwargs)
+
+
+def flash_attn_varlen_qkvpacked_backward(dout: torch.Tensor, qkv: torch.Tensor, **kwargs):
+    """(dqkv,) of :func:`flash_attn_varlen_qkvpacked` by autograd, in qkv's layout."""
+    leaf = qkv.detach().requires_grad_()
+    with torch.enable_grad():
+        out, _ = flash_attn_varlen_qkvpacked(leaf, **kwargs)
+        return torch.autograd.grad(out, (leaf,), dout)
+
+
+def flash_attn_varlen_kvpacked_backward(dout: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, **kwargs):
+    """(dq, dkv) of :func:`flash_attn_varlen_kvpacked` by autograd, dkv in kv's layout."""
+    leaves = [t.detach().requires_grad_() for t in (q, kv)]
+    with torch.enable_grad():
+        out, _ = flash_attn_varlen_kvpacked(*leaves, **kwargs)
+        return torch.autograd.grad(out, leaves, dout)
+
 def _rounded(x: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     return x.to(dtype).to(x.dtype) if dtype is not None else x
 

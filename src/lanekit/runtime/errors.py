@@ -20,10 +20,7 @@ import os
 
 import torch
 
-class DeviceIndexError(ValueError, RuntimeError):
-    """What :func:`check_errors` raises: a ``ValueError`` (bad input values), catchable as a
-    ``RuntimeError`` too, as FlashAttention's and vLLM's callers catch their kernels' errors."""
-
+from lanekit.runtime.validate import ArgumentError
 
 _KINDS: dict[int, str] = {}
 _FLAGS: dict[torch.device, torch.Tensor] = {}
@@ -60,8 +57,9 @@ def check_indices_eagerly() -> bool:
 
 
 def check_errors() -> None:
-    """Raise a ``ValueError`` (:class:`DeviceIndexError`, a RuntimeError too) naming every kind of device-side error recorded since the last call
-    (on any device), and clear the flags. A sync per device with a flag: call it where a sync
+    """Raise an :class:`~lanekit.runtime.validate.ArgumentError` (a ``ValueError``, and a
+    ``RuntimeError`` as FlashAttention's index checks raise) naming every kind of device-side
+    error recorded since the last call (on any device), and clear the flags. A sync per device with a flag: call it where a sync
     is cheap (after a step, in a test). Returns None when no error was recorded."""
     found = []
     for device, flag in _FLAGS.items():
@@ -70,5 +68,5 @@ def check_errors() -> None:
             flag.zero_()
             found += [f"{device}: {message}" for bit, message in sorted(_KINDS.items()) if bits & bit]
     if found:
-        raise DeviceIndexError("lanekit found invalid indices on the device since the last check_errors():\n  "
-                         + "\n  ".join(found))
+        raise ArgumentError("lanekit found invalid indices on the device since the last check_errors():\n  "
+                            + "\n  ".join(found))

@@ -17,6 +17,7 @@ from lanekit.runtime import errors
 from lanekit.runtime.host import cdiv, next_power_of_2
 from lanekit.runtime.lanes import triton_interpreted
 from lanekit.runtime.tuning import INTERPRETER, TileConfig, lookup
+from lanekit.runtime.validate import ArgumentError
 
 if triton_interpreted():
     from lanekit.runtime.interpreter import fix_interpreter
@@ -111,8 +112,10 @@ def _tile(table: dict, device: torch.device, bucket: int) -> TileConfig:
 
 
 def _check_grid(B: int, H: int, heads: str = "heads") -> None:
+    """B and H fit grid dimensions 1 and 2: else an ArgumentError (a ValueError, and a
+    RuntimeError as FlashAttention's launch checks are)."""
     if B > MAX_GRID_YZ or H > MAX_GRID_YZ:
-        raise ValueError(f"q: the Triton lane runs at most {MAX_GRID_YZ} batches and {heads} "
+        raise ArgumentError(f"q: the Triton lane runs at most {MAX_GRID_YZ} batches and {heads} "
                          f"(grid dimensions 1 and 2), got B={B}, {'Hq' if heads == 'heads' else 'Hkv'}={H}")
 
 

@@ -1,0 +1,1 @@
+"""FlashAttention's ``flash_attn.layers`` (the rotary embedding, :mod:`.rotary`)."""
