@@ -82,6 +82,38 @@ NOTES = {
     "linear_attn_eager": (
         "The linear_attn cases called eagerly (host time included), beside fla's eager calls."
     ),
+    "eager": (
+        "Eager calls with small inputs (a few tokens: the GPU's time is a few microseconds), "
+        "microseconds of wall time per call, lower is better; the ratio is peer / lanekit (above 1.00x "
+        "lanekit takes less). Peers in the same run: PyTorch's own op (`F.rms_norm`, `F.layer_norm`, "
+        "`F.silu(g) * u`, `F.gelu(g) * u`, SDPA), Liger-Kernel's functional op (Triton launched from "
+        "Python, as lanekit's). Issue 38's bars: each fused layer <= 1.2x Liger's time, `flash_attn_func` "
+        "<= 1.2x SDPA's, the paged `flash_attn_with_kvcache` decode call <= 60 us."
+    ),
+    "layers_train": (
+        "Fused layers, forward + backward (`torch.autograd.grad` with fixed random output gradients), "
+        "Llama-3-8B shapes as `layers`, bf16, from CUDA graphs. GB/s counts the least traffic of both "
+        "passes (a norm: x and y forward, x, dy and dx backward). Peers: eager PyTorch, torch.compile, "
+        "Liger-Kernel. Issue 38's bars: >= 1.0x Liger and >= 1.1x torch.compile."
+    ),
+    "layers_train_eager": (
+        "The same forward + backward timed eagerly (`triton.testing.do_bench` on the calls as made: "
+        "the host's launches count where they exceed the GPU's time)."
+    ),
+    "rnn_train": (
+        "LSTM and GRU cells, B=256, input and hidden 1024, bf16, forward and forward + backward, from "
+        "CUDA graphs; GB/s of weights, input and state read and outputs (gradients) written once. "
+        "Peers: PyTorch's fused cells (`torch.lstm_cell`, `torch.gru_cell`, as `nn.LSTMCell` runs) and "
+        "the step written out under torch.compile; Liger has no RNN cell."
+    ),
+    "rnn_train_eager": "The RNN cells timed eagerly, host launches included.",
+    "generate": (
+        "End to end: a random bf16 Llama (hidden 2048, 16 layers, GQA 16:4 of 128, FFN 8192, vocab 32000), "
+        "B=8 prompts of 512 tokens, 64 new tokens, greedy; generated tokens per second (prefill included, "
+        "median of 3 runs). `lanekit`: `lanekit.integrations.generate.greedy_generate` (paged cache, no "
+        "device sync in the decode loop); `hf sdpa` and `hf lanekit`: transformers' `generate` with "
+        "`attn_implementation=\"sdpa\"` and `\"lanekit\"`. Bars: >= 1.5x hf sdpa and >= 1.0x hf lanekit."
+    ),
     "moe_graphs": (
         "MoE at Mixtral-8x7B (E=8, top-2, K=4096, N=14336), Qwen3-30B-A3B (E=128, top-8, K=2048, N=768) "
         "and DeepSeek-V3 (E=256, top-8, K=7168, N=2048) shapes, bf16, random routing (top-k softmax of "
@@ -115,12 +147,14 @@ NOTES = {
 def _rates(row: dict) -> dict:
     """A row's figures by name: TFLOP/s (compute-bound families), GB/s (memory-bound) or
     microseconds per call (host-timed families)."""
-    return row.get("tflops", row.get("gbps", row.get("us", {})))
+    return row.get("tflops", row.get("gbps", row.get("us", row.get("tok_s", {}))))
 
 
 def _unit(rows: list[dict]) -> str:
     if any("us" in r for r in rows):
         return "us"
+    if any("tok_s" in r for r in rows):
+        return "tokens/s"
     return "GB/s" if any("gbps" in r for r in rows) else "TFLOP/s"
 
 

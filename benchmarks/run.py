@@ -17,17 +17,17 @@ import triton
 from rich.console import Console
 from rich.table import Table
 
-from benchmarks import (attention, attention_fp8, attention_fp32, attention_train, decode, gemm, layers, linear_attn,
-                        mla, moe,
-                        prefill, quant, report)
+from benchmarks import (attention, attention_fp8, attention_fp32, attention_train, decode, eager, gemm, generate, layers,
+                        linear_attn, mla, moe, prefill, quant, report, train)
 
 FAMILIES = {"attention": attention, "attention_train": attention_train, "attention_fp32": attention_fp32,
             "attention_fp8": attention_fp8,
             "layers": layers, "decode": decode, "prefill": prefill, **moe.FAMILIES,
-            **quant.FAMILIES, **gemm.FAMILIES, **mla.FAMILIES, **linear_attn.FAMILIES}
+            **quant.FAMILIES, **gemm.FAMILIES, **mla.FAMILIES, **linear_attn.FAMILIES, "eager": eager,
+            **train.FAMILIES, "generate": generate}
 #: Names that stand for several families: ``python -m benchmarks.run moe``.
 GROUPS = {"moe": tuple(moe.FAMILIES), "quant": tuple(quant.FAMILIES), "gemm": tuple(gemm.FAMILIES),
-          "mla": tuple(mla.FAMILIES), "linear_attn": tuple(linear_attn.FAMILIES)}
+          "mla": tuple(mla.FAMILIES), "linear_attn": tuple(linear_attn.FAMILIES), "train": tuple(train.FAMILIES)}
 
 
 def machine() -> dict:
@@ -82,6 +82,12 @@ def is_timed(module) -> bool:
     return getattr(module, "UNIT", "TFLOP/s") == "us"
 
 
+def is_rate(module) -> bool:
+    """Families whose figure is a rate the family measures itself (generation's tokens per second,
+    higher is better): ``module.measure(case, fn)``."""
+    return getattr(module, "UNIT", "TFLOP/s") == "tokens/s"
+
+
 def is_memory_bound(module) -> bool:
     """GB/s for memory-bound families (bytes_moved), TFLOP/s for compute-bound ones (flops)."""
     return getattr(module, "UNIT", "TFLOP/s") == "GB/s"
@@ -97,6 +103,8 @@ def measure(module, case, fn) -> float:
     for a family in microseconds, fn's wall-clock time per call, the host's included."""
     if is_timed(module):
         return moe.host_us(fn)
+    if is_rate(module):
+        return module.measure(case, fn)
     timer = bench_graph if getattr(module, "CUDA_GRAPHS", False) else bench
     return work(module, case) / timer(fn) / (1e6 if is_memory_bound(module) else 1e9)
 
@@ -113,6 +121,9 @@ def run_family(module, quick: bool, console: Console) -> list[dict]:
         if is_timed(module):
             row = {"case": module.name(case), "error": error, "us": {}}
             key = "us"
+        elif is_rate(module):
+            row = {"case": module.name(case), "error": error, "tok_s": {}}
+            key = "tok_s"
         else:
             key = "gbps" if gbps else "tflops"
             row = {"case": module.name(case), ("bytes" if gbps else "flops"): work(module, case), "error": error,

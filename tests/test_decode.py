@@ -154,7 +154,8 @@ def test_output_does_not_depend_on_the_allocated_capacity(device, D, capacity):
         assert torch.equal(small, big)
 
 
-def test_split_count_follows_the_used_length_and_the_batch_not_the_capacity(device, monkeypatch):
+def test_split_count_follows_max_seqlen_k_else_the_capacity_never_a_length_read_back(device, monkeypatch):
+    # (DESIGN.md's hot path: the lengths live on the device and are not read back per call)
     from lanekit.attention import api
 
     seen = []
@@ -165,10 +166,12 @@ def test_split_count_follows_the_used_length_and_the_batch_not_the_capacity(devi
         q, kc, vc, seqlens = decode_inputs(device, B=1, Sk=300, Hq=2, Hkv=1, D=64, capacity=capacity)
         new = torch.zeros(1, 1, 1, 64, dtype=q.dtype, device=device)
         seqlens = torch.full_like(seqlens, 299)
-        lanekit.flash_attn_with_kvcache(q, kc, vc, new, new, cache_seqlens=seqlens, lane="triton")
+        lanekit.flash_attn_with_kvcache(q, kc, vc, new, new, cache_seqlens=seqlens, max_seqlen_k=300, lane="triton")
         picks[capacity] = seen[-1]
+        lanekit.flash_attn_with_kvcache(q, kc, vc, new, new, cache_seqlens=seqlens, lane="triton")
+        assert seen[-1][1] == capacity                  # no bound given: the capacity
     assert picks[300] == picks[1000]
-    assert picks[300][1] == 300                         # the used length, the appended key included
+    assert picks[300][1] == 300                         # the caller's bound, the appended key included
     one = api.kvcache_num_splits(q, kc, vc, max_seqlen_k=4096)
     assert one > 1                                      # one program per row: split to fill the SMs
     many = torch.zeros(512, 1, 2, 64, dtype=torch.bfloat16, device=device)
@@ -406,7 +409,8 @@ BAD_KVCACHE = {
 
 
 @pytest.mark.parametrize("case", list(BAD_KVCACHE))
-def test_kvcache_bad_input_raises_and_writes_nothing(device, case):
+def test_kvcache_bad_input_raises_and_writes_nothing(device, case, monkeypatch):
+    monkeypatch.setenv("LANEKIT_CHECK_INDICES", "1")   # index values checked on the host, before anything runs
     g = gen(5)
     q = randn(2, 1, 4, 32, dtype=torch.float16, device=device, generator=g)
     kc = randn(2, 16, 2, 32, dtype=torch.float16, device=device, generator=g)
@@ -630,7 +634,8 @@ def test_varlen_flags_and_ints_follow_the_one_rule(device):
 @pytest.mark.parametrize("case", ["cu_seqlens not ending at total", "decreasing", "longer than max_seqlen",
                                   "int64 cu_seqlens", "batch mismatch", "block_table too short",
                                   "max_seqlen_q a float"])
-def test_varlen_bad_input_raises_a_clear_error(device, case):
+def test_varlen_bad_input_raises_a_clear_error(device, case, monkeypatch):
+    monkeypatch.setenv("LANEKIT_CHECK_INDICES", "1")   # cu_seqlens and pages read back and checked
     q, k, v, cq, ck = varlen_inputs(device, [2, 3], [4, 4], Hq=2, Hkv=2, D=16)
     args = [q, k, v, cq, ck, 3, 4]
     kw = {}
@@ -653,3 +658,126 @@ def test_varlen_bad_input_raises_a_clear_error(device, case):
     with pytest.raises(TypeError if case == "max_seqlen_q a float" else (ValueError, TypeError)) as info:
         lanekit.flash_attn_varlen_func(*args, **kw)
     assert "expected" in str(info.value)
+
+
+# ---- index values not read back (DESIGN.md's hot path): masked in the kernels, recorded ----
+
+def _clear_errors():
+    try:
+        lanekit.check_errors()
+    except ValueError:
+        pass
+
+
+# case: (the kind of error recorded, whether sequence 1's output rows come out 0)
+UNCHECKED_KVCACHE = {
+    "cache_seqlens past capacity": ("cache_seqlens, cache_leftpad or cache_batch_idx value out of range", True),
+    "page out of range": ("a row past the cache, or a page past the pool", True),   # a one-page table
+    "table too short": ("cache_seqlens, cache_leftpad or cache_batch_idx value out of range", True),
+    "page out of range, two-page table": ("block_table page id outside", False),
+    "rotary too short": ("rotary: a position", False),
+}
+
+
+@pytest.mark.parametrize("case", list(UNCHECKED_KVCACHE))
+def test_kvcache_index_values_out_of_range_are_masked_and_recorded_not_read(device, case, monkeypatch):
+    monkeypatch.delenv("LANEKIT_CHECK_INDICES", raising=False)
+    _clear_errors()
+    g = gen(5)
+    q = randn(2, 1, 4, 32, dtype=torch.float16, device=device, generator=g)
+    kc = randn(2, 16, 2, 32, dtype=torch.float16, device=device, generator=g)
+    k = randn(2, 1, 2, 32, dtype=torch.float16, device=device, generator=g)
+    kw = dict(cache_seqlens=torch.tensor([3, 5], dtype=torch.int32, device=device))
+    if case == "cache_seqlens past capacity":
+        kw["cache_seqlens"] = torch.tensor([3, 16], dtype=torch.int32, device=device)
+    elif case == "page out of range":
+        kw["block_table"] = torch.tensor([[0], [7]], dtype=torch.int32, device=device)
+    elif case == "table too short":
+        kc = randn(4, 2, 2, 32, dtype=torch.float16, device=device, generator=g)
+        kw["block_table"] = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32, device=device)
+    elif case == "page out of range, two-page table":   # sequence 1's first page (keys 0..3) is past the pool
+        kc = randn(4, 4, 2, 32, dtype=torch.float16, device=device, generator=g)
+        kw["block_table"] = torch.tensor([[0, 1], [9, 3]], dtype=torch.int32, device=device)
+    elif case == "rotary too short":
+        kw["rotary_cos"] = kw["rotary_sin"] = torch.ones(5, 8, dtype=torch.float16, device=device)
+    vc = kc.clone()
+    with poisoned_outputs():
+        out = lanekit.flash_attn_with_kvcache(q, kc, vc, k, k.clone(), lane="triton", **kw)
+    kind, zero = UNCHECKED_KVCACHE[case]
+    with pytest.raises(RuntimeError, match=kind):     # a ValueError, catchable as a RuntimeError
+        lanekit.check_errors()
+    lanekit.check_errors()                            # cleared
+    # sequence 0 is valid: the same as alone, with the same caches
+    one = {n: (t[:1] if isinstance(t, torch.Tensor) and n in ("cache_seqlens", "block_table") else t)
+           for n, t in kw.items()}
+    rows = slice(None) if "block_table" in kw else slice(0, 1)   # a contiguous cache: sequence 0's row
+    alone = lanekit.flash_attn_with_kvcache(q[:1], kc[rows].clone(), vc[rows].clone(), k[:1], k[:1].clone(),
+                                            lane="triton", **one)
+    assert torch.equal(out[:1], alone)
+    assert not out.isnan().any()
+    if zero:
+        assert (out[1] == 0).all()
+
+
+@pytest.mark.parametrize("case", ["cu_seqlens not ending at total", "decreasing", "longer than max_seqlen",
+                                  "block_table too short"])
+def test_varlen_index_values_out_of_range_are_clamped_and_recorded(device, case, monkeypatch):
+    monkeypatch.delenv("LANEKIT_CHECK_INDICES", raising=False)
+    _clear_errors()
+    q, k, v, cq, ck = varlen_inputs(device, [2, 3], [4, 4], Hq=2, Hkv=2, D=16)
+    args = [q, k, v, cq, ck, 3, 4]
+    kw = {}
+    if case == "cu_seqlens not ending at total":
+        args[3] = torch.tensor([0, 2, 4], dtype=torch.int32, device=device)
+    elif case == "decreasing":
+        args[4] = torch.tensor([0, 9, 8], dtype=torch.int32, device=device)
+    elif case == "longer than max_seqlen":
+        args[5] = 2
+    elif case == "block_table too short":
+        args[1] = k.reshape(4, 2, 2, 16)
+        args[2] = v.reshape(4, 2, 2, 16)
+        kw["block_table"] = torch.tensor([[0], [1]], dtype=torch.int32, device=device)
+    out = lanekit.flash_attn_varlen_func(*args, lane="triton", **kw)
+    with pytest.raises(ValueError, match="flash_attn_varlen_func: cu_seqlens_q or cu_seqlens_k"):
+        lanekit.check_errors()
+    if case == "decreasing":   # key rows clamped to [0, 8, 8]: sequence 1 sees no key
+        assert (out[2:] == 0).all() and not out[:2].isnan().any()
+
+
+def test_valid_cache_calls_record_no_error(device, monkeypatch):
+    monkeypatch.delenv("LANEKIT_CHECK_INDICES", raising=False)
+    _clear_errors()
+    q, k, v, cq, ck = varlen_inputs(device, [2, 3], [4, 4], Hq=2, Hkv=2, D=16)
+    lanekit.flash_attn_varlen_func(q, k, v, cq, ck, 3, 4, lane="triton")
+    kc = randn(4, 4, 2, 16, dtype=q.dtype, device=device, generator=gen(2))
+    table = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32, device=device)
+    lanekit.flash_attn_with_kvcache(q[:2, None], kc, kc.clone(), cache_seqlens=torch.tensor([8, 0], dtype=torch.int32,
+                                    device=device), block_table=table, lane="triton")
+    lanekit.check_errors()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="device syncs are a GPU's")
+def test_decode_and_varlen_read_nothing_back_from_the_device(device, monkeypatch):
+    monkeypatch.delenv("LANEKIT_CHECK_INDICES", raising=False)
+    q, k, v, cq, ck = varlen_inputs(device, [2, 3], [4, 4], Hq=2, Hkv=2, D=16)
+    kc = randn(8, 4, 2, 16, dtype=q.dtype, device=device, generator=gen(2))
+    vc = kc.clone()
+    table = torch.tensor([[0, 1, 4], [2, 3, 5]], dtype=torch.int32, device=device)
+    seqlens = torch.tensor([7, 2], dtype=torch.int32, device=device)
+    new = randn(2, 1, 2, 16, dtype=q.dtype, device=device, generator=gen(3))
+
+    def calls():
+        lanekit.flash_attn_varlen_func(q, k, v, cq, ck, 3, 4, causal=True)
+        lanekit.flash_attn_with_kvcache(q[:2, None], kc, vc, new, new, cache_seqlens=seqlens, block_table=table,
+                                        causal=True)
+        lanekit.kv_cache.reshape_and_cache(new[:, 0], new[:, 0], kc, vc, torch.tensor([30, 31], device=device))
+        lanekit.kv_cache.gather_cache(kc, vc, table, seqlens, max_seqlen=12)
+
+    calls()                          # compiles the kernels
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        calls()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    lanekit.check_errors()

@@ -378,7 +378,8 @@ def _write_args(device, kv_dtype=None):
         "scales for a values cache", "k_scale for a values cache", "key on another device",
         "codes without v scales", "k_cache_scale shape", "k_cache_scale dtype", "k_scale zero",
         "v_scale infinite", "v_scale shape"])
-def test_bad_writes_name_the_argument_and_modify_nothing(device, change, quantized, arg, error):
+def test_bad_writes_name_the_argument_and_modify_nothing(device, change, quantized, arg, error, monkeypatch):
+    monkeypatch.setenv("LANEKIT_CHECK_INDICES", "1")   # slot values checked on the host, before the write
     args = _write_args(device, torch.int8 if quantized else None)
     args.update({k: v.to(device) if isinstance(v, torch.Tensor) and v.device.type != "meta" else v
                  for k, v in change.items()})
@@ -435,7 +436,8 @@ def _gather_args(device):
 ], ids=["page past num_blocks", "negative page in use", "int64 table", "length past the row's pages",
         "negative length", "lengths for 1 of 2 rows", "max_seqlen too small", "int8 dtype",
         "scales for a values cache", "codes without scales"])
-def test_bad_gathers_name_the_argument(device, change, arg, error):
+def test_bad_gathers_name_the_argument(device, change, arg, error, monkeypatch):
+    monkeypatch.setenv("LANEKIT_CHECK_INDICES", "1")   # lengths and pages checked on the host
     args = _gather_args(device)
     args.update({k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in change.items()})
     with pytest.raises(error, match=rf"^{arg}: "):
@@ -765,3 +767,55 @@ def test_reshape_and_cache_and_paged_write_keep_a_nan_row_visible_on_both_lanes(
     k, v = cache.gather([0, 1])
     assert torch.isnan(k[0, 1, 0]).all() and torch.isnan(k[0, 2, 1]).all() and torch.isnan(k[1, 0, 0]).all()
     assert torch.isfinite(k[0, 0]).all() and torch.isfinite(k[0, 1, 1]).all()
+# ---- index values not read back (DESIGN.md's hot path): masked in the kernels, recorded ----
+
+@pytest.fixture
+def unchecked(monkeypatch):
+    """Index values left to the kernels (LANEKIT_CHECK_INDICES unset); the error flags start clear."""
+    from lanekit.runtime import errors
+
+    monkeypatch.delenv("LANEKIT_CHECK_INDICES", raising=False)
+    try:
+        errors.check_errors()
+    except ValueError:
+        pass
+    return errors
+
+
+def test_a_slot_past_the_cache_is_skipped_and_recorded_not_written(device, unchecked):
+    args = _write_args(device)
+    args["slot_mapping"] = torch.tensor([0, 1, -1, 12, 11], device=device)   # 12 = num_blocks * page_size
+    KV.reshape_and_cache(**args, lane="triton")
+    with pytest.raises(ValueError, match="slot at or past num_blocks"):
+        lanekit.check_errors()
+    lanekit.check_errors()                                           # cleared: nothing more
+    want = torch.zeros(12, 2, 16, dtype=torch.bfloat16, device=device)
+    want[[0, 1, 11]] = 1
+    assert torch.equal(args["k_cache"].view(12, 2, 16), want)       # tokens 0, 1 and 4 only
+
+
+def test_gather_with_max_seqlen_reads_no_page_out_of_range_and_records_it(device, unchecked):
+    args = _gather_args(device)
+    args["k_cache"].copy_(torch.arange(1, 5, device=device, dtype=torch.bfloat16)[:, None, None, None].expand(4, 3, 2, 16))
+    args["v_cache"].copy_(args["k_cache"])
+    args["block_table"] = torch.tensor([[0, 9], [3, -1]], dtype=torch.int32, device=device)   # page 9 is past the pool
+    k, v = KV.gather_cache(**args, max_seqlen=6, lane="triton")
+    with pytest.raises(ValueError, match="gather_cache: a cache_seqlens value outside"):
+        lanekit.check_errors()
+    assert torch.equal(k[0, :3], torch.ones_like(k[0, :3]))             # page 0 (value 1)
+    assert torch.equal(k[0, 3:], torch.zeros_like(k[0, 3:]))            # page 9 never read: zeros
+    assert torch.equal(k[1, :2], torch.full_like(k[1, :2], 4))          # page 3 (value 4)
+    assert torch.equal(k[1, 2:], torch.zeros_like(k[1, 2:]))
+    args["block_table"] = torch.tensor([[0, 2], [3, -1]], dtype=torch.int32, device=device)
+    args["cache_seqlens"] = torch.tensor([7, -2], dtype=torch.int32, device=device)          # past the row, negative
+    k, _ = KV.gather_cache(**args, max_seqlen=6, lane="triton")
+    with pytest.raises(ValueError, match="gather_cache"):
+        lanekit.check_errors()
+    assert torch.equal(k, torch.zeros_like(k))                           # neither sequence read
+
+
+def test_valid_calls_record_nothing(device, unchecked):
+    args = _write_args(device)
+    KV.reshape_and_cache(**args, lane="triton")
+    KV.gather_cache(**_gather_args(device), max_seqlen=6, lane="triton")
+    lanekit.check_errors()                                              # no error recorded

@@ -10,6 +10,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import lanekit
 import lanekit.layers as L
 from lanekit.layers.registry import LAYERS_BWD, NORM
 from lanekit.reference import layers as ref
@@ -582,7 +583,8 @@ def test_bad_input_names_the_argument(device, call, arg, error):
     (dict(cu_seqlens=torch.tensor([0, 2], dtype=torch.int32)), "cu_seqlens"),
 ], ids=["odd rotary_dim", "rotary_dim over D", "positions past cos", "position id past cos",
         "negative offset", "cu_seqlens with 4-d x"])
-def test_bad_rotary_input_names_the_argument_and_leaves_x_alone(device, kwargs, arg):
+def test_bad_rotary_input_names_the_argument_and_leaves_x_alone(device, kwargs, arg, monkeypatch):
+    monkeypatch.setenv("LANEKIT_CHECK_INDICES", "1")   # position values checked on the host too
     x = torch.randn(1, 4, 2, 64, device=device)
     before = x.clone()
     theta = torch.rand(62, 32)
@@ -825,3 +827,117 @@ def test_norms_of_rows_past_1e19_and_of_tiny_rows_ruled_by_eps_match_the_oracle_
         o, e = o.reshape(4, N), e.reshape(4, N)
         for r in range(4):
             assert_close(o[r], e[r].to(o.dtype), NORM)
+def test_positions_past_cos_are_masked_and_recorded_not_read(device, monkeypatch):
+    # no value read back on the Triton lane: the rotated features of such a token come out 0
+    monkeypatch.delenv("LANEKIT_CHECK_INDICES", raising=False)
+    try:
+        lanekit.check_errors()
+    except ValueError:
+        pass
+    x = randn(1, 4, 2, 64, dtype=torch.float32, device=device, generator=gen(3))
+    theta = torch.rand(62, 16, device=device)
+    pos = torch.tensor([[0, 1, 2, 99]], device=device)
+    with poisoned_outputs():
+        got = L.apply_rotary(x, theta.cos(), theta.sin(), position_ids=pos, lane="triton")
+    with pytest.raises(ValueError, match="rotary: a position"):
+        lanekit.check_errors()
+    want = ref.apply_rotary(x[:, :3].double(), theta.cos().double(), theta.sin().double(), position_ids=pos[:, :3])
+    assert_close(got[:, :3], want, "eltwise")
+    assert (got[0, 3, :, :32] == 0).all() and torch.equal(got[0, 3, :, 32:], x[0, 3, :, 32:])
+
+
+# ---- apply_rotary_qk: q and k in one launch ----
+
+def _qk(device, dtype=torch.bfloat16, B=2, S=7, Hq=6, Hkv=2, D=64, seed=4):
+    g = gen(seed)
+    q = randn(B, S, Hq, D, dtype=dtype, device=device, generator=g)
+    k = randn(B, S, Hkv, D, dtype=dtype, device=device, generator=g)
+    theta = torch.rand(32, D // 2, generator=g).to(device) * 6.3
+    return q, k, theta.cos(), theta.sin()
+
+
+@pytest.mark.parametrize("interleaved", [False, True], ids=["neox", "interleaved"])
+def test_apply_rotary_qk_is_apply_rotary_of_each_in_one_launch(device, interleaved, monkeypatch):
+    from lanekit.layers import kernels
+
+    q, k, cos, sin = _qk(device)
+    pos = torch.randint(0, 32, (2, 7), generator=gen(5)).to(device)
+    launches = []
+    real = kernels.rotary_qk_fwd
+    monkeypatch.setattr(kernels, "rotary_qk_fwd", lambda **kw: launches.append(1) or real(**kw))
+    leaves = [t.clone().requires_grad_() for t in (q, k)]
+    with poisoned_outputs():
+        got_q, got_k = L.apply_rotary_qk(*leaves, cos, sin, interleaved, position_ids=pos, lane="triton")
+    assert len(launches) == 1
+    want_q = L.apply_rotary(q, cos, sin, interleaved, position_ids=pos, lane="triton")
+    want_k = L.apply_rotary(k, cos, sin, interleaved, position_ids=pos, lane="triton")
+    assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
+    ref_q, ref_k = ref.apply_rotary_qk(f64(q), f64(k), f64(cos), f64(sin), interleaved, position_ids=pos)
+    assert_close(got_q, ref_q, "eltwise")
+    assert_close(got_k, ref_k, "eltwise")
+    dq, dk = randn(*q.shape, dtype=q.dtype, device=device, generator=gen(6)), randn(
+        *k.shape, dtype=k.dtype, device=device, generator=gen(7))
+    with poisoned_outputs():
+        gq, gk = torch.autograd.grad((got_q, got_k), leaves, (dq, dk))
+    assert len(launches) == 2                                  # the backward: one launch for both
+    want_gq = ref.apply_rotary(f64(dq), f64(cos), f64(sin), interleaved, position_ids=pos, conjugate=True)
+    want_gk = ref.apply_rotary(f64(dk), f64(cos), f64(sin), interleaved, position_ids=pos, conjugate=True)
+    assert_close(gq, want_gq, "eltwise")
+    assert_close(gk, want_gk, "eltwise")
+
+
+def test_apply_rotary_qk_matches_llamas_apply_rotary_pos_emb(device):
+    pytest.importorskip("transformers")
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    q, k, cos, sin = _qk(device, dtype=torch.float32, S=9)
+    pos = torch.arange(9, device=device)
+    full_cos, full_sin = torch.cat((cos, cos), -1)[pos][None], torch.cat((sin, sin), -1)[pos][None]   # (1, S, D)
+    want_q, want_k = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), full_cos, full_sin)
+    for lane in LANES:
+        got_q, got_k = L.apply_rotary_qk(q, k, cos, sin, lane=lane)
+        assert_close(got_q, want_q.transpose(1, 2), "eltwise")
+        assert_close(got_k, want_k.transpose(1, 2), "eltwise")
+
+
+@pytest.mark.parametrize("change, arg, error", [
+    (lambda q, k: (q, k[:, :3]), "k", ValueError),
+    (lambda q, k: (q, k.half()), "k", TypeError),
+    (lambda q, k: (q[0], k), "q", ValueError),
+    (lambda q, k: (q, k[..., :32]), "k", ValueError),
+], ids=["k shorter", "k dtype", "q 3-d", "k head dim"])
+def test_bad_apply_rotary_qk_input_names_the_argument(device, change, arg, error):
+    q, k, cos, sin = _qk(device)
+    q, k = change(q, k)
+    with pytest.raises(error, match=rf"^{arg}: "):
+        L.apply_rotary_qk(q, k, cos, sin)
+    with pytest.raises(ValueError, match="^seqlen_offsets: "):
+        L.apply_rotary_qk(*_qk(device)[:2], cos, sin, seqlen_offsets=torch.zeros(3, dtype=torch.int32, device=device))
+    with pytest.raises(TypeError, match="^interleaved: "):
+        L.apply_rotary_qk(*_qk(device)[:2], cos, sin, interleaved=1)
+
+
+# ---- eager calls skip the dispatcher; eager training takes an autograd.Function of the same op ----
+
+def test_eager_training_gives_the_custom_ops_gradients(device, monkeypatch):
+    from lanekit.runtime import custom_ops
+
+    g = gen(8)
+    x = randn(5, 96, dtype=torch.bfloat16, device=device, generator=g)
+    w = randn(96, dtype=torch.bfloat16, device=device, generator=g)
+    gate = randn(5, 192, dtype=torch.bfloat16, device=device, generator=g)
+    dy = randn(5, 96, dtype=torch.bfloat16, device=device, generator=g)
+
+    def grads():
+        leaves = [t.clone().requires_grad_() for t in (x, w, gate)]
+        y = L.rms_norm(leaves[0], leaves[1], lane="triton") + L.swiglu(leaves[2], lane="triton")
+        return torch.autograd.grad(y, leaves, dy)
+
+    used = []
+    real = custom_ops.eager_function
+    monkeypatch.setattr(custom_ops, "eager_function", lambda op: used.append(op) or real(op))
+    eager = grads()
+    assert len(used) == 2 and all(real(op) is not None for op in used)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)   # the custom ops' own autograd
+    through_ops = grads()
+    assert all(torch.equal(a, b) for a, b in zip(eager, through_ops))

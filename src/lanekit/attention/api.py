@@ -9,6 +9,7 @@ import torch
 from lanekit.attention import op as _lanes
 from lanekit.attention import tuning
 from lanekit.kv_cache import checks
+from lanekit.runtime.errors import check_indices_eagerly
 from lanekit.runtime.lanes import triton_interpreted
 from lanekit.runtime.validate import (argument_errors, check_inplace, check_outputs, flag, int_at_least, int_in,
                                       int_pair, is_int, is_real, lane_for, tensor)
@@ -413,6 +414,15 @@ def _capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
+def _read_indices(lane: str) -> bool:
+    """Whether this call reads its device-resident index values back to check them on the host
+    (a device sync): in the debug mode ``LANEKIT_CHECK_INDICES=1``, and always on the reference
+    lane (the float64 oracle, off the hot path, which would index out of range); never inside a
+    CUDA graph capture. Otherwise the kernels mask what is out of range and record it for
+    :func:`lanekit.check_errors` (DESIGN.md's hot path)."""
+    return (lane == "reference" or check_indices_eagerly()) and not _capturing()
+
+
 def _cu_seqlens(name: str, cu, B: int | None, q: torch.Tensor) -> int:
     """Check cumulative sequence lengths' type, shape and device: (B + 1,) int32 on q's. Returns B."""
     tensor(name, cu, dtypes=(torch.int32,), ndim=1, like=q, like_name="q")
@@ -512,9 +522,18 @@ def flash_attn_varlen_func(
         ValueError: wrong ranks or shapes, cu_seqlens not from 0 to the total or decreasing, a
             sequence longer than its max_seqlen, a block_table too short for a sequence or naming
             a page that does not exist, and the errors of :func:`flash_attn_func`. The values of
-            cu_seqlens and block_table are read back to check them (a device sync), except
-            inside a CUDA graph capture, where they are trusted. Each error is a RuntimeError
-            too, as in :func:`flash_attn_func`.
+            cu_seqlens and block_table are checked on the host only in the debug mode
+            ``LANEKIT_CHECK_INDICES=1`` and on the reference lane (a device sync; never inside a
+            CUDA graph capture).
+
+    Index values (no device sync): on the Triton lane the values of cu_seqlens and block_table
+    are not read back. The kernels keep every read and write in bounds: cu_seqlens are clamped
+    on the device (non-decreasing within the totals; paged lengths within the table's pages), a
+    page id outside [0, num_blocks) masks its keys, and each is recorded in a device-side error
+    flag that :func:`lanekit.check_errors` reads and raises (a ``ValueError``, also a
+    RuntimeError). Rows of a sequence whose own range was invalid are not written then
+    (docs/semantics.md, "Index values"). Each error is a RuntimeError too, as in
+    :func:`flash_attn_func`.
 
     Semantics: FlashAttention 2.7's ``flash_attn_varlen_func`` (Dao et al.); the LSE layout
     (Hq, total_q) is its own.
@@ -533,14 +552,15 @@ def flash_attn_varlen_func(
     max_seqlen_k = int_at_least("max_seqlen_k", max_seqlen_k)
     B = _cu_seqlens("cu_seqlens_q", cu_seqlens_q, None, q)
     _cu_seqlens("cu_seqlens_k", cu_seqlens_k, B, q)
-    if not _capturing():  # both read back in one transfer: one device sync
+    if block_table is not None:
+        checks.table(block_table, q, "q", B, "one per sequence of cu_seqlens_q")
+    chosen = lane_for(q, lane, "q")
+    if _read_indices(chosen):  # both read back in one transfer: one device sync
         both = torch.cat((cu_seqlens_q, cu_seqlens_k)).tolist()
         _cu_seqlens_values("cu_seqlens_q", both[:B + 1], total_q, max_seqlen_q)
         _cu_seqlens_values("cu_seqlens_k", both[B + 1:], -1 if block_table is not None else k.shape[0],
                            max_seqlen_k)
-    if block_table is not None:
-        checks.table(block_table, q, "q", B, "one per sequence of cu_seqlens_q")
-        if not _capturing():
+        if block_table is not None:
             checks.pages(block_table, cu_seqlens_k.diff(), k.shape[0], k.shape[1])
     softmax_scale, left, right = _options(D, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
                                           softcap, causal, window_size)
@@ -556,7 +576,6 @@ def flash_attn_varlen_func(
         extra = dict(sinks=sinks, q_descale=descales[0], k_descale=descales[1], v_descale=descales[2],
                      out_dtype=out_dtype)
 
-    chosen = lane_for(q, lane, "q")
     out, lse = getattr(_lanes, f"flash_attn_varlen_{chosen}")(
         q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q.contiguous(), cu_seqlens_k=cu_seqlens_k.contiguous(),
         max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
@@ -818,11 +837,12 @@ def flash_attn_with_kvcache(
             page_size, Hkv) fp32 scales of a cache of codes (value = code * scale); updated in
             place with the appended tokens' scales.
         max_seqlen_k: (lanekit) an int at least every sequence's key count after the append (its
-            cache_seqlens[b] + S_new), or None: the longest used length, read back with the
-            index checks. It picks the decode tile (attention/tuning.py: smaller tiles for short
-            caches on some GPUs) and bounds num_splits=0's split count. Inside a CUDA graph
-            capture, where lengths cannot be read, pass the bound the graph will replay under
-            (a serving engine's length bucket); None there takes the long-cache tile. The tile
+            cache_seqlens[b] + S_new), or None: the cache's capacity (S_cache, or the table's
+            pages times page_size). Metadata the caller knows (lengths are never read back for
+            it): it picks the decode tile (attention/tuning.py: smaller tiles for short caches on
+            some GPUs) and bounds num_splits=0's split count; a bound below a length costs
+            speed, never correctness (checked only with LANEKIT_CHECK_INDICES=1). Pass it in
+            decode loops (a serving engine's length bucket inside a CUDA graph). The tile
             orders the sums differently: outputs for two bounds differ by rounding.
         lane: as :func:`flash_attn_func`.
         sinks: (Hq,) fp32, as :func:`flash_attn_func` (added once, after the split merge).
@@ -859,12 +879,23 @@ def flash_attn_with_kvcache(
             not differentiable) or is an inference tensor outside inference mode, and two of the written tensors (caches, scales)
             starting at the same element (one tensor passed for both); rotary
             positions past S_ro; scales missing or superfluous; num_splits outside 0..128;
-            max_seqlen_k below a sequence's key count (outside a capture) or negative; and
-            the errors of :func:`flash_attn_func`. Index values are read back to check them (one
-            device sync), except inside a CUDA graph capture, where they are trusted. Nothing is
-            written when an argument is rejected. Each error is a RuntimeError too, as in
-            :func:`flash_attn_func` (FlashAttention raises RuntimeError for a block_table too
-            narrow for cache_seqlens).
+            max_seqlen_k negative (or, checked, below a sequence's key count); and the errors
+            of :func:`flash_attn_func`. The errors about index values (lengths, left padding,
+            rows, pages, slots, rotary positions, max_seqlen_k against the lengths) are raised
+            here only in the debug mode ``LANEKIT_CHECK_INDICES=1`` and on the reference lane
+            (one device sync; never inside a CUDA graph capture). Nothing is written when an
+            argument is rejected. Each error is a RuntimeError too, as in :func:`flash_attn_func`
+            (FlashAttention raises RuntimeError for a block_table too narrow for cache_seqlens).
+
+    Index values (no device sync): on the Triton lane cache_seqlens, cache_leftpad,
+    cache_batch_idx and block_table are not read back. The kernels keep every read and write in
+    bounds: a sequence whose length, left padding or row is out of range reads no key (its rows
+    come out 0, LSE -inf) and appends nothing, a page id outside [0, num_blocks) masks its keys,
+    a rotary position past S_ro rotates by nothing (its rotated features come out 0), and each
+    is recorded in a device-side error flag that :func:`lanekit.check_errors` reads and raises.
+    Appends that collide (two sequences' new tokens in one slot, or over another sequence's
+    cached token) are the caller's to avoid, as in vLLM and FlashAttention: only the debug mode
+    finds them.
 
     Semantics: FlashAttention 2.7's ``flash_attn_with_kvcache`` (Dao et al.); beyond it: any
     page_size, paged caches with num_splits and with cache_leftpad, quantized caches.
@@ -890,16 +921,16 @@ def flash_attn_with_kvcache(
         extra = dict(sinks=sinks, q_descale=descales[0], k_descale=descales[1], v_descale=descales[2],
                      out_dtype=out_dtype)
 
+    chosen = lane_for(q, lane, "q")
     max_used = None
-    if not _capturing():
+    if _read_indices(chosen):
         max_used = _check_cache_values(cache_seqlens, cache_leftpad, cache_batch_idx, block_table, S_new,
                                        capacity, k_cache.shape[0], k_cache.shape[1], Sq, S_ro,
                                        left >= 0 or right >= 0)
-    bound = _key_bound(max_seqlen_k, max_used)
+    bound = _key_bound(max_seqlen_k, max_used, capacity)
     if num_splits == 0:
         num_splits = kvcache_num_splits(q, k_cache, v_cache, block_table, cache_leftpad, bound)
 
-    chosen = lane_for(q, lane, "q")
     # the kernels index these as packed vectors and rows: a strided view is read as its copy
     cache_seqlens = cache_seqlens.contiguous()
     cache_leftpad = cache_leftpad.contiguous() if cache_leftpad is not None else None
@@ -1082,11 +1113,13 @@ def _check_cache_values(cache_seqlens, cache_leftpad, cache_batch_idx, block_tab
     return int((ends - starts).max()) if ends.numel() else 0
 
 
-def _key_bound(max_seqlen_k, max_used: int | None) -> int | None:
+def _key_bound(max_seqlen_k, max_used: int | None, capacity: int) -> int:
     """max_seqlen_k checked (an int, at least the used length when it was read); returns the bound
-    that picks the decode tile and the split count: max_seqlen_k, else the used length."""
+    that picks the decode tile and the split count: max_seqlen_k, else the cache's capacity
+    (metadata: never a length read back, so the choice is the same with and without
+    LANEKIT_CHECK_INDICES)."""
     if max_seqlen_k is None:
-        return max_used
+        return capacity
     if not is_int(max_seqlen_k):
         raise TypeError(f"max_seqlen_k: expected an int or None, got {type(max_seqlen_k).__name__}")
     max_seqlen_k = int(max_seqlen_k)

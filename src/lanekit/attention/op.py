@@ -10,9 +10,10 @@ from __future__ import annotations
 import torch
 
 from lanekit.reference import attention as ref
+from lanekit.runtime.custom_ops import call as _call, custom_op as _custom_op
 
 
-@torch.library.custom_op("lanekit::flash_attn_fwd", mutates_args=())
+@_custom_op("lanekit::flash_attn_fwd")
 def _flash_attn_fwd_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     attn_bias: torch.Tensor | None, attn_mask: torch.Tensor | None, alibi_slopes: torch.Tensor | None,
@@ -41,7 +42,7 @@ def _(q, k, v, attn_bias, attn_mask, alibi_slopes, softmax_scale, window_left, w
             q.new_empty((B, Hq, Sq), dtype=torch.float32))
 
 
-@torch.library.custom_op("lanekit::flash_attn_bwd", mutates_args=())
+@_custom_op("lanekit::flash_attn_bwd")
 def _flash_attn_bwd_op(
     dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
     lse: torch.Tensor, dlse: torch.Tensor | None,
@@ -86,8 +87,9 @@ def _backward(ctx, dout, dlse):
         raise RuntimeError("flash_attn_func: fp8 and int8 attention is forward only (as "
                            "FlashAttention-3's); no gradient flows through it")
     bias_grad = attn_bias is not None and ctx.needs_input_grad[3]
-    dq, dk, dv, dbias = _flash_attn_bwd_op(
-        dout, q, k, v, out, lse, dlse, attn_bias, attn_mask, alibi_slopes, *ctx.scalars, bias_grad)
+    dq, dk, dv, dbias = _call(_flash_attn_bwd_op,
+                              dout, q, k, v, out, lse, dlse, attn_bias, attn_mask, alibi_slopes, *ctx.scalars,
+                              bias_grad, inputs=(dout, q, k, v, dlse, attn_bias))
     dbias = dbias.to(attn_bias.dtype) if bias_grad else None
     dsinks = sinks_grad(dout, out, lse, dlse, sinks, varlen=False) if sinks is not None and ctx.needs_input_grad[13] else None
     return dq, dk, dv, dbias, None, None, None, None, None, None, None, None, None, dsinks, None, None, None, None
@@ -119,11 +121,13 @@ _flash_attn_fwd_op.register_autograd(_backward, setup_context=_setup_context)
 def flash_attn_triton(*, q, k, v, softmax_scale, window_size, softcap, alibi_slopes, attn_bias,
                       attn_mask, dropout_p, seed, offset, sinks=None, q_descale=None, k_descale=None,
                       v_descale=None, out_dtype=None):
-    extra = ()
-    if sinks is not None or q.dtype in _QUANT_DTYPES:  # (the 16-bit call stays as it was)
-        extra = (sinks, q_descale, k_descale, v_descale, _out_dtype(q, out_dtype))
-    return _flash_attn_fwd_op(q, k, v, attn_bias, attn_mask, alibi_slopes, softmax_scale,
-                              window_size[0], window_size[1], softcap, dropout_p, seed, offset, *extra)
+    # eager inference calls the launcher, eager training an autograd.Function, torch.compile the op.
+    # The trailing arguments are always passed: the eager Function's backward returns a gradient
+    # for every argument of the op, so it must have been given all of them.
+    extra = (sinks, q_descale, k_descale, v_descale, _out_dtype(q, out_dtype))
+    return _call(_flash_attn_fwd_op, q, k, v, attn_bias, attn_mask, alibi_slopes, softmax_scale,
+                 window_size[0], window_size[1], softcap, dropout_p, seed, offset, *extra,
+                 inputs=(q, k, v, attn_bias, sinks))
 
 
 def p_dtype_of(v: torch.Tensor) -> torch.dtype | None:
@@ -170,7 +174,7 @@ def flash_attn_backward_reference(*, dout, **kw):
 
 # ---- packed variable-length batches (flash_attn_varlen_func) ----
 
-@torch.library.custom_op("lanekit::flash_attn_varlen_fwd", mutates_args=())
+@_custom_op("lanekit::flash_attn_varlen_fwd")
 def _flash_attn_varlen_fwd_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
     cu_seqlens_k: torch.Tensor, block_table: torch.Tensor | None, alibi_slopes: torch.Tensor | None,
@@ -201,7 +205,7 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes, max_seqlen
             q.new_empty((Hq, total_q), dtype=torch.float32))
 
 
-@torch.library.custom_op("lanekit::flash_attn_varlen_bwd", mutates_args=())
+@_custom_op("lanekit::flash_attn_varlen_bwd")
 def _flash_attn_varlen_bwd_op(
     dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
     lse: torch.Tensor, dlse: torch.Tensor | None, cu_seqlens_q: torch.Tensor,
@@ -246,8 +250,8 @@ def _varlen_backward(ctx, dout, dlse):
     if q.dtype in _QUANT_DTYPES:
         raise RuntimeError("flash_attn_varlen_func: fp8 and int8 attention is forward only (as "
                            "FlashAttention-3's); no gradient flows through it")
-    dq, dk, dv = _flash_attn_varlen_bwd_op(dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k,
-                                           alibi_slopes, *ctx.scalars)
+    dq, dk, dv = _call(_flash_attn_varlen_bwd_op, dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k,
+                       alibi_slopes, *ctx.scalars, inputs=(dout, q, k, v, dlse))
     dsinks = sinks_grad(dout, out, lse, dlse, sinks, varlen=True) if sinks is not None and ctx.needs_input_grad[16] else None
     return (dq, dk, dv) + (None,) * 13 + (dsinks, None, None, None, None)
 
@@ -259,12 +263,11 @@ def flash_attn_varlen_triton(*, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_
                              block_table, softmax_scale, window_size, softcap, alibi_slopes,
                              dropout_p, seed, offset, sinks=None, q_descale=None, k_descale=None,
                              v_descale=None, out_dtype=None):
-    extra = ()
-    if sinks is not None or q.dtype in _QUANT_DTYPES:
-        extra = (sinks, q_descale, k_descale, v_descale, _out_dtype(q, out_dtype))
-    return _flash_attn_varlen_fwd_op(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes, max_seqlen_q, max_seqlen_k,
-        softmax_scale, window_size[0], window_size[1], softcap, dropout_p, seed, offset, *extra)
+    extra = (sinks, q_descale, k_descale, v_descale, _out_dtype(q, out_dtype))   # always: see flash_attn_triton
+    return _call(_flash_attn_varlen_fwd_op,
+                 q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes, max_seqlen_q, max_seqlen_k,
+                 softmax_scale, window_size[0], window_size[1], softcap, dropout_p, seed, offset, *extra,
+                 inputs=(q, k, v, sinks))
 
 
 def flash_attn_varlen_reference(*, q, k, v, alibi_slopes, sinks=None, q_descale=None, k_descale=None,
@@ -365,12 +368,19 @@ def _cache_table(q, block_table, cache_batch_idx):
     return table if table is not None else torch.arange(q.shape[0], device=q.device, dtype=torch.int32)[:, None]
 
 
-def _append_slots(table, cache_seqlens, S_new, page_size):
+def _append_slots(table, cache_seqlens, S_new, page_size, num_slots):
     """The positions (B, S_new) int64 of the appended tokens, cache_seqlens[b] + t, and their
-    slots in the cache (B * S_new,), page * page_size + offset, through the page table."""
+    slots in the cache (B * S_new,), page * page_size + offset, through the page table. Computed
+    on the device with no value read back: a position outside the table's row (a cache_seqlens
+    out of range) or a negative page gets slot ``num_slots``, which the write kernel skips and
+    records (kv_cache.kernels.BAD_SLOT), as it does a page past the pool."""
     positions = cache_seqlens.to(torch.int64)[:, None] + torch.arange(S_new, device=cache_seqlens.device)
-    pages = table.to(torch.int64).gather(1, positions // page_size)
-    return positions, (pages * page_size + positions % page_size).reshape(-1)
+    index = positions // page_size
+    width = table.shape[1]
+    pages = table.to(torch.int64).gather(1, index.clamp(0, width - 1))
+    slots = pages * page_size + positions % page_size
+    slots = torch.where((positions >= 0) & (index < width) & (pages >= 0), slots, num_slots)
+    return positions, slots.reshape(-1)
 
 
 def flash_attn_with_kvcache_inplace(*, q, k_cache, v_cache, cache_seqlens, k, v, rotary_cos,
@@ -384,37 +394,38 @@ def flash_attn_with_kvcache_inplace(*, q, k_cache, v_cache, cache_seqlens, k, v,
     keys a sequence holds after the append, which picks the tile (None: unknown, the long-cache
     tile). Returns (out, lse)."""
     from lanekit.attention.kernels import flash_attn_kvcache
-    from lanekit.kv_cache.op import write_cache_triton
+    from lanekit.kv_cache.kernels import append_kv
     from lanekit.layers.op import apply_rotary_triton
 
-    page_size = k_cache.shape[1]
-    seqlens = cache_seqlens
     rotary_dim = 2 * rotary_cos.shape[1] if rotary_cos is not None else 0
+    table = _kernel_table(q, block_table, cache_batch_idx)
+    S_new = 0
     with torch.no_grad():
+        # Few launches and no index tensor built: the append computes its slots from the table
+        # and the lengths in the kernel, the rotations take the lengths as per-sequence offsets,
+        # and the attention kernel adds S_new to the lengths itself.
         if k is not None:
             S_new = k.shape[1]
-            positions, slots = _append_slots(_cache_table(q, block_table, cache_batch_idx), cache_seqlens,
-                                             S_new, page_size)
-            if rotary_cos is not None:
+            if rotary_cos is not None:   # new token t of sequence b at position cache_seqlens[b] + t
                 k = apply_rotary_triton(x=k, cos=rotary_cos, sin=rotary_sin, interleaved=rotary_interleaved,
-                                        rotary_dim=rotary_dim, position_ids=positions)
-            write_cache_triton(key=k.flatten(0, 1), value=v.flatten(0, 1), k_cache=k_cache, v_cache=v_cache,
-                               slot_mapping=slots, k_cache_scale=k_cache_scale, v_cache_scale=v_cache_scale)
-            seqlens = (cache_seqlens + S_new).to(torch.int32)
+                                        rotary_dim=rotary_dim, seqlen_offsets=cache_seqlens)
+            append_kv(x=k, cache=k_cache, table=table, seqlens=cache_seqlens, scale_out=k_cache_scale)
+            append_kv(x=v, cache=v_cache, table=table, seqlens=cache_seqlens, scale_out=v_cache_scale)
         if rotary_cos is not None:
             Sq = q.shape[1]
-            bounded = window_size[0] >= 0 or window_size[1] >= 0
-            steps = torch.arange(Sq, device=q.device) if bounded else torch.zeros(Sq, dtype=torch.int64, device=q.device)
-            q = apply_rotary_triton(x=q, cos=rotary_cos, sin=rotary_sin, interleaved=rotary_interleaved,
-                                    rotary_dim=rotary_dim,
-                                    position_ids=cache_seqlens.to(torch.int64)[:, None] + steps)
+            if window_size[0] >= 0 or window_size[1] >= 0:   # query i at cache_seqlens[b] + i
+                q = apply_rotary_triton(x=q, cos=rotary_cos, sin=rotary_sin, interleaved=rotary_interleaved,
+                                        rotary_dim=rotary_dim, seqlen_offsets=cache_seqlens)
+            else:                                             # every query at cache_seqlens[b]
+                q = apply_rotary_triton(x=q, cos=rotary_cos, sin=rotary_sin, interleaved=rotary_interleaved,
+                                        rotary_dim=rotary_dim,
+                                        position_ids=cache_seqlens.to(torch.int64)[:, None].expand(-1, Sq))
         return flash_attn_kvcache(
-            q=q, k_cache=k_cache, v_cache=v_cache, block_table=_kernel_table(q, block_table, cache_batch_idx),
-            seqlens=seqlens.to(torch.int32),
+            q=q, k_cache=k_cache, v_cache=v_cache, block_table=table, seqlens=cache_seqlens,
             leftpad=cache_leftpad, k_cache_scale=k_cache_scale, v_cache_scale=v_cache_scale,
             softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
             alibi_slopes=alibi_slopes, num_splits=num_splits,
-            max_seqlen_k=max_seqlen_k, sinks=sinks, q_descale=q_descale, k_descale=k_descale,
+            max_seqlen_k=max_seqlen_k, s_new=S_new, sinks=sinks, q_descale=q_descale, k_descale=k_descale,
             v_descale=v_descale, out_dtype=_out_dtype(q, out_dtype))
 
 
@@ -437,7 +448,7 @@ def _write_back_reference(q, k_cache, v_cache, k_cache_scale, v_cache_scale, kw)
     k, v, cache_seqlens = kw["k"], kw["v"], kw["cache_seqlens"]
     table = _cache_table(q, kw.get("block_table"), kw.get("cache_batch_idx"))
     page_size = k_cache.shape[1]
-    positions, slots = _append_slots(table, cache_seqlens, k.shape[1], page_size)
+    positions, slots = _append_slots(table, cache_seqlens, k.shape[1], page_size, k_cache.shape[0] * page_size)
     if kw.get("rotary_cos") is not None:
         k = apply_rotary_reference(x=k, cos=kw["rotary_cos"], sin=kw["rotary_sin"],
                                    interleaved=kw["rotary_interleaved"],

@@ -105,18 +105,28 @@ def greedy_generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int
     next_tokens = logits.argmax(-1)                                                              # (B,)
     generated = [next_tokens]
 
-    # Decode: one token per sequence per step over the paged cache.
-    for _ in range(max_new_tokens - 1):
-        seqlens = caches[0].cache_seqlens(ids)                                                   # (B,) before the step
+    # Decode: one token per sequence per step over the paged cache. Every page the steps will
+    # write is reserved up front (the caches' bookkeeping on the host, once), so that the loop
+    # copies nothing to the device and reads nothing back: the lengths advance on the device and
+    # max_seqlen_k, the one bound the kernel needs from the host, is known here.
+    steps = max_new_tokens - 1
+    if steps:
+        tables = []
+        for cache in caches:
+            cache.append(ids, [steps] * len(ids))
+            tables.append(cache.block_table(ids))                                                # (B, max_pages)
+        seqlens = torch.tensor(lengths, dtype=torch.int32, device=device)                        # (B,) before the step
+    for step in range(steps):
         hidden = body.embed_tokens(next_tokens)[:, None]                                         # (B, 1, hidden)
         cos, sin = body.rotary_emb(hidden, seqlens.long()[:, None])                              # (B, 1, D)
-        for layer, cache in zip(body.layers, caches):
-            cache.append(ids, [1] * len(ids))       # the page for the new token; the kernel writes it
-            def decode(q, k, v, cache=cache, attn=layer.self_attn):
+        for layer, cache, table in zip(body.layers, caches, tables):
+            def decode(q, k, v, cache=cache, table=table, attn=layer.self_attn):
                 return flash_attn_with_kvcache(q, cache.k_cache, cache.v_cache, k, v,
-                                               cache_seqlens=seqlens, block_table=cache.block_table(ids),
-                                               softmax_scale=attn.scaling, causal=True, lane=lane)
+                                               cache_seqlens=seqlens, block_table=table,
+                                               softmax_scale=attn.scaling, causal=True,
+                                               max_seqlen_k=max(lengths) + step + 1, lane=lane)
             hidden = _attention_block(layer, hidden, cos, sin, decode)
+        seqlens += 1
         next_tokens = model.lm_head(body.norm(hidden[:, -1])).argmax(-1)
         generated.append(next_tokens)
     return torch.stack(generated, dim=1).tolist()

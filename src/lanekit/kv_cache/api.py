@@ -27,6 +27,7 @@ import torch
 
 from lanekit.kv_cache import checks, op as _lanes
 from lanekit.kv_cache.checks import CODE_DTYPES as _CODE_DTYPES, DTYPES as _DTYPES
+from lanekit.runtime.errors import check_indices_eagerly
 from lanekit.runtime.lanes import select_lane
 from lanekit.runtime.validate import (check_inplace, check_outputs, device as _device, int_at_least, int_in,
                                       is_int, lane_for, shape as _shape, tensor as _tensor)
@@ -57,7 +58,9 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Ten
             values, or int8 or torch.float8_e4m3fn codes; any page_size >= 1, any strides.
             Written in place.
         slot_mapping: (N,) int32 or int64; each non-negative slot below num_blocks * page_size
-            and used once.
+            and used once. Not read back (no device sync) unless ``LANEKIT_CHECK_INDICES=1`` or
+            on the reference lane: the kernel skips a slot at or past num_blocks * page_size and
+            records it for :func:`lanekit.check_errors`; a slot used twice races, as in vLLM.
         k_scale, v_scale: fp32 scales to quantize with instead of amax / qmax, broadcastable to
             (N, Hkv) (one per tensor, per head or per (token, head)); > 0. Codes caches only.
         k_cache_scale, v_cache_scale: (num_blocks, page_size, Hkv) fp32, a codes cache's scales
@@ -95,15 +98,20 @@ def _write(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale, k_cache
     _shape("value", value, (N, H, Dv), "(N, Hkv, Dv), N as key's, Hkv and Dv as v_cache's")
     checks.index_vector("slot_mapping", slot_mapping, N, "(N,), one slot per token of key", like=k_cache,
                         dtypes=checks.SLOT_DTYPES)
-    used = slot_mapping[slot_mapping >= 0] if held is None else held()
-    if used.numel():
+    chosen = lane_for(k_cache, lane, "k_cache")
+    # The slots' values are read back only where they are known on the host already (held), in
+    # the debug mode LANEKIT_CHECK_INDICES=1, or on the reference lane; otherwise the kernel skips
+    # a slot past the cache and records it (kernels.BAD_SLOT, lanekit.check_errors()).
+    eager = held is None and (chosen == "reference" or check_indices_eagerly())
+    used = held() if held is not None else slot_mapping[slot_mapping >= 0] if eager else None
+    if (used.numel() if used is not None else N):
         outputs = (("k_cache", k_cache), ("v_cache", v_cache), ("k_cache_scale", k_cache_scale),
                    ("v_cache_scale", v_cache_scale))
         check_outputs(outputs, key, value, slot_mapping, k_scale, v_scale)
         for name, t in outputs:
             if t is not None:
                 check_inplace(name, t, "the write", differentiable=False)
-        if held is None:
+        if eager:
             checks.slots("slot_mapping", used, page_size, blocks)
     scales = {}
     for name, given in (("k_scale", k_scale), ("v_scale", v_scale)):
@@ -114,7 +122,6 @@ def _write(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale, k_cache
                              "quantize into int8 or float8_e4m3fn codes), got a tensor")
         else:
             scales[name] = checks.scale(name, given, (N, H), "(N, Hkv)", k_cache, positive=True)
-    chosen = lane_for(k_cache, lane, "k_cache")
     getattr(_lanes, f"write_cache_{chosen}")(
         key=key, value=value, k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping,
         k_scale=scales["k_scale"], v_scale=scales["v_scale"], k_cache_scale=k_cache_scale,
@@ -141,7 +148,12 @@ def gather_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torc
         cache_seqlens: (B,) int32 >= 0, at most max_pages * page_size.
         k_cache_scale, v_cache_scale: (num_blocks, page_size, Hkv) fp32 with a codes cache.
         dtype: fp16, bf16 or fp32; default the cache's dtype (values) or fp32 (codes).
-        max_seqlen: the results' length, at least max(cache_seqlens) (the default, one device sync).
+        max_seqlen: the results' length, at least max(cache_seqlens) (the default: read back, one
+            device sync, with the lengths and pages checked on the host). Given, nothing is read
+            back (unless ``LANEKIT_CHECK_INDICES=1`` or on the reference lane): the kernel reads
+            no page outside [0, num_blocks) and no sequence whose length is outside
+            [0, max_pages * page_size] (zeros there), leaves out tokens past max_seqlen, and
+            records each for :func:`lanekit.check_errors`.
         lane: as in :func:`reshape_and_cache`.
 
     Returns:
@@ -160,17 +172,20 @@ def gather_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torc
     checks.table(block_table, k_cache)
     checks.index_vector("cache_seqlens", cache_seqlens, block_table.shape[0], "(B,), one per row of block_table",
                         like=k_cache)
-    held = cache_seqlens.cpu()   # the lengths, read back once
-    checks.lengths(held)
-    checks.pages(block_table, held, k_cache.shape[0], k_cache.shape[1], name="cache_seqlens")
     if dtype is not None and dtype not in _DTYPES:
         raise TypeError(f"dtype: expected one of {[str(d) for d in _DTYPES]} or None, got {dtype!r}")
-    longest = int(held.max()) if held.numel() else 0
+    chosen = lane_for(k_cache, lane, "k_cache")
+    if max_seqlen is None or chosen == "reference" or check_indices_eagerly():
+        held = cache_seqlens.cpu()   # the lengths, read back once (a device sync)
+        checks.lengths(held)
+        checks.pages(block_table, held, k_cache.shape[0], k_cache.shape[1], name="cache_seqlens")
+        longest = int(held.max()) if held.numel() else 0
+    else:   # no value read back: the kernel masks and records what is out of range
+        longest = 0
     if max_seqlen is None:
         max_seqlen = longest
     else:
         max_seqlen = int_at_least("max_seqlen", max_seqlen, longest, " (the longest sequence)")
-    chosen = lane_for(k_cache, lane, "k_cache")
     return getattr(_lanes, f"gather_cache_{chosen}")(
         k_cache=k_cache, v_cache=v_cache, block_table=block_table, cache_seqlens=cache_seqlens.contiguous(),
         k_cache_scale=k_cache_scale, v_cache_scale=v_cache_scale, dtype=dtype, max_seqlen=max_seqlen)

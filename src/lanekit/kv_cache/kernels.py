@@ -21,13 +21,25 @@ import triton.language as tl
 from lanekit.common.numerics import cast_codes as _cast_codes, finite_abs as _finite_abs, quant_scale as _quant_scale
 from lanekit.common.numerics import quantize as _quantize  # the same rounding as qk_norm_rope_quant's codes
 from lanekit.kv_cache import tuning
+from lanekit.runtime import errors
 from lanekit.runtime.alloc import empty
+from lanekit.runtime.host import cdiv, next_power_of_2
 from lanekit.runtime.lanes import triton_interpreted
 
 if triton_interpreted():
     from lanekit.runtime.interpreter import fix_interpreter
 
     fix_interpreter()
+
+# Slots and pages are not read back per call (DESIGN.md's hot path): the kernels skip what is
+# out of range and record it here, for lanekit.check_errors().
+BAD_SLOT = errors.register(
+    "kv_cache: a slot at or past num_blocks * page_size (slot_mapping, or an append's cache_seqlens "
+    "and block_table): that token was not written")
+BAD_GATHER = errors.register(
+    "gather_cache: a cache_seqlens value outside [0, max_pages * page_size] or a used page outside "
+    "[0, num_blocks): those positions were not read and came back 0; or a length past max_seqlen: "
+    "its tokens past max_seqlen were left out")
 
 QUANT_CODES = {torch.int8: 1, torch.float8_e4m3fn: 2, torch.float8_e5m2: 2}   # _quantize's QUANT: 1 int8, 2 fp8
 QMAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
@@ -41,6 +53,8 @@ def _scatter_kv_kernel(
     N, H, D, page_size, qmax,
     BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, HAS_SLOTS: tl.constexpr,
     QUANT: tl.constexpr, HAS_SCALE_IN: tl.constexpr,
+    num_slots, ERR, ERR_BIT,
+    TABLE, SEQLENS, stride_tb, s_new, width, APPEND: tl.constexpr, APPEND_TABLE: tl.constexpr,
 ):
     # One program: BLOCK_R rows r = n * H + h of x (N, H, D). Row (n, h) goes to slot s = SLOTS[n]
     # (page s // page_size, offset s % page_size), head h; without SLOTS, s = n. QUANT: 0 copy,
@@ -49,11 +63,27 @@ def _scatter_kv_kernel(
     n = rows // H
     h = rows % H
     in_range = n < N
-    if HAS_SLOTS:
+    if APPEND:
+        # flash_attn_with_kvcache's append: token n = (b, t) of x (B * s_new, H, D) goes to
+        # position SEQLENS[b] + t of row b of TABLE (B, width) (without APPEND_TABLE, page b);
+        # a position outside the row, or a negative page, gets slot num_slots (recorded below)
+        seq = n // s_new
+        pos = tl.load(SEQLENS + seq, mask=in_range, other=0).to(tl.int64) + n % s_new
+        ok = in_range & (pos >= 0) & (pos < width * page_size)
+        if APPEND_TABLE:
+            pg = tl.load(TABLE + seq * stride_tb + pos // page_size, mask=ok, other=0).to(tl.int64)
+        else:
+            pg = seq
+        slot = tl.where(ok & (pg >= 0), pg * page_size + pos % page_size, num_slots)
+    elif HAS_SLOTS:
         slot = tl.load(SLOTS + n * stride_slot, mask=in_range, other=-1).to(tl.int64)
     else:
         slot = n
     live = in_range & (slot >= 0)                                    # a negative slot is padding
+    if HAS_SLOTS or APPEND:  # a slot past the cache is skipped and recorded, never written
+        bad = live & (slot >= num_slots)
+        tl.atomic_or(ERR, ERR_BIT, mask=tl.max(bad.to(tl.int32), 0) > 0)
+        live = live & (slot < num_slots)
     slot = tl.where(live, slot, 0)
     page = slot // page_size
     off = slot % page_size
@@ -78,9 +108,10 @@ def _gather_kv_kernel(
     CACHE, SCALE, BLOCK_TABLE, SEQLENS, OUT,
     stride_cb, stride_cp, stride_ch, stride_cd, stride_sb, stride_sp, stride_sh,
     stride_tb, stride_tp, stride_ob, stride_os, stride_oh, stride_od,
-    S, H, D, page_size, blocks_per_seq,
+    S, H, D, page_size, blocks_per_seq, blocks_per_row,
     BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, HAS_TABLE: tl.constexpr,
     DEQUANT: tl.constexpr,
+    num_blocks, ERR, ERR_BIT,
 ):
     # One program: BLOCK_R rows r = s * H + h of sequence b's output (S, H, D). Position s of a
     # live token (s < SEQLENS[b]) is in page BLOCK_TABLE[b, s // page_size] at offset
@@ -94,8 +125,17 @@ def _gather_kv_kernel(
     in_out = s < S
     page_idx = s // page_size
     if HAS_TABLE:
-        live = in_out & (s < tl.load(SEQLENS + b).to(tl.int64))
+        # a length outside [0, max_pages * page_size] reads nothing; a page outside the pool is
+        # not read (zeros); both recorded in ERR
+        n = tl.load(SEQLENS + b).to(tl.int64)
+        n_ok = (n >= 0) & (n <= blocks_per_row * page_size)
+        live = in_out & (s < n) & n_ok
         page = tl.load(BLOCK_TABLE + b * stride_tb + page_idx * stride_tp, mask=live, other=0).to(tl.int64)
+        page_ok = (page >= 0) & (page < num_blocks)
+        bad = (live & (page_ok == 0)) | (in_out & ((n_ok == 0) | (n > S)))
+        tl.atomic_or(ERR, ERR_BIT, mask=tl.max(bad.to(tl.int32), 0) > 0)
+        live = live & page_ok
+        page = tl.where(page_ok, page, 0)
     else:
         live = in_out
         page = page_idx
@@ -160,8 +200,8 @@ def _merge_attn_states_kernel(
 def _tiles(rows: int, D: int, device: torch.device) -> tuple[int, int, int]:
     """(BLOCK_R, BLOCK_D, num_warps) for rows of D features."""
     cfg = tuning.kv_cache_config(device)
-    block_d = triton.next_power_of_2(max(D, 1))
-    block_r = min(max(1, cfg.tile // block_d), triton.next_power_of_2(max(rows, 1)))
+    block_d = next_power_of_2(max(D, 1))
+    block_r = min(max(1, cfg.tile // block_d), next_power_of_2(max(rows, 1)))
     return block_r, block_d, cfg.num_warps
 
 
@@ -176,7 +216,7 @@ def scatter_kv(*, x, cache, slots=None, scale_in=None, scale_out=None):
         return
     quant = QUANT_CODES.get(cache.dtype, 0)
     block_r, block_d, num_warps = _tiles(N * H, D, x.device)
-    _scatter_kv_kernel[(triton.cdiv(N * H, block_r),)](
+    _scatter_kv_kernel[(cdiv(N * H, block_r),)](
         x, slots, scale_in, cache, scale_out,
         *x.stride(), slots.stride(0) if slots is not None else 0,
         *(scale_in.stride() if scale_in is not None else (0, 0)),
@@ -184,7 +224,36 @@ def scatter_kv(*, x, cache, slots=None, scale_in=None, scale_out=None):
         N, H, D, cache.shape[1], QMAX.get(cache.dtype, 0.0),
         BLOCK_R=block_r, BLOCK_D=block_d, HAS_SLOTS=slots is not None, QUANT=quant,
         HAS_SCALE_IN=scale_in is not None, num_warps=num_warps,
+        num_slots=cache.shape[0] * cache.shape[1], ERR=errors.error_flag(x.device), ERR_BIT=BAD_SLOT,
+        TABLE=None, SEQLENS=None, stride_tb=0, s_new=1, width=1, APPEND=False, APPEND_TABLE=False,
         # the quantized path is specified as exactly rounded steps: no fused multiply-adds
+        **({"enable_fp_fusion": False} if quant else {}),
+    )
+
+
+def append_kv(*, x, cache, table, seqlens, scale_out=None):
+    """flash_attn_with_kvcache's append: x (B, S_new, H, D) written at positions seqlens[b] + t
+    of sequence b, through table (B, max_pages) int32 into a paged cache (num_blocks, page_size,
+    H, D), or with table None into row b of a contiguous cache (B_cache, S_cache, H, D); the
+    slots are computed in the kernel (no index tensor built, no value read back): a position
+    outside the row or a page outside the pool is not written and is recorded (BAD_SLOT).
+    Quantized into a codes cache as :func:`scatter_kv`. In place; returns nothing."""
+    B, S_new, H, D = x.shape
+    if B * S_new * H * D == 0:
+        return
+    rows = x.reshape(B * S_new, H, D) if x.is_contiguous() else x.flatten(0, 1)
+    quant = QUANT_CODES.get(cache.dtype, 0)
+    block_r, block_d, num_warps = _tiles(B * S_new * H, D, x.device)
+    _scatter_kv_kernel[(cdiv(B * S_new * H, block_r),)](
+        rows, None, None, cache, scale_out,
+        *rows.stride(), 0, 0, 0,
+        *cache.stride(), *(scale_out.stride() if scale_out is not None else (0, 0, 0)),
+        B * S_new, H, D, cache.shape[1], QMAX.get(cache.dtype, 0.0),
+        BLOCK_R=block_r, BLOCK_D=block_d, HAS_SLOTS=False, QUANT=quant,
+        HAS_SCALE_IN=False, num_warps=num_warps,
+        num_slots=cache.shape[0] * cache.shape[1], ERR=errors.error_flag(x.device), ERR_BIT=BAD_SLOT,
+        TABLE=table, SEQLENS=seqlens, stride_tb=table.stride(0) if table is not None else 0, s_new=S_new,
+        width=table.shape[1] if table is not None else 1, APPEND=True, APPEND_TABLE=table is not None,
         **({"enable_fp_fusion": False} if quant else {}),
     )
 
@@ -201,14 +270,15 @@ def gather_kv(*, cache, scale=None, block_table=None, seqlens=None, max_seqlen, 
     if B * rows * D == 0:
         return out
     block_r, block_d, num_warps = _tiles(rows, D, cache.device)
-    blocks_per_seq = triton.cdiv(rows, block_r)
+    blocks_per_seq = cdiv(rows, block_r)
     _gather_kv_kernel[(B * blocks_per_seq,)](
         cache, scale, block_table, seqlens, out,
         *cache.stride(), *(scale.stride() if scale is not None else (0, 0, 0)),
         *(block_table.stride() if block_table is not None else (0, 0)), *out.stride(),
-        max_seqlen, H, D, page_size, blocks_per_seq,
+        max_seqlen, H, D, page_size, blocks_per_seq, block_table.shape[1] if block_table is not None else 0,
         BLOCK_R=block_r, BLOCK_D=block_d, HAS_TABLE=block_table is not None,
         DEQUANT=scale is not None, num_warps=num_warps,
+        num_blocks=cache.shape[0], ERR=errors.error_flag(cache.device), ERR_BIT=BAD_GATHER,
     )
     return out
 
@@ -241,7 +311,7 @@ def merge_attn_states_fwd(*, out_a, lse_a, out_b, lse_b):
     if B * rows == 0:
         return out, lse
     block_r, block_d, num_warps = _tiles(rows, D, out_a.device)
-    blocks_per_seq = triton.cdiv(rows, block_r)
+    blocks_per_seq = cdiv(rows, block_r)
     _merge_attn_states_kernel[(B * blocks_per_seq,)](
         out_a, lse_a, out_b, lse_b, out, lse,
         *out_a.stride(), *out_b.stride(), *out.stride(), *lse_a.stride(), *lse_b.stride(), *lse.stride(),

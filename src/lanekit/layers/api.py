@@ -7,6 +7,8 @@ import math
 import torch
 
 from lanekit.layers import op as _lanes
+from lanekit.runtime.errors import check_indices_eagerly as _check_indices_eagerly
+from lanekit.runtime.lanes import select_lane as _select_lane
 from lanekit.runtime.validate import (check_inplace as _check_inplace, check_writable as _check_writable,
                                       flag as _flag, int_at_least as _int_at_least, is_int as _is_int,
                                       is_real as _is_real, lane_for as _lane, shape as _shape,
@@ -160,9 +162,10 @@ def adaln(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor,
                                               residual=residual)
 
 
-def _rotary_common(name, x, cos, sin, rotary_dim, position_ids, seqlen_offsets, *, tail=False):
+def _rotary_common(name, x, cos, sin, rotary_dim, position_ids, seqlen_offsets, *, tail=False, read=True):
     """Validate RoPE's cos/sin/rotary_dim/positions for x (B, S, H, D) or (T, H, D);
-    returns rotary_dim."""
+    returns rotary_dim. ``read``: check position_ids' values too (a device sync); without it the
+    kernel masks and records a position outside cos's rows (rotary.BAD_POSITION)."""
     D = x.shape[-1]
     for n, t in (("cos", cos), ("sin", sin)):
         _tensor(n, t, dtypes=_WITH_F64, ndim=2, like=x)
@@ -186,7 +189,7 @@ def _rotary_common(name, x, cos, sin, rotary_dim, position_ids, seqlen_offsets, 
                 and position_ids.shape[1] == tokens[1]):
             raise ValueError(f"position_ids: expected shape {tokens} (one position per token) or "
                              f"(1, S), got {tuple(position_ids.shape)}")
-        if position_ids.numel() and (int(position_ids.min()) < 0 or int(position_ids.max()) >= cos.shape[0]):
+        if read and position_ids.numel() and (int(position_ids.min()) < 0 or int(position_ids.max()) >= cos.shape[0]):
             raise ValueError(f"position_ids: expected values in [0, {cos.shape[0]}) (cos's rows), got "
                              f"[{int(position_ids.min())}, {int(position_ids.max())}]")
         position_ids = position_ids.expand(tokens)
@@ -204,9 +207,12 @@ def _rotary_common(name, x, cos, sin, rotary_dim, position_ids, seqlen_offsets, 
     return rotary_dim, position_ids, seqlen_offsets
 
 
-def _check_rope_range(S, cos, seqlen_offsets, position_ids):
-    """Positions s + offset must index a row of cos: checked here, never read out of bounds."""
+def _check_rope_range(S, cos, seqlen_offsets, position_ids, read=True):
+    """Positions s + offset must index a row of cos: checked here, never read out of bounds.
+    ``read`` False: an offsets tensor's values are left to the kernel (no device sync)."""
     if position_ids is not None or S == 0:
+        return
+    if not read and isinstance(seqlen_offsets, torch.Tensor):
         return
     top = (int(seqlen_offsets.max()) if isinstance(seqlen_offsets, torch.Tensor) and seqlen_offsets.numel()
            else seqlen_offsets if isinstance(seqlen_offsets, int) else 0)
@@ -237,7 +243,11 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interlea
         interleaved: the pairing, above.
         rotary_dim: features rotated, even, at most D; default ``2 * cos.shape[1]``.
         position_ids: int32/int64 positions, (B, S) or (1, S) for 4-d x, (T,) for packed x;
-            default: the token's index in its sequence plus ``seqlen_offsets``.
+            default: the token's index in its sequence plus ``seqlen_offsets``. Positions that
+            live on the device (position_ids, a seqlen_offsets tensor) are not read back (no
+            device sync) unless ``LANEKIT_CHECK_INDICES=1`` or on the reference lane: the kernel
+            writes 0 for the rotated features of a position outside cos's rows and records it
+            for :func:`lanekit.check_errors`.
         inplace: write into x (and return it). Differentiable too, where autograd allows writing x
             in place (not a leaf that requires grad, nor a view of one, as PyTorch's own in-place
             ops).
@@ -262,8 +272,11 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interlea
     Source: Su et al., "RoFormer" (2021); conventions of FlashAttention's ``apply_rotary_emb``.
     """
     _tensor("x", x, dtypes=_WITH_F64, ndim=(3, 4))
+    # positions from the device are checked by the kernel (masked, recorded for check_errors),
+    # on the host only in the debug mode or on the reference lane
+    read = _check_indices_eagerly() or _select_lane(x.device, lane) == "reference"
     rotary_dim, position_ids, seqlen_offsets = _rotary_common("x", x, cos, sin, rotary_dim, position_ids,
-                                                              seqlen_offsets)
+                                                              seqlen_offsets, read=read)
     if x.dim() == 3 and cu_seqlens is None and position_ids is None:
         raise ValueError("x: a packed (T, H, D) input needs cu_seqlens or position_ids")
     if cu_seqlens is not None:
@@ -281,14 +294,14 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interlea
             max_seqlen = _int_at_least("max_seqlen", max_seqlen, longest, " (the longest sequence)")
         if isinstance(seqlen_offsets, torch.Tensor) and seqlen_offsets.shape[0] != cu_seqlens.shape[0] - 1:
             raise ValueError(f"seqlen_offsets: expected ({cu_seqlens.shape[0] - 1},), got {tuple(seqlen_offsets.shape)}")
-        _check_rope_range(max_seqlen, cos, seqlen_offsets, position_ids)
+        _check_rope_range(max_seqlen, cos, seqlen_offsets, position_ids, read)
     else:
         if max_seqlen is not None:
             raise ValueError("max_seqlen: expected only with cu_seqlens (packed sequences), got "
                              f"{max_seqlen!r} without")
         if isinstance(seqlen_offsets, torch.Tensor) and x.dim() == 4 and seqlen_offsets.shape[0] != x.shape[0]:
             raise ValueError(f"seqlen_offsets: expected ({x.shape[0]},), got {tuple(seqlen_offsets.shape)}")
-        _check_rope_range(x.shape[1] if x.dim() == 4 else x.shape[0], cos, seqlen_offsets, position_ids)
+        _check_rope_range(x.shape[1] if x.dim() == 4 else x.shape[0], cos, seqlen_offsets, position_ids, read)
     interleaved, inplace = _flag("interleaved", interleaved), _flag("inplace", inplace)
     if inplace:
         _check_writable("x", x)
@@ -298,6 +311,57 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interlea
         x=x, cos=cos, sin=sin, interleaved=interleaved, rotary_dim=rotary_dim,
         position_ids=position_ids, cu_seqlens=cu_seqlens.contiguous() if cu_seqlens is not None else None,
         max_seqlen=max_seqlen or 0, seqlen_offsets=seqlen_offsets, inplace=inplace)
+
+
+def apply_rotary_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                    interleaved: bool = False, rotary_dim: int | None = None,
+                    position_ids: torch.Tensor | None = None, seqlen_offsets: int | torch.Tensor = 0, *,
+                    lane: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary position embedding of q and k in one launch: :func:`apply_rotary` of each, at the
+    same positions (the attention block's RoPE; Liger's ``liger_rotary_pos_emb`` takes q and k
+    together too).
+
+    Arguments:
+        q: (B, S, Hq, D); k: (B, S, Hkv, D) (any Hkv, GQA/MQA), q's dtype and device, same B, S
+            and D; fp16, bf16 or fp32 (fp64 on the reference lane). Any strides (q and k may be
+            head slices of one fused qkv buffer).
+        cos, sin, interleaved, rotary_dim, position_ids ((B, S) or (1, S)), seqlen_offsets (an
+            int or a (B,) tensor): as in :func:`apply_rotary`, the same for q and k. Positions
+            that live on the device are not read back (no device sync) unless
+            ``LANEKIT_CHECK_INDICES=1`` or on the reference lane: a position outside cos's rows
+            gets 0 for its rotated features and is recorded for :func:`lanekit.check_errors`.
+        lane: as in :func:`rms_norm`.
+
+    Returns:
+        (q', k') in q's dtype, new tensors (contiguous). Differentiable in q and k (the backward
+        rotates both back in one launch); not in cos/sin.
+
+    Raises:
+        TypeError: a non-tensor, an unsupported dtype, k's dtype not q's; interleaved not a bool;
+            rotary_dim or seqlen_offsets not an int.
+        ValueError: q or k not 4-d, k's B, S or D not q's, devices that differ; and the errors of
+            :func:`apply_rotary` (cos/sin shapes and rows, rotary_dim, position_ids,
+            seqlen_offsets).
+
+    Source: Su et al., "RoFormer" (2021); Llama's ``apply_rotary_pos_emb(q, k, cos, sin)``; pairs
+    and layout as FlashAttention's ``apply_rotary_emb``.
+    """
+    _tensor("q", q, dtypes=_WITH_F64, ndim=4)
+    _tensor("k", k, dtypes=(q.dtype,), ndim=4, like=q)
+    if k.shape[0] != q.shape[0] or k.shape[1] != q.shape[1] or k.shape[3] != q.shape[3]:
+        raise ValueError(f"k: expected (B, S, Hkv, D) = ({q.shape[0]}, {q.shape[1]}, Hkv, {q.shape[3]}) "
+                         f"as q's, got {tuple(k.shape)}")
+    interleaved = _flag("interleaved", interleaved)
+    read = _check_indices_eagerly() or _select_lane(q.device, lane) == "reference"
+    rotary_dim, position_ids, seqlen_offsets = _rotary_common("q", q, cos, sin, rotary_dim, position_ids,
+                                                              seqlen_offsets, read=read)
+    if isinstance(seqlen_offsets, torch.Tensor) and seqlen_offsets.shape[0] != q.shape[0]:
+        raise ValueError(f"seqlen_offsets: expected ({q.shape[0]},), got {tuple(seqlen_offsets.shape)}")
+    _check_rope_range(q.shape[1], cos, seqlen_offsets, position_ids, read)
+    chosen = _lane(q, lane, "q")
+    return getattr(_lanes, f"apply_rotary_qk_{chosen}")(
+        q=q, k=k, cos=cos, sin=sin, interleaved=interleaved, rotary_dim=rotary_dim,
+        position_ids=position_ids, seqlen_offsets=seqlen_offsets)
 
 
 def _qk_common(q, k, q_weight, k_weight, cos, sin, eps, offset, interleaved, rotary_dim,

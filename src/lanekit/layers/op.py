@@ -51,7 +51,7 @@ def _(x, residual, gate, scale, shift, weight, bias, eps, offset, is_rms, rows_p
             x.new_empty((rows, 3), dtype=torch.float32), x.new_empty((rows,), dtype=torch.float32))
 
 
-@torch.library.custom_op("lanekit::norm_bwd", mutates_args=())
+@_custom_op("lanekit::norm_bwd")
 def _norm_bwd_op(dy: Tensor, dh: Tensor | None, x: Tensor, residual: Tensor | None,
                  gate: Tensor | None, scale: Tensor | None, shift: Tensor | None,
                  weight: Tensor | None, bias: Tensor | None, mean: Tensor, rstd: Tensor,
@@ -81,8 +81,8 @@ def _norm_setup(ctx, inputs, output):
 def _norm_backward(ctx, dy, dh, dmean, drstd):
     x, residual, gate, scale, shift, weight, bias, mean, rstd = ctx.saved_tensors
     dh = dh if residual is not None and dh is not None and dh.numel() else None
-    dx, dr, dw, db, dg, ds, dsh = _norm_bwd_op(dy, dh, x, residual, gate, scale, shift, weight,
-                                               bias, mean, rstd, *ctx.scalars)
+    dx, dr, dw, db, dg, ds, dsh = _call(_norm_bwd_op, dy, dh, x, residual, gate, scale, shift, weight,
+                                        bias, mean, rstd, *ctx.scalars, inputs=(dy, dh, x))
     present = (residual, gate, scale, shift, weight, bias)
     dr, dg, ds, dsh, dw, db = (g if t is not None else None
                                for g, t in zip((dr, dg, ds, dsh, dw, db), present))
@@ -177,8 +177,8 @@ def _rotary_setup(ctx, inputs, output):
 def _rotary_backward(ctx, dout):
     (cos, sin, position_ids, cu_seqlens, max_seqlen, seqlen_offsets, seqlen_offset, interleaved,
      rotary_dim, conjugate) = ctx.rope
-    dx = _rotary_op(dout, cos, sin, position_ids, cu_seqlens, max_seqlen, seqlen_offsets,
-                    seqlen_offset, interleaved, rotary_dim, not conjugate)
+    dx = _call(_rotary_op, dout, cos, sin, position_ids, cu_seqlens, max_seqlen, seqlen_offsets,
+               seqlen_offset, interleaved, rotary_dim, not conjugate, inputs=(dout,))
     return dx, None, None, None, None, None, None, None, None, None, None
 
 
@@ -222,6 +222,51 @@ def apply_rotary_reference(*, x, cos, sin, interleaved, rotary_dim, position_ids
     return out
 
 
+# ---- RoPE of q and k in one launch ----
+
+@_custom_op("lanekit::rotary_qk")
+def _rotary_qk_op(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, position_ids: Tensor | None,
+                  seqlen_offsets: Tensor | None, seqlen_offset: int, interleaved: bool, rotary_dim: int,
+                  conjugate: bool) -> tuple[Tensor, Tensor]:
+    from lanekit.runtime.alloc import empty
+
+    q_out = empty(q.shape, dtype=q.dtype, device=q.device)
+    k_out = empty(k.shape, dtype=k.dtype, device=k.device)
+    _kernels().rotary_qk_fwd(q=q, k=k, q_out=q_out, k_out=k_out, cos=cos, sin=sin, rotary_dim=rotary_dim,
+                             interleaved=interleaved, conjugate=conjugate, position_ids=position_ids,
+                             seqlen_offsets=seqlen_offsets if seqlen_offsets is not None else seqlen_offset)
+    return q_out, k_out
+
+
+@_rotary_qk_op.register_fake
+def _(q, k, cos, sin, position_ids, seqlen_offsets, seqlen_offset, interleaved, rotary_dim, conjugate):
+    return q.new_empty(q.shape), k.new_empty(k.shape)
+
+
+def _rotary_qk_setup(ctx, inputs, output):
+    ctx.rope = inputs[2:]
+
+
+def _rotary_qk_backward(ctx, dq, dk):
+    *rope, conjugate = ctx.rope
+    dq, dk = _call(_rotary_qk_op, dq, dk, *rope, not conjugate, inputs=(dq, dk))   # the rotation back
+    return (dq, dk) + (None,) * 8
+
+
+_rotary_qk_op.register_autograd(_rotary_qk_backward, setup_context=_rotary_qk_setup)
+
+
+def apply_rotary_qk_triton(*, q, k, cos, sin, interleaved, rotary_dim, position_ids=None, seqlen_offsets=0):
+    offsets = seqlen_offsets if isinstance(seqlen_offsets, Tensor) else None
+    offset = 0 if offsets is not None else int(seqlen_offsets)
+    return _call(_rotary_qk_op, q, k, cos, sin, position_ids, offsets, offset, interleaved, rotary_dim, False,
+                 inputs=(q, k))
+
+
+def apply_rotary_qk_reference(*, q, **kw):
+    return _in_f64(ref.apply_rotary_qk, q, q=q, **kw)
+
+
 # ---- RMSNorm + RoPE on q and k ----
 
 @_custom_op("lanekit::rms_norm_rope")
@@ -248,7 +293,7 @@ def _(q, k, q_weight, k_weight, cos, sin, position_ids, seqlen_offsets, seqlen_o
     return q.new_empty(q.shape), k.new_empty(k.shape)
 
 
-@torch.library.custom_op("lanekit::rms_norm_rope_bwd", mutates_args=())
+@_custom_op("lanekit::rms_norm_rope_bwd")
 def _rms_norm_rope_bwd_op(dq_out: Tensor, dk_out: Tensor, q: Tensor, k: Tensor,
                           q_weight: Tensor | None, k_weight: Tensor | None, cos: Tensor,
                           sin: Tensor, position_ids: Tensor | None, seqlen_offsets: Tensor | None,
@@ -282,8 +327,8 @@ def _rms_norm_rope_backward(ctx, dq, dk):
     # an output not used downstream has no gradient: zeros (the kernel reads one)
     dq = dq if dq is not None else torch.zeros_like(q)
     dk = dk if dk is not None else torch.zeros_like(k)
-    dq, dk, dqw, dkw = _rms_norm_rope_bwd_op(dq, dk, q, k, q_weight, k_weight, cos, sin,
-                                             position_ids, seqlen_offsets, *ctx.scalars)
+    dq, dk, dqw, dkw = _call(_rms_norm_rope_bwd_op, dq, dk, q, k, q_weight, k_weight, cos, sin,
+                             position_ids, seqlen_offsets, *ctx.scalars, inputs=(dq, dk, q, k))
     return (dq, dk, dqw if q_weight is not None else None, dkw if k_weight is not None else None,
             None, None, None, None, None, None, None, None, None)
 
@@ -387,7 +432,7 @@ def _glu_out_op(x: Tensor, up: Tensor | None, activation: str, out: Tensor) -> N
                        out=_as_rows(out))
 
 
-@torch.library.custom_op("lanekit::glu_bwd", mutates_args=())
+@_custom_op("lanekit::glu_bwd")
 def _glu_bwd_op(dy: Tensor, x: Tensor, up: Tensor | None, activation: str) -> tuple[Tensor, Tensor]:
     from lanekit.runtime.alloc import empty
 
@@ -417,7 +462,7 @@ def _glu_setup(ctx, inputs, output):
 
 def _glu_backward(ctx, dy):
     x, up = ctx.saved_tensors
-    dx, dup = _glu_bwd_op(dy, x, up, ctx.activation)
+    dx, dup = _call(_glu_bwd_op, dy, x, up, ctx.activation, inputs=(dy, x, up))
     return dx, (dup if up is not None else None), None
 
 
@@ -447,7 +492,7 @@ def _backward_lanes(name, forward_triton, forward_reference):
 
     def lane(forward):
         def backward(*, dout, dh=None, dk=None, **kwargs):
-            douts = (dout, dk) if name == "rms_norm_rope" else (dout, dh)
+            douts = (dout, dk) if name in ("rms_norm_rope", "apply_rotary_qk") else (dout, dh)
             return ref.gradients(forward, douts, wrt, **kwargs)
         return backward
 
@@ -462,6 +507,8 @@ adaln_backward_triton, adaln_backward_reference = _backward_lanes(
     "adaln", adaln_triton, adaln_reference)
 apply_rotary_backward_triton, apply_rotary_backward_reference = _backward_lanes(
     "apply_rotary", apply_rotary_triton, apply_rotary_reference)
+apply_rotary_qk_backward_triton, apply_rotary_qk_backward_reference = _backward_lanes(
+    "apply_rotary_qk", apply_rotary_qk_triton, apply_rotary_qk_reference)
 rms_norm_rope_backward_triton, rms_norm_rope_backward_reference = _backward_lanes(
     "rms_norm_rope", rms_norm_rope_triton, rms_norm_rope_reference)
 glu_backward_triton, glu_backward_reference = _backward_lanes("glu", glu_triton, glu_reference)

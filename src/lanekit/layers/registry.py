@@ -299,6 +299,26 @@ def _qk_quant_samples(device):
                   k_weight_dtype=torch.float32, quant_dtype=torch.float8_e4m3fn)
 
 
+def _rotary_qk_samples(device):
+    """q and k from qk_case, without the norm's arguments."""
+    def drop(sample):
+        kw = {n: v for n, v in sample.kwargs.items() if n not in ("q_weight", "k_weight", "eps", "offset")}
+        if isinstance(kw["seqlen_offsets"], list):   # one per batch entry
+            kw["seqlen_offsets"] = torch.tensor(kw["seqlen_offsets"], dtype=torch.int32, device=kw["q"].device)
+        return Sample(sample.name, kw)
+
+    yield drop(qk_case("GQA 4:2 D80", device, weights=False))
+    yield drop(qk_case("D96 interleaved partial 64, S17 B1", device, D=96, rotary_dim=64, interleaved=True,
+                       S=17, B=1, weights=False))
+    yield drop(qk_case("D128 fp16 position_ids, Hq 8 Hkv 1", device, D=128, dtype=torch.float16, Hq=8, Hkv=1,
+                       position_ids=True, S=3, weights=False))
+    yield drop(qk_case("D64 S1 offset 30", device, D=64, S=1, seqlen_offsets=30, weights=False))
+    yield drop(qk_case("q, k slices of one qkv buffer, Hq 3 Hkv 5 D64", device, Hq=3, Hkv=5, D=64, S=7,
+                       fused_qkv=True, weights=False))
+    yield drop(qk_case("k laid out heads first, Hq 2 Hkv 3 D80 offsets per batch", device, Hq=2, Hkv=3, S=6,
+                       k_heads_first=True, seqlen_offsets=[3, 0], weights=False))
+
+
 def glu_case(name, device, *, shape, fused=False, dtype=torch.bfloat16, noncontiguous=False, act="silu",
              gate_scale=2.0):
     g = generator(name)
@@ -373,6 +393,19 @@ register(Op(
            "reference": f"{_LAYERS}:apply_rotary_backward_reference"},
     samples=lambda device: _with_douts(_rotary_samples(device)), outputs=(("dx", ELTWISE),),
     doc="Gradient of apply_rotary: the rotation back",
+))
+register(Op(
+    name="apply_rotary_qk", family="layers", oracle=f"{_REF}:apply_rotary_qk",
+    lanes={"triton": f"{_LAYERS}:apply_rotary_qk_triton", "reference": f"{_LAYERS}:apply_rotary_qk_reference"},
+    samples=_rotary_qk_samples, outputs=(("q", ELTWISE), ("k", ELTWISE)),
+    doc="RoPE of q and k (GQA) in one launch, NeoX or interleaved, partial, positions",
+))
+register(Op(
+    name="apply_rotary_qk.backward", family="layers", oracle=f"{_REF}:apply_rotary_qk_backward",
+    lanes={"triton": f"{_LAYERS}:apply_rotary_qk_backward_triton",
+           "reference": f"{_LAYERS}:apply_rotary_qk_backward_reference"},
+    samples=lambda device: _with_douts(_rotary_qk_samples(device)), outputs=(("dq", ELTWISE), ("dk", ELTWISE)),
+    doc="Gradients of apply_rotary_qk: both rotated back",
 ))
 register(Op(
     name="rms_norm_rope", family="layers", oracle=f"{_REF}:rms_norm_rope",

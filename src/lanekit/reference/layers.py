@@ -106,6 +106,14 @@ def apply_rotary(x, cos, sin, interleaved=False, rotary_dim=None, position_ids=N
     return torch.cat((_rotate_pairs(x[..., :rd], c, s, interleaved), x[..., rd:]), dim=-1)
 
 
+def apply_rotary_qk(q, k, cos, sin, interleaved=False, rotary_dim=None, position_ids=None, seqlen_offsets=0):
+    """RoPE of q (B, S, Hq, D) and k (B, S, Hkv, D) at the same positions: :func:`apply_rotary`
+    of each. Returns (q', k')."""
+    kw = dict(interleaved=interleaved, rotary_dim=rotary_dim, position_ids=position_ids,
+              seqlen_offsets=seqlen_offsets)
+    return apply_rotary(q, cos, sin, **kw), apply_rotary(k, cos, sin, **kw)
+
+
 def _rotate_pairs(rot, c, s, interleaved):
     """Each pair (a, b) of rot's features -> (a c - b s, b c + a s): NeoX pairs (i, i + d/2), or
     interleaved (2i, 2i + 1)."""
@@ -252,13 +260,14 @@ GRAD_INPUTS = {
     "adaln": ("x", "scale", "shift", "gate", "residual"),
     "apply_rotary": ("x",),
     "rms_norm_rope": ("q", "k", "q_weight", "k_weight"),
+    "apply_rotary_qk": ("q", "k"),
     "glu": ("gate", "up"),
 }
 
 
 def _backward(name):
     def backward(dout, dh=None, dk=None, **kwargs):
-        douts = (dout, dk) if name == "rms_norm_rope" else (dout, dh)
+        douts = (dout, dk) if name in ("rms_norm_rope", "apply_rotary_qk") else (dout, dh)
         return gradients(globals()[name], douts, GRAD_INPUTS[name], **kwargs)
     backward.__name__ = f"{name}_backward"
     backward.__doc__ = (f"Gradients of :func:`{name}` ({', '.join(GRAD_INPUTS[name])}) by autograd, "
@@ -270,5 +279,6 @@ rms_norm_backward = _backward("rms_norm")
 layer_norm_backward = _backward("layer_norm")
 adaln_backward = _backward("adaln")
 apply_rotary_backward = _backward("apply_rotary")
+apply_rotary_qk_backward = _backward("apply_rotary_qk")
 rms_norm_rope_backward = _backward("rms_norm_rope")
 glu_backward = _backward("glu")

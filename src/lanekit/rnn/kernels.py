@@ -27,6 +27,7 @@ from lanekit.common.numerics import sigmoid as _sigmoid, tanh as _tanh
 
 from lanekit.rnn import tuning
 from lanekit.runtime import alloc
+from lanekit.runtime.host import cdiv, next_power_of_2
 from lanekit.runtime.lanes import triton_interpreted
 from lanekit.runtime.tuning import TileConfig, lookup
 
@@ -376,7 +377,7 @@ def _rnn_cell_bwd_kernel(
 
 
 def _batch_bucket(B: int) -> int:
-    return min(max(triton.next_power_of_2(max(B, 1)), 16), 128)
+    return min(max(next_power_of_2(max(B, 1)), 16), 128)
 
 
 def _fwd_config(dtype: torch.dtype, device: torch.device, B: int) -> tuning.RnnTileConfig:
@@ -394,7 +395,7 @@ def _bwd_config(device: torch.device, B: int) -> TileConfig:
 
 
 def _grid(B: int, H: int, block_b: int, block_h: int) -> tuple[int, int]:
-    grid = (triton.cdiv(B, block_b), triton.cdiv(H, block_h))
+    grid = (cdiv(B, block_b), cdiv(H, block_h))
     if grid[1] > MAX_GRID_Y:
         raise ValueError(f"w_hh: the Triton lane runs at most {MAX_GRID_Y * block_h} hidden units "
                          f"(grid dimension 1 at {block_h} per program), got H={H}")

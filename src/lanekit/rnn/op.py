@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from lanekit.reference import rnn as ref
+from lanekit.runtime.custom_ops import call as _call, custom_op as _custom_op
 
 
 def _needs_grad(*tensors) -> bool:
@@ -54,7 +55,7 @@ def _check_saved(saved: torch.Tensor, rows: int) -> None:
 # ------------------------------------------------------------------------------------------ LSTM
 
 
-@torch.library.custom_op("lanekit::lstm_cell_fwd", mutates_args=())
+@_custom_op("lanekit::lstm_cell_fwd")
 def _lstm_cell_fwd_op(
     input: torch.Tensor, h: torch.Tensor | None, c: torch.Tensor | None,
     w_ih: torch.Tensor, w_hh: torch.Tensor, b_ih: torch.Tensor | None, b_hh: torch.Tensor | None,
@@ -72,7 +73,7 @@ def _(input, h, c, w_ih, w_hh, b_ih, b_hh, save):
             input.new_empty((B, 4 * H) if save else (0,), dtype=torch.float32))
 
 
-@torch.library.custom_op("lanekit::lstm_cell_bwd", mutates_args=())
+@_custom_op("lanekit::lstm_cell_bwd")
 def _lstm_cell_bwd_op(
     dh_next: torch.Tensor | None, dc_next: torch.Tensor | None, c: torch.Tensor | None,
     saved: torch.Tensor, dtype: torch.dtype,
@@ -97,7 +98,7 @@ def _lstm_setup_context(ctx, inputs, output):
 def _lstm_backward(ctx, dh_next, dc_next, _dsaved):
     input, h, c, w_ih, w_hh, saved = ctx.saved_tensors
     _check_saved(saved, input.shape[0] * w_hh.shape[1])
-    dgates, dc = _lstm_cell_bwd_op(dh_next, dc_next, c, saved, input.dtype)
+    dgates, dc = _call(_lstm_cell_bwd_op, dh_next, dc_next, c, saved, input.dtype)
     dinput, dh, dw_ih, dw_hh, db_ih, db_hh = _param_grads(ctx, dgates, dgates, input, h, w_ih, w_hh)
     dc = dc if c is not None and ctx.needs_input_grad[2] else None
     return dinput, dh, dc, dw_ih, dw_hh, db_ih, db_hh, None
@@ -108,7 +109,7 @@ _lstm_cell_fwd_op.register_autograd(_lstm_backward, setup_context=_lstm_setup_co
 # ------------------------------------------------------------------------------------------- GRU
 
 
-@torch.library.custom_op("lanekit::gru_cell_fwd", mutates_args=())
+@_custom_op("lanekit::gru_cell_fwd")
 def _gru_cell_fwd_op(
     input: torch.Tensor, h: torch.Tensor | None,
     w_ih: torch.Tensor, w_hh: torch.Tensor, b_ih: torch.Tensor | None, b_hh: torch.Tensor | None,
@@ -125,7 +126,7 @@ def _(input, h, w_ih, w_hh, b_ih, b_hh, save):
     return input.new_empty((B, H)), input.new_empty((B, 4 * H) if save else (0,), dtype=torch.float32)
 
 
-@torch.library.custom_op("lanekit::gru_cell_bwd", mutates_args=())
+@_custom_op("lanekit::gru_cell_bwd")
 def _gru_cell_bwd_op(
     dh_next: torch.Tensor, h: torch.Tensor | None, saved: torch.Tensor, dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -150,7 +151,7 @@ def _gru_setup_context(ctx, inputs, output):
 def _gru_backward(ctx, dh_next, _dsaved):
     input, h, w_ih, w_hh, saved = ctx.saved_tensors
     _check_saved(saved, input.shape[0] * w_hh.shape[1])
-    dgi, dgh, dh_direct = _gru_cell_bwd_op(dh_next, h, saved, input.dtype)
+    dgi, dgh, dh_direct = _call(_gru_cell_bwd_op, dh_next, h, saved, input.dtype)
     grads = _param_grads(ctx, dgi, dgh, input, h, w_ih, w_hh,
                          dh_extra=dh_direct if h is not None else None)
     return *grads, None
@@ -161,7 +162,7 @@ _gru_cell_fwd_op.register_autograd(_gru_backward, setup_context=_gru_setup_conte
 # ----------------------------------------------------------------------------------------- Elman
 
 
-@torch.library.custom_op("lanekit::rnn_cell_fwd", mutates_args=())
+@_custom_op("lanekit::rnn_cell_fwd")
 def _rnn_cell_fwd_op(
     input: torch.Tensor, h: torch.Tensor | None,
     w_ih: torch.Tensor, w_hh: torch.Tensor, b_ih: torch.Tensor | None, b_hh: torch.Tensor | None,
@@ -178,7 +179,7 @@ def _(input, h, w_ih, w_hh, b_ih, b_hh, relu, save):
     return input.new_empty((B, H)), input.new_empty((B, H) if save else (0,), dtype=torch.float32)
 
 
-@torch.library.custom_op("lanekit::rnn_cell_bwd", mutates_args=())
+@_custom_op("lanekit::rnn_cell_bwd")
 def _rnn_cell_bwd_op(dh_next: torch.Tensor, saved: torch.Tensor, relu: bool, dtype: torch.dtype) -> torch.Tensor:
     from lanekit.rnn.kernels import rnn_cell_bwd
 
@@ -200,7 +201,7 @@ def _rnn_setup_context(ctx, inputs, output):
 def _rnn_backward(ctx, dh_next, _dsaved):
     input, h, w_ih, w_hh, saved = ctx.saved_tensors
     _check_saved(saved, input.shape[0] * w_hh.shape[1])
-    dpre = _rnn_cell_bwd_op(dh_next, saved, ctx.relu, input.dtype)
+    dpre = _call(_rnn_cell_bwd_op, dh_next, saved, ctx.relu, input.dtype)
     return *_param_grads(ctx, dpre, dpre, input, h, w_ih, w_hh), None, None
 
 
@@ -211,18 +212,21 @@ _rnn_cell_fwd_op.register_autograd(_rnn_backward, setup_context=_rnn_setup_conte
 
 def lstm_cell_triton(*, input, h, c, w_ih, w_hh, b_ih, b_hh):
     save = _needs_grad(input, h, c, w_ih, w_hh, b_ih, b_hh)
-    h_next, c_next, _ = _lstm_cell_fwd_op(input, h, c, w_ih, w_hh, b_ih, b_hh, save)
+    h_next, c_next, _ = _call(_lstm_cell_fwd_op, input, h, c, w_ih, w_hh, b_ih, b_hh, save,
+                               inputs=(input, h, c, w_ih, w_hh, b_ih, b_hh))
     return h_next, c_next
 
 
 def gru_cell_triton(*, input, h, w_ih, w_hh, b_ih, b_hh):
     save = _needs_grad(input, h, w_ih, w_hh, b_ih, b_hh)
-    return _gru_cell_fwd_op(input, h, w_ih, w_hh, b_ih, b_hh, save)[0]
+    return _call(_gru_cell_fwd_op, input, h, w_ih, w_hh, b_ih, b_hh, save,
+                 inputs=(input, h, w_ih, w_hh, b_ih, b_hh))[0]
 
 
 def rnn_cell_triton(*, input, h, w_ih, w_hh, b_ih, b_hh, nonlinearity):
     save = _needs_grad(input, h, w_ih, w_hh, b_ih, b_hh)
-    return _rnn_cell_fwd_op(input, h, w_ih, w_hh, b_ih, b_hh, nonlinearity == "relu", save)[0]
+    return _call(_rnn_cell_fwd_op, input, h, w_ih, w_hh, b_ih, b_hh, nonlinearity == "relu", save,
+                 inputs=(input, h, w_ih, w_hh, b_ih, b_hh))[0]
 
 
 def _f64(kwargs: dict) -> dict:

@@ -25,9 +25,11 @@ import triton
 import triton.language as tl
 
 from lanekit.attention import tuning
-from lanekit.attention.kernels.common import LOG2E, _block, _check_grid, _strides4, _strides_bthd, _tile, _varlen_bounds
+from lanekit.attention.kernels.common import (LOG2E, _block, _check_grid, _strides4, _strides_bthd, _tile,
+                                              _varlen_bounds, clamp_varlen)
 from lanekit.common.numerics import tanh as _tanh
 from lanekit.runtime import alloc
+from lanekit.runtime.host import cdiv, next_power_of_2
 from lanekit.runtime.lanes import triton_interpreted
 
 if triton_interpreted():
@@ -535,7 +537,8 @@ def flash_attn_bwd(
     no block table).
     """
     varlen = cu_seqlens_q is not None
-    if varlen:
+    if varlen:   # in range on the device, as the forward read them
+        cu_seqlens_q, cu_seqlens_k = clamp_varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
         total_q, Hq, D = q.shape
         B, Sq, Sk = cu_seqlens_q.shape[0] - 1, max_seqlen_q, max_seqlen_k
         stride_lb, stride_lh, rng_stride = 0, total_q, Sk
@@ -597,15 +600,15 @@ def flash_attn_bwd(
     with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
         if rows > 0:
             pre_m = 64 if not triton_interpreted() else 16
-            _flash_attn_bwd_preprocess_kernel[(triton.cdiv(rows, pre_m), Hq, rows_out.shape[0])](
+            _flash_attn_bwd_preprocess_kernel[(cdiv(rows, pre_m), Hq, rows_out.shape[0])](
                 rows_out, rows_dout, lse, dlse if dlse is not None else lse, delta, lse2,
                 *rows_out.stride(), *rows_dout.stride(), Hq, rows, Dv,
                 BLOCK_M=pre_m, BLOCK_DV=block_dv, HAS_DLSE=dlse is not None,
             )
         # varlen: a sequence holds at most k.shape[0] keys and q.shape[0] queries, whatever
         # max_seqlen_k and max_seqlen_q say (they size only the grid and the dropout counters)
-        key_blocks = triton.cdiv(min(Sk, k.shape[0]) if varlen else Sk, cfg_kv.block_n)
-        query_blocks = triton.cdiv(min(Sq, total_q) if varlen else Sq, cfg_q.block_m)
+        key_blocks = cdiv(min(Sk, k.shape[0]) if varlen else Sk, cfg_kv.block_n)
+        query_blocks = cdiv(min(Sq, total_q) if varlen else Sq, cfg_q.block_m)
         if Sk > 0:
             _flash_attn_bwd_dkdv_kernel[(key_blocks, Hkv, B)](
                 q, k, v, dout, lse2, delta, dk, dv, dbias if dbias is not None else q, *operands,

@@ -13,6 +13,8 @@ import triton
 import triton.language as tl
 
 from lanekit.attention import tuning
+from lanekit.runtime import errors
+from lanekit.runtime.host import cdiv, next_power_of_2
 from lanekit.runtime.lanes import triton_interpreted
 from lanekit.runtime.tuning import INTERPRETER, TileConfig, lookup
 from lanekit.runtime.validate import ArgumentError
@@ -24,6 +26,35 @@ if triton_interpreted():
 
 LOG2E = 1.4426950408889634
 MAX_GRID_YZ = 65535  # CUDA's limit on grid dimensions 1 and 2 (heads, batch)
+
+# Index values that live on the device are not read back per call (DESIGN.md's hot path): the
+# kernels mask what is out of range and record it here, for lanekit.check_errors().
+BAD_SEQLENS = errors.register(
+    "attention: a cache_seqlens, cache_leftpad or cache_batch_idx value out of range (a length below 0 "
+    "or past the cache's capacity, left padding past the length, a row past the cache, or a page past "
+    "the pool where a block_table row is one page): that "
+    "sequence's keys were not read, its output rows are 0 and its LSE -inf")
+BAD_PAGE = errors.register(
+    "attention: a block_table page id outside [0, num_blocks) where a sequence has keys: those keys "
+    "were masked (never read)")
+BAD_CU_SEQLENS = errors.register(
+    "flash_attn_varlen_func: cu_seqlens_q or cu_seqlens_k not non-decreasing from 0 within the total "
+    "(or the paged capacity), or a sequence longer than its max_seqlen: the values were clamped into "
+    "range (a sequence's rows outside its clamped range are not written)")
+
+
+@triton.jit
+def _valid_pages(pages, n_in, num_blocks):
+    # Page ids as stored (int32) checked against the pool: one outside [0, num_blocks) becomes
+    # page 0 and its keys are masked. Returns (pages, keys still in, keys whose page was bad).
+    ok = (pages >= 0) & (pages < num_blocks)
+    return tl.where(ok, pages, 0), n_in & ok, n_in & (ok == 0)
+
+
+@triton.jit
+def _record(ERR, ERR_BIT, bad):
+    # OR ERR_BIT into the error flag when any element of ``bad`` is set (one masked atomic).
+    tl.atomic_or(ERR, ERR_BIT, mask=tl.max(bad.to(tl.int32), 0) > 0)
 
 
 @triton.jit
@@ -133,3 +164,66 @@ def quant_args(q: torch.Tensor, v: torch.Tensor, sinks, q_descale, k_descale, v_
                 DescQ=q_descale if quant else q, DescK=k_descale if quant else q,
                 DescV=v_descale if quant else q, **strides,
                 HAS_SINKS=sinks is not None, HAS_DESCALE=quant, PV_FP16=v.dtype == torch.int8)
+@triton.jit
+def _running_max(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def _clamp_cu_seqlens_kernel(CU, OUT, n, total, capacity, max_len, ERR, ERR_BIT,
+                             PAGED: tl.constexpr, BLOCK: tl.constexpr):
+    # One program over the n = B + 1 cumulative lengths. Packed (PAGED false): each clamped to
+    # [0, total], then their running maximum (non-decreasing), so every sequence's rows lie in
+    # [0, total). Paged keys (their starts are unused): each length clamped to [0, capacity] (a
+    # block_table row's tokens) and summed again. Anything changed, a first value other than 0,
+    # a last one other than total (packed), or a length past max_len is recorded in ERR.
+    offs = tl.arange(0, BLOCK)
+    inb = offs < n
+    cu = tl.load(CU + offs, mask=inb, other=0).to(tl.int64)                     # [BLOCK]
+    prev = tl.load(CU + offs - 1, mask=inb & (offs > 0), other=0).to(tl.int64)
+    if PAGED:
+        length = tl.where(offs > 0, cu - prev, 0)
+        fixed = tl.minimum(tl.maximum(length, 0), capacity)
+        out = tl.cumsum(fixed, 0)
+        bad = inb & ((fixed != length) | ((offs == 0) & (cu != 0)) | (fixed > max_len))
+    else:
+        clamped = tl.where(offs == 0, 0, tl.minimum(tl.maximum(cu, 0), total))
+        out = tl.associative_scan(clamped, 0, _running_max)
+        out_prev = tl.associative_scan(tl.where(offs > 1, tl.minimum(tl.maximum(prev, 0), total), 0), 0,
+                                       _running_max)
+        bad = inb & ((out != cu) | ((offs == n - 1) & (cu != total)) | (out - out_prev > max_len))
+    tl.store(OUT + offs, out.to(tl.int32), mask=inb)
+    tl.atomic_or(ERR, ERR_BIT, mask=tl.max(bad.to(tl.int32), 0) > 0)
+
+
+def clamp_cu_seqlens(cu: torch.Tensor, *, total: int, capacity: int, max_len: int, paged: bool) -> torch.Tensor:
+    """cu_seqlens (B + 1,) int32 brought into range on the device, with no value read back:
+    packed (``paged`` false), non-decreasing within [0, total]; paged keys, lengths within
+    [0, capacity]. Valid values come back unchanged; anything out of range, or a length past
+    ``max_len``, is recorded as BAD_CU_SEQLENS in the device's error flag. One launch."""
+    out = torch.empty_like(cu)
+    n = cu.shape[0]
+    with torch.cuda.device(cu.device) if cu.is_cuda else _null():
+        _clamp_cu_seqlens_kernel[(1,)](cu, out, n, total, capacity, max_len, errors.error_flag(cu.device),
+                                       BAD_CU_SEQLENS, PAGED=paged, BLOCK=max(2, next_power_of_2(n)),
+                                       num_warps=4)
+    return out
+
+
+def _null():
+    import contextlib
+
+    return contextlib.nullcontext()
+
+
+def clamp_varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, block_table=None):
+    """A varlen call's cu_seqlens_q and cu_seqlens_k through :func:`clamp_cu_seqlens` (two
+    launches, no sync): query rows within q's total, key rows within k's (or, with a block table,
+    each length within its row's pages)."""
+    cq = clamp_cu_seqlens(cu_seqlens_q, total=q.shape[0], capacity=0, max_len=max_seqlen_q, paged=False)
+    if block_table is not None:
+        ck = clamp_cu_seqlens(cu_seqlens_k, total=0, capacity=block_table.shape[1] * k.shape[1],
+                              max_len=max_seqlen_k, paged=True)
+    else:
+        ck = clamp_cu_seqlens(cu_seqlens_k, total=k.shape[0], capacity=0, max_len=max_seqlen_k, paged=False)
+    return cq, ck

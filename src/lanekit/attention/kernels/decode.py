@@ -20,10 +20,12 @@ import triton
 import triton.language as tl
 
 from lanekit.attention import tuning
-from lanekit.attention.kernels.common import (LOG2E, _add_sinks, _block, _check_grid, _page_ids, _page_offsets,
-                                              _pv_dot, quant_args, MIN_K_8BIT, QUANT_DTYPES)
+from lanekit.attention.kernels.common import (BAD_PAGE, BAD_SEQLENS, LOG2E, MIN_K_8BIT, QUANT_DTYPES, _add_sinks,
+                                              _block, _check_grid, _page_ids, _page_offsets, _pv_dot, _record,
+                                              _valid_pages, quant_args)
 from lanekit.common.numerics import tanh as _tanh
-from lanekit.runtime import alloc
+from lanekit.runtime import alloc, errors
+from lanekit.runtime.host import cdiv, next_power_of_2
 from lanekit.runtime.lanes import triton_interpreted
 
 if triton_interpreted():
@@ -230,6 +232,7 @@ def _flash_attn_kvcache_kernel(
     HAS_ALIBI: tl.constexpr, HAS_LEFTPAD: tl.constexpr, QUANTIZED: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, PAGES: tl.constexpr, EVEN_D: tl.constexpr, POW2_PAGE: tl.constexpr,
     HAS_TABLE: tl.constexpr, PAGES_AHEAD: tl.constexpr, PAGE: tl.constexpr,
+    capacity, num_blocks, ERR, LEN_BIT, PAGE_BIT, s_new,
     Sinks=None, DescQ=None, DescK=None, DescV=None, stride_dqb=0, stride_dqh=0, stride_dkb=0, stride_dkh=0,
     stride_dvb=0, stride_dvh=0,
     HAS_SINKS: tl.constexpr = False, HAS_DESCALE: tl.constexpr = False, PV_FP16: tl.constexpr = False,
@@ -241,6 +244,10 @@ def _flash_attn_kvcache_kernel(
     # power of two dividing BLOCK_N, no left padding), one lookup per page. Pages are loaded a
     # block ahead of the K and V loads that need them (with PAGES 2 only where PAGES_AHEAD:
     # tuning.kvcache_pages_ahead).
+    # Index values are checked here, not on the host (no device sync): a sequence whose length
+    # or left padding is out of range (end outside [0, capacity], lp outside [0, end], a
+    # contiguous cache's row outside [0, num_blocks)) reads no key; a page id outside
+    # [0, num_blocks) masks its keys. Both are recorded in ERR (lanekit.check_errors()).
     if EVEN_D:  # D fills its block: see EVEN_D above fwd._flash_attn_fwd_kernel
         D = BLOCK_D
         Dv = BLOCK_DV
@@ -250,10 +257,18 @@ def _flash_attn_kvcache_kernel(
     m_block = pid // num_splits
     split = pid % num_splits
     # The sequence's keys: cache positions [lp, end), key j at position lp + j.
-    end = tl.load(SeqLens + b)
+    end = tl.load(SeqLens + b) + s_new      # the lengths before an append of s_new tokens
     lp = 0
     if HAS_LEFTPAD:
         lp = tl.load(LeftPad + b)
+    seq_ok = (end >= 0) & (end <= capacity) & (lp >= 0) & (lp <= end)
+    if PAGES == 0:
+        if HAS_TABLE:
+            row = tl.load(BlockTable + b * stride_btb)
+            seq_ok = seq_ok & (row >= 0) & (row < num_blocks)
+    end = tl.where(seq_ok, end, 0)
+    lp = tl.where(seq_ok, lp, 0)
+    tl.atomic_or(ERR, LEN_BIT, mask=(seq_ok == 0) & (pid == 0) & (hk == 0))
     Sk = end - lp
 
     r = m_block * BLOCK_M + tl.arange(0, BLOCK_M)                                 # [BLOCK_M]
@@ -289,6 +304,7 @@ def _flash_attn_kvcache_kernel(
     if HAS_DESCALE:  # FlashAttention-3's descales of (sequence b, KV head hk)
         qk_descale = tl.load(DescQ + b * stride_dqb + hk * stride_dqh) * tl.load(DescK + b * stride_dkb + hk * stride_dkh)
         v_descale = tl.load(DescV + b * stride_dvb + hk * stride_dvh)
+    bad_pages = tl.zeros([BLOCK_N], dtype=tl.int32)
     for start_n in range(s_lo, s_hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)                                   # [BLOCK_N]
         n_in = (offs_n >= first) & (offs_n < s_hi)
@@ -301,6 +317,10 @@ def _flash_attn_kvcache_kernel(
             page = next_page
             next_n = start_n + BLOCK_N
             next_page = tl.load(bt_row + next_n // page_size, mask=next_n < s_hi, other=0).to(tl.int64)
+            page_ok = (page >= 0) & (page < num_blocks)
+            page = tl.where(page_ok, page, 0)
+            bad_pages = tl.maximum(bad_pages, (n_in & (page_ok == 0)).to(tl.int32))
+            n_in = n_in & page_ok
             k_off, v_off, ks_off, vs_off = _whole_page_offsets(
                 page, start_n, page_size, stride_kp, stride_kn, stride_vp, stride_vn,
                 stride_ksp, stride_ksn, stride_vsp, stride_vsn, BLOCK_N)
@@ -312,6 +332,8 @@ def _flash_attn_kvcache_kernel(
             else:
                 pages = _block_page_ids(bt_row, start_n, first, s_hi, lp, page_size, page_shift, POW2_PAGE, PAGE,
                                         BLOCK_N)
+            pages, n_in, bad = _valid_pages(pages, n_in, num_blocks)
+            bad_pages = tl.maximum(bad_pages, bad.to(tl.int32))
             k_off, v_off, ks_off, vs_off = _key_page_offsets(
                 pages, offs_n, lp, page_size, stride_kp, stride_kn, stride_vp, stride_vn,
                 stride_ksp, stride_ksn, stride_vsp, stride_vsn, BLOCK_N, POW2_PAGE, PAGE)
@@ -321,6 +343,7 @@ def _flash_attn_kvcache_kernel(
             sm_scale_log2, softcap_scale, softcap_log2, D, Dv, window_left, window_right,
             HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, QUANTIZED, INPUT_PRECISION,
             qk_descale, HAS_DESCALE, PV_FP16)
+    _record(ERR, PAGE_BIT, bad_pages > 0)
 
     _kvcache_store(Out, Lse, acc, l_i, m_i, split, b, i, h, row_in, offs_dv, Dv,
                    stride_os, stride_ob, stride_om, stride_oh, stride_od,
@@ -391,6 +414,7 @@ def flash_attn_kvcache(
     k_descale: torch.Tensor | None = None,
     v_descale: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
+    s_new: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of q (B, Sq, Hq, D) over a paged cache (num_blocks, page_size, Hkv, D), already
     validated: sequence b's keys are cache positions leftpad[b] .. seqlens[b] (int32, (B,)), found
@@ -400,11 +424,13 @@ def flash_attn_kvcache(
     Dv) in q's dtype and lse (B, Hq, Sq) fp32. ``num_splits`` >= 1 splits each row's keys across that many programs;
     ``max_seqlen_k``, the most keys a sequence holds (None: unknown), picks the tile. ``sinks``
     (Hq,) fp32 and an fp8/int8 q over a cache of its dtype with (B, Hkv) descales and
-    ``out_dtype``: as ``fwd.flash_attn_fwd`` (``common.quant_args``).
+    ``out_dtype``: as ``fwd.flash_attn_fwd`` (``common.quant_args``). ``s_new``: tokens just
+    appended, added to every seqlens[b] in the kernel.
     """
     B, Sq, Hq, D = q.shape
     Hkv, Dv = k_cache.shape[2], v_cache.shape[3]
     group, page_size = Hq // Hkv, k_cache.shape[1]
+    capacity = block_table.shape[1] * page_size if block_table is not None else page_size
     out = alloc.empty((B, Sq, Hq, Dv), dtype=out_dtype or q.dtype, device=q.device)
     lse = alloc.empty((B, Hq, Sq), dtype=torch.float32, device=q.device)
     if out.numel() == 0:
@@ -421,7 +447,7 @@ def flash_attn_kvcache(
                                       interpreted=triton_interpreted())
     # Rows are (query, head) pairs: decode (Sq * group <= 16) takes the smallest tile tl.dot allows.
     block_m = tuning.kvcache_block_m(cfg, Sq * group)
-    m_blocks = triton.cdiv(Sq * group, block_m)
+    m_blocks = cdiv(Sq * group, block_m)
     left, right = window_size
     if num_splits > 1:
         part = torch.empty((num_splits, B, Sq, Hq, Dv), dtype=torch.float32, device=q.device)
@@ -456,11 +482,13 @@ def flash_attn_kvcache(
             INPUT_PRECISION="ieee" if q.dtype == torch.float32 else None, EVEN_D=(D == block_d and Dv == block_dv),
             HAS_TABLE=block_table is not None, PAGES=layout.pages, POW2_PAGE=layout.pow2_page, PAGE=layout.page,
             PAGES_AHEAD=layout.pages_ahead, **quant, **cfg.options(),
+            capacity=capacity, num_blocks=k_cache.shape[0], ERR=errors.error_flag(q.device),
+            LEN_BIT=BAD_SEQLENS, PAGE_BIT=BAD_PAGE, s_new=s_new,
         )
         if num_splits > 1:
             _merge_splits_kernel[(Sq, Hq, B)](
                 part, part_lse, out, lse, *part.stride(), *part_lse.stride(), *out.stride(), *lse.stride(),
-                num_splits, Dv, BLOCK_S=max(2, triton.next_power_of_2(num_splits)), BLOCK_DV=block_dv,
+                num_splits, Dv, BLOCK_S=max(2, next_power_of_2(num_splits)), BLOCK_DV=block_dv,
                 num_warps=4, **({"Sinks": sinks, "HAS_SINKS": True} if sinks is not None else {}),
             )
     return out, lse

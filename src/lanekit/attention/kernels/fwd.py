@@ -15,11 +15,13 @@ import triton
 import triton.language as tl
 
 from lanekit.attention import tuning
-from lanekit.attention.kernels.common import (LOG2E, _add_sinks, _block, _check_grid, _page_ids, _page_offsets,
-                                              _pv_dot, _strides4, _strides_bthd, _tile, _varlen_bounds, quant_args,
-                                              MIN_K_8BIT, QUANT_DTYPES)
+from lanekit.attention.kernels.common import (BAD_PAGE, LOG2E, MIN_K_8BIT, QUANT_DTYPES, _add_sinks, _block,
+                                              _check_grid, _page_ids, _page_offsets, _pv_dot, _record, _strides4,
+                                              _strides_bthd, _tile, _valid_pages, _varlen_bounds, clamp_varlen,
+                                              quant_args)
 from lanekit.common.numerics import tanh as _tanh
-from lanekit.runtime import alloc
+from lanekit.runtime import alloc, errors
+from lanekit.runtime.host import cdiv, next_power_of_2
 from lanekit.runtime.lanes import triton_interpreted
 
 if triton_interpreted():
@@ -38,7 +40,7 @@ def _flash_attn_fwd_inner(
     slope_log2, sm_scale_log2, softcap_scale, softcap_log2,
     Sq, Sk, D, Dv, window_left, window_right, dropout_p, seed, rng_stride,
     bt_row, page_size, stride_kpage, stride_vpage,
-    lo, hi,
+    lo, hi, num_blocks, ERR, PAGE_BIT,
     BLOCK_N: tl.constexpr, MASKED: tl.constexpr, EVEN_D: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr,
@@ -54,8 +56,9 @@ def _flash_attn_fwd_inner(
         n_in = offs_n < Sk
         if PAGED:
             # key n of the sequence sits in page bt_row[n // page_size], at row n % page_size
-            k_off, v_off = _paged_rows(bt_row, offs_n, n_in, page_size, stride_kpage, stride_kn,
-                                       stride_vpage, stride_vn)
+            k_off, v_off, n_in, bad = _paged_rows(bt_row, offs_n, n_in, page_size, num_blocks, stride_kpage,
+                                                  stride_kn, stride_vpage, stride_vn)
+            _record(ERR, PAGE_BIT, bad)
             k_ptrs = k_base + k_off[None, :] + offs_d[:, None] * stride_kd
             v_ptrs = v_base + v_off[:, None] + offs_dv[None, :] * stride_vd
         else:
@@ -80,6 +83,9 @@ def _flash_attn_fwd_inner(
 
         # keep: inside the window and the mask; the additive terms (ALiBi, bias) go in b, log2 units
         keep = offs_m[:, None] < Sq
+        if PAGED:
+            if not MASKED:  # a page id out of range masks its keys, in any block
+                keep = keep & n_in[None, :]
         if MASKED:
             keep = keep & n_in[None, :]
             if HAS_LEFT:
@@ -122,11 +128,14 @@ def _flash_attn_fwd_inner(
 
 
 @triton.jit
-def _paged_rows(bt_row, offs_n, n_in, page_size, stride_kpage, stride_kn, stride_vpage, stride_vn):
-    # K's and V's offsets of keys offs_n of one sequence in a paged cache (see _page_ids).
+def _paged_rows(bt_row, offs_n, n_in, page_size, num_blocks, stride_kpage, stride_kn, stride_vpage, stride_vn):
+    # K's and V's offsets of keys offs_n of one sequence in a paged cache (see _page_ids), the
+    # keys still in (a page id outside [0, num_blocks) reads page 0 and masks its keys) and the
+    # keys whose page was out of range.
     page = _page_ids(bt_row, offs_n, n_in, page_size)
+    page, n_in, bad = _valid_pages(page, n_in, num_blocks)
     return (_page_offsets(page, offs_n, page_size, stride_kpage, stride_kn),
-            _page_offsets(page, offs_n, page_size, stride_vpage, stride_vn))
+            _page_offsets(page, offs_n, page_size, stride_vpage, stride_vn), n_in, bad)
 
 
 # Lengths, window sizes and the RNG state change from call to call: not specializing them keeps one
@@ -154,6 +163,7 @@ def _flash_attn_fwd_kernel(
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_BIAS: tl.constexpr,
     HAS_MASK: tl.constexpr, HAS_DROPOUT: tl.constexpr, INPUT_PRECISION: tl.constexpr,
     INT64_TILES: tl.constexpr, IS_VARLEN: tl.constexpr, PAGED: tl.constexpr,
+    num_blocks, ERR, PAGE_BIT,
     Sinks=None, DescQ=None, DescK=None, DescV=None, stride_dqb=0, stride_dqh=0, stride_dkb=0, stride_dkh=0,
     stride_dvb=0, stride_dvh=0,
     HAS_SINKS: tl.constexpr = False, HAS_DESCALE: tl.constexpr = False, PV_FP16: tl.constexpr = False,
@@ -238,7 +248,7 @@ def _flash_attn_fwd_kernel(
             stride_kn, stride_kd, stride_vn, stride_vd, stride_bm, stride_bn, stride_mm, stride_mn,
             offs_m, offs_m_local, offs_d, offs_dv, pos_m, slope_log2, sm_scale_log2, softcap_scale,
             softcap_log2, Sq, Sk, D, Dv, window_left, window_right, dropout_p, seed, rng_stride,
-            bt_row, page_size, stride_kb, stride_vb, lo, full_lo,
+            bt_row, page_size, stride_kb, stride_vb, lo, full_lo, num_blocks, ERR, PAGE_BIT,
             BLOCK_N, True, EVEN_D, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_BIAS, HAS_MASK,
             HAS_DROPOUT, INPUT_PRECISION, INT64_TILES, PAGED,
             qk_descale, HAS_DESCALE, PV_FP16)
@@ -247,7 +257,7 @@ def _flash_attn_fwd_kernel(
         stride_kn, stride_kd, stride_vn, stride_vd, stride_bm, stride_bn, stride_mm, stride_mn,
         offs_m, offs_m_local, offs_d, offs_dv, pos_m, slope_log2, sm_scale_log2, softcap_scale,
         softcap_log2, Sq, Sk, D, Dv, window_left, window_right, dropout_p, seed, rng_stride,
-        bt_row, page_size, stride_kb, stride_vb, full_lo, full_hi,
+        bt_row, page_size, stride_kb, stride_vb, full_lo, full_hi, num_blocks, ERR, PAGE_BIT,
         BLOCK_N, False, EVEN_D, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_BIAS, HAS_MASK,
         HAS_DROPOUT, INPUT_PRECISION, INT64_TILES, PAGED,
         qk_descale, HAS_DESCALE, PV_FP16)
@@ -256,7 +266,7 @@ def _flash_attn_fwd_kernel(
         stride_kn, stride_kd, stride_vn, stride_vd, stride_bm, stride_bn, stride_mm, stride_mn,
         offs_m, offs_m_local, offs_d, offs_dv, pos_m, slope_log2, sm_scale_log2, softcap_scale,
         softcap_log2, Sq, Sk, D, Dv, window_left, window_right, dropout_p, seed, rng_stride,
-        bt_row, page_size, stride_kb, stride_vb, full_hi, hi,
+        bt_row, page_size, stride_kb, stride_vb, full_hi, hi, num_blocks, ERR, PAGE_BIT,
         BLOCK_N, True, EVEN_D, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_BIAS, HAS_MASK,
         HAS_DROPOUT, INPUT_PRECISION, INT64_TILES, PAGED,
         qk_descale, HAS_DESCALE, PV_FP16)
@@ -320,7 +330,9 @@ def flash_attn_fwd(
     """
     varlen = cu_seqlens_q is not None
     paged = block_table is not None
-    if varlen:
+    if varlen:   # the lengths brought into range on the device (no value read back)
+        cu_seqlens_q, cu_seqlens_k = clamp_varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                                  block_table)
         total_q, Hq, D = q.shape
         B, Sq, Sk = cu_seqlens_q.shape[0] - 1, max_seqlen_q, max_seqlen_k
         out = alloc.empty((total_q, Hq, v.shape[-1]), dtype=out_dtype or q.dtype, device=q.device)
@@ -355,7 +367,7 @@ def flash_attn_fwd(
     # A varlen sequence holds at most total_q queries: a larger max_seqlen_q would only add
     # programs that find no row (10**7 for 7 tokens took minutes interpreted).
     rows = min(Sq, total_q) if varlen else Sq
-    grid = (triton.cdiv(rows, cfg.block_m), Hq, B)
+    grid = (cdiv(rows, cfg.block_m), Hq, B)
     # Triton launches on the current device: make it q's.
     with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
         _flash_attn_fwd_kernel[grid](
@@ -383,5 +395,7 @@ def flash_attn_fwd(
             INPUT_PRECISION="ieee" if q.dtype == torch.float32 else None, INT64_TILES=int64_tiles,
             IS_VARLEN=varlen, PAGED=paged,
             **quant, **cfg.options(),
+            num_blocks=k.shape[0] if paged else 0, ERR=errors.error_flag(q.device) if paged else q,
+            PAGE_BIT=BAD_PAGE,
         )
     return out, lse

@@ -2,7 +2,7 @@
 
 - ``norm``: ``_norm_fwd_kernel`` / ``_norm_bwd_kernel``, RMSNorm, LayerNorm and AdaLN with the fused
   residual (and gated residual) add.
-- ``rotary``: ``_rotary_kernel``, RoPE.
+- ``rotary``: ``_rotary_kernel``, RoPE; ``_rotary_qk_kernel``, RoPE of q and k in one launch.
 - ``qk_norm``: ``_qk_norm_rope_fwd_kernel``, a per-head RMSNorm, RoPE and optionally a per-head
   quantization of q and k in one launch; ``_rms_norm_rope_bwd_kernel`` its backward (without
   quantization), q and k in one launch too.
@@ -19,6 +19,7 @@ calls ``kernels.norm_fwd`` and the others).
 from lanekit.layers.kernels.glu import glu_bwd, glu_fwd
 from lanekit.layers.kernels.norm import norm_bwd, norm_fwd
 from lanekit.layers.kernels.qk_norm import qk_norm_rope_fwd, rms_norm_rope_bwd
-from lanekit.layers.kernels.rotary import rotary_fwd
+from lanekit.layers.kernels.rotary import rotary_fwd, rotary_qk_fwd
 
-__all__ = ["glu_bwd", "glu_fwd", "norm_bwd", "norm_fwd", "qk_norm_rope_fwd", "rms_norm_rope_bwd", "rotary_fwd"]
+__all__ = ["glu_bwd", "glu_fwd", "norm_bwd", "norm_fwd", "qk_norm_rope_fwd", "rms_norm_rope_bwd", "rotary_fwd",
+           "rotary_qk_fwd"]

@@ -9,6 +9,7 @@ import triton
 import triton.language as tl
 
 from lanekit.layers import tuning
+from lanekit.runtime.host import cdiv, next_power_of_2
 from lanekit.runtime.lanes import triton_interpreted
 
 if triton_interpreted():
@@ -80,13 +81,13 @@ def _glu_grid(rows, N, device):
     two down to block_n >> fit_shifts that divides N, with warps in proportion (N = 14336, half of
     each row's last 4096-block idle: 2048 and half the warps). A row of one block keeps it."""
     cfg = tuning.glu_config(device)
-    block, num_warps = min(cfg.block_n, triton.next_power_of_2(max(N, 1))), cfg.num_warps
+    block, num_warps = min(cfg.block_n, next_power_of_2(max(N, 1))), cfg.num_warps
     if rows > 1 and N > block and N % block:
         for shift in range(1, cfg.fit_shifts + 1):
             if N % (block >> shift) == 0:
                 block, num_warps = block >> shift, max(1, num_warps >> shift)
                 break
-    return (rows * triton.cdiv(N, block),), block, num_warps
+    return (rows * cdiv(N, block),), block, num_warps
 
 
 def _flat(*ts):

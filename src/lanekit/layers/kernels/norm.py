@@ -24,6 +24,7 @@ import triton.language as tl
 from lanekit.layers import tuning
 from lanekit.layers.kernels.shared import _row_scale, _rows, _stride, _strides
 from lanekit.runtime.alloc import empty
+from lanekit.runtime.host import cdiv, next_power_of_2
 from lanekit.runtime.lanes import triton_interpreted
 
 if triton_interpreted():
@@ -325,7 +326,7 @@ def _norm_bwd_kernel(
 def _norm_config(device: torch.device, N: int, rows: int = 0) -> tuple[int, bool, int]:
     """(BLOCK_N, ONE_BLOCK, num_warps) for rows of N features."""
     cfg = tuning.norm_config(device, N)
-    block = min(triton.next_power_of_2(max(N, 1)), cfg.max_block_n)
+    block = min(next_power_of_2(max(N, 1)), cfg.max_block_n)
     return block, N <= block, cfg.num_warps
 
 
@@ -381,9 +382,9 @@ def norm_bwd(*, dy, dh_out, x, weight, bias, mean, rstd, offset=0.0, is_rms, res
     per_group = rows // groups
     BLOCK_N, one_block, num_warps = _norm_config(x.device, N)
     # enough programs to fill the GPU, each summing a run of rows of one group
-    chunks = max(1, min(per_group, triton.cdiv(tuning.norm_bwd_programs(x.device), groups)))
-    rows_per_program = max(1, triton.cdiv(per_group, chunks))
-    chunks = max(1, triton.cdiv(per_group, rows_per_program))
+    chunks = max(1, min(per_group, cdiv(tuning.norm_bwd_programs(x.device), groups)))
+    rows_per_program = max(1, cdiv(per_group, chunks))
+    chunks = max(1, cdiv(per_group, rows_per_program))
 
     def partial(needed):
         return empty((groups * chunks, N), dtype=torch.float32, device=x.device) if needed else None

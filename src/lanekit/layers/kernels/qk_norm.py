@@ -19,6 +19,7 @@ from lanekit.layers import tuning
 from lanekit.layers.kernels.rotary import _rotary_pairs, _rotary_tokens
 from lanekit.layers.kernels.shared import _load_f32, _prefetch_rows, _row_scale, _store, _stride, _to_f32
 from lanekit.runtime.alloc import empty
+from lanekit.runtime.host import cdiv, next_power_of_2
 from lanekit.runtime.lanes import triton_interpreted
 
 if triton_interpreted():
@@ -469,7 +470,7 @@ _LINE = 128  # bytes in a cache line (NVIDIA's L1 and L2)
 
 def _lines(n, t) -> int:
     """Cache lines that n contiguous elements of t span from a line's start (a power of two)."""
-    return triton.next_power_of_2(max(triton.cdiv(n * t.element_size(), _LINE), 1))
+    return next_power_of_2(max(cdiv(n * t.element_size(), _LINE), 1))
 
 
 def qk_norm_rope_fwd(*, q, k, q_out, k_out, q_weight, k_weight, cos, sin, rot_start, rotary_dim,
@@ -502,13 +503,13 @@ def qk_norm_rope_fwd(*, q, k, q_out, k_out, q_weight, k_weight, cos, sin, rot_st
     half = rotary_dim // 2
     rows = cfg.norm_block_rows if quant_dtype is None else cfg.quant_block_rows
     # one tile shape for both: heads of a token first (up to the smaller head count), then tokens
-    block_h = min(triton.next_power_of_2(max(min(HQ, HK) if HK else HQ, 1)), rows)
+    block_h = min(next_power_of_2(max(min(HQ, HK) if HK else HQ, 1)), rows)
     block_s = max(1, rows // block_h)
-    q_head_blocks = triton.cdiv(HQ, block_h)
-    head_blocks = q_head_blocks + triton.cdiv(HK, block_h)   # a constexpr: % and // by it are cheap
-    s_blocks = triton.cdiv(S, block_s)
+    q_head_blocks = cdiv(HQ, block_h)
+    head_blocks = q_head_blocks + cdiv(HK, block_h)   # a constexpr: % and // by it are cheap
+    s_blocks = cdiv(S, block_s)
     grid = (s_blocks * head_blocks, 1, B)
-    block_half = triton.next_power_of_2(max(half, 1))
+    block_half = next_power_of_2(max(half, 1))
     even = S % block_s == 0 and HQ % block_h == 0 and HK % block_h == 0 and half == block_half
     offsets_tensor = isinstance(seqlen_offsets, torch.Tensor)
     pos = position_ids
@@ -536,7 +537,7 @@ def qk_norm_rope_fwd(*, q, k, q_out, k_out, q_weight, k_weight, cos, sin, rot_st
         S, HQ, HK, D, rot_start, half, q_head_blocks, 0 if offsets_tensor else int(seqlen_offsets),
         eps, offset, ahead,
         BLOCK_S=block_s, BLOCK_H=block_h, BLOCK_HALF=block_half,
-        BLOCK_D=triton.next_power_of_2(D), HAS_REST=rotary_dim < D, INTERLEAVED=interleaved,
+        BLOCK_D=next_power_of_2(D), HAS_REST=rotary_dim < D, INTERLEAVED=interleaved,
         HAS_WEIGHT=q_weight is not None, QUANT=_QUANT_CODES[quant_dtype],
         EVEN=even, ROT_ALL=rot_start == 0, POW2_D=D & (D - 1) == 0,
         HAS_POS_IDS=pos is not None, HAS_OFFSET_TENSOR=offsets_tensor, HEAD_BLOCKS=head_blocks,
@@ -569,7 +570,7 @@ def rms_norm_rope_bwd(*, dq_out, dk_out, q, k, q_weight, k_weight, cos, sin, eps
     dk = empty(k.shape, dtype=k.dtype, device=k.device)
     cfg = tuning.rotary_config(q.device)
     block_s = cfg.bwd_block_s
-    s_blocks = triton.cdiv(S, block_s)
+    s_blocks = cdiv(S, block_s)
     has_weight = q_weight is not None
 
     def part():
@@ -588,8 +589,8 @@ def rms_norm_rope_bwd(*, dq_out, dk_out, q, k, q_weight, k_weight, cos, sin, eps
             *dq_out.stride(), *dk_out.stride(), *q.stride(), *k.stride(), *dq.stride(), *dk.stride(),
             *cos.stride(), *sin.stride(), *pos_strides, _stride(q_weight), _stride(k_weight),
             S, HQ, HK, D, half, 0 if offsets_tensor else int(seqlen_offsets), eps, offset,
-            BLOCK_S=block_s, BLOCK_HALF=triton.next_power_of_2(max(half, 1)),
-            BLOCK_D=triton.next_power_of_2(D), INTERLEAVED=interleaved,
+            BLOCK_S=block_s, BLOCK_HALF=next_power_of_2(max(half, 1)),
+            BLOCK_D=next_power_of_2(D), INTERLEAVED=interleaved,
             HAS_WEIGHT=has_weight, HAS_POS_IDS=position_ids is not None,
             HAS_OFFSET_TENSOR=offsets_tensor, num_warps=cfg.num_warps,
         )
