@@ -129,7 +129,8 @@ def _gather_kv_kernel(
         # not read (zeros); both recorded in ERR
         n = tl.load(SEQLENS + b).to(tl.int64)
         n_ok = (n >= 0) & (n <= blocks_per_row * page_size)
-        live = in_out & (s < n) & n_ok
+        live = tl.where(n_ok, in_out & (s < n), False)   # (not & n_ok: a tensor & scalar bool is not
+        #                                               boolean in Triton 3.9's interpreter; masks must be)
         page = tl.load(BLOCK_TABLE + b * stride_tb + page_idx * stride_tp, mask=live, other=0).to(tl.int64)
         page_ok = (page >= 0) & (page < num_blocks)
         bad = (live & (page_ok == 0)) | (in_out & ((n_ok == 0) | (n > S)))

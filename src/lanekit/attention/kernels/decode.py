@@ -320,7 +320,8 @@ def _flash_attn_kvcache_kernel(
             page_ok = (page >= 0) & (page < num_blocks)
             page = tl.where(page_ok, page, 0)
             bad_pages = tl.maximum(bad_pages, (n_in & (page_ok == 0)).to(tl.int32))
-            n_in = n_in & page_ok
+            n_in = tl.where(page_ok, n_in, False)   # (not n_in & page_ok: a tensor & scalar bool is not
+            #                                        boolean in Triton 3.9's interpreter, and masks must be)
             k_off, v_off, ks_off, vs_off = _whole_page_offsets(
                 page, start_n, page_size, stride_kp, stride_kn, stride_vp, stride_vn,
                 stride_ksp, stride_ksn, stride_vsp, stride_vsn, BLOCK_N)

@@ -185,7 +185,7 @@ def _chunk_output_kernel(
     kt = _rows_t(K_, b, t, t_in, i_h, offs_k, k_in, stride_kb, stride_kt, stride_kh, stride_kk)     # [BK, C]
     v = _rows(V_, b, t, t_in, i_h, offs_v, v_in, stride_vb, stride_vt, stride_vh, stride_vv)        # [C, BV]
     h = tl.load(_state_ptr(HBUF, hidx, H, i_h, offs_k, offs_v, DK, DV),
-                mask=k_in[:, None] & v_in[None, :] & (t0 < eos), other=0.0)                        # [BK, BV]
+                mask=tl.where(t0 < eos, k_in[:, None] & v_in[None, :], False), other=0.0)                        # [BK, BV]
     a = tl.dot(q, kt, input_precision=INPUT_PRECISION)                                             # [C, C]
     o = tl.dot(q, h.to(q.dtype), input_precision=INPUT_PRECISION)                                  # [C, BV]
     causal = offs_c[:, None] >= offs_c[None, :]
@@ -283,7 +283,8 @@ def _chunk_grad_kernel(
     dq = tl.zeros([CHUNK, BK], dtype=tl.float32)        # do h^T, summed over V
     dk = tl.zeros([CHUNK, BK], dtype=tl.float32)        # v dh^T, summed over V
     ds = tl.zeros([CHUNK, CHUNK], dtype=tl.float32)     # do v^T, summed over V
-    state_in = k_in[:, None] & (t0 < eos)
+    state_in = tl.where(t0 < eos, k_in[:, None], False)   # (where, not &: Triton 3.9's interpreter
+    #                                                          makes a tensor & scalar bool non-boolean)
     for i_v in range(0, tl.cdiv(DV, BV)):
         offs_v = i_v * BV + tl.arange(0, BV).to(tl.int64)
         v_in = offs_v < DV
