@@ -2,7 +2,8 @@
 # The GPU run, on the machine with the GPU (the device tool), from the repo root:
 #   bash scripts/gpu.sh [STEP ...]
 #   steps: info tests sanitizer check check-sanitized demo tune tune-bwd tune-layers profile bench
-#   bench-layers bench-decode bench-moe tune-moe tune-decode ncu ab (default, in this order: info tests check demo bench bench-layers
+#   bench-layers bench-decode bench-moe bench-new (linear_attn mla attention_fp8 eager train generate;
+#   peers from wheels: see the device README) bench-gemm gemm-explore fa-suite tune-moe tune-decode ncu ab (default, in this order: info tests check demo bench bench-layers
 #   bench-decode sanitizer).
 #   check-sanitized is lanekit check under compute-sanitizer's memcheck: every kernel on every
 #   registered sample, checked for out-of-bounds accesses as well as against its oracle.
@@ -19,7 +20,7 @@ set -u
 OUT=${OUT:-/tmp/lanekit-gpu}
 mkdir -p "$OUT"
 # .gpu/minilm: an fp16 copy of all-MiniLM-L6-v2 (the fp32 one is over the 64 MiB the device tool carries)
-export PYTHONPATH="$PWD/src:$PWD" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 LANEKIT_MINILM_DIR="$PWD/.gpu/minilm"
+export PYTHONPATH="$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 LANEKIT_MINILM_DIR="$PWD/.gpu/minilm"
 [ -f .gpu/minilm/config.json ] || echo "warning: .gpu/minilm is missing (carry .gpu): the MiniLM tests and the demo will fail"
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=(info tests check demo bench bench-layers bench-decode sanitizer)
@@ -50,6 +51,10 @@ for s in "${steps[@]}"; do
     bench) run_step bench python3 -m benchmarks.run attention attention_train attention_fp32 --json "$OUT/bench.json" ;;
     bench-layers) run_step bench-layers python3 -m benchmarks.run layers --json "$OUT/bench-layers.json" ;;
     bench-decode) run_step bench-decode python3 -m benchmarks.run decode prefill --json "$OUT/bench-decode.json" ;;
+    bench-new) run_step bench-new python3 -m benchmarks.run linear_attn mla attention_fp8 eager train generate --json "$OUT/bench-new.json" ;;
+    bench-gemm) run_step bench-gemm python3 -m benchmarks.run gemm quant --json "$OUT/bench-gemm.json" ;;
+    gemm-explore) run_step gemm-explore python3 -m benchmarks.explore_gemm_sm90 ;;
+    fa-suite) run_step fa-suite python3 scripts/run_fa_suite.py --tests ${FA_TESTS:-.gpu/fa_tests/test_flash_attn.py} --sample ${FA_SAMPLE:-3} --json "$OUT/fa.json" ;;
     bench-moe) run_step bench-moe python3 -m benchmarks.run moe --json "$OUT/bench-moe.json" ;;
     tune-moe) run_step tune-moe python3 -m benchmarks.tune_moe ${TUNE_ARGS:-} ;;
     tune-decode) run_step tune-decode python3 -m benchmarks.tune_decode ${TUNE_ARGS:-} ;;
