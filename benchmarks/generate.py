@@ -50,8 +50,8 @@ def model(c, device="cuda", dtype=torch.bfloat16, **overrides):
     return LlamaForCausalLM(config).to(device=device, dtype=dtype).eval()
 
 
-def make_inputs(c, device="cuda", **overrides):
-    m = model(c, device, **overrides)
+def make_inputs(c, device="cuda", dtype=torch.bfloat16, **overrides):
+    m = model(c, device, dtype, **overrides)
     g = torch.Generator().manual_seed(1)
     prompts = torch.randint(0, m.config.vocab_size, (B, PROMPT if not overrides else 8), generator=g)
     return [m, prompts]

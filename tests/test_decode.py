@@ -140,7 +140,8 @@ def test_output_does_not_depend_on_num_splits_and_lse_is_the_unsplit_one(device)
 
 
 @pytest.mark.parametrize("D,capacity", [(64, 1000), (128, 9000)])   # D=128: the H200's short/long rows
-def test_output_does_not_depend_on_the_allocated_capacity(device, D, capacity):
+def test_output_does_not_depend_on_the_allocated_capacity_given_max_seqlen_k(device, D, capacity):
+    # max_seqlen_k picks the decode tile (else the capacity does: then the two differ by rounding)
     q, kc, vc, seqlens = decode_inputs(device, B=2, Sk=300, Hq=4, Hkv=2, D=D, capacity=300, seed=1)
     big_k = torch.full((2, capacity, 2, D), math.nan, dtype=kc.dtype, device=device)   # past the end: NaN
     big_v = torch.full_like(big_k, math.nan)
@@ -148,10 +149,13 @@ def test_output_does_not_depend_on_the_allocated_capacity(device, D, capacity):
     for splits in (1, 3):
         with poisoned_outputs():
             small = lanekit.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens, num_splits=splits,
-                                                    lane="triton")
+                                                    max_seqlen_k=300, lane="triton")
             big = lanekit.flash_attn_with_kvcache(q, big_k, big_v, cache_seqlens=seqlens, num_splits=splits,
-                                                  lane="triton")
+                                                  max_seqlen_k=300, lane="triton")
+            unbounded = lanekit.flash_attn_with_kvcache(q, big_k, big_v, cache_seqlens=seqlens, num_splits=splits,
+                                                        lane="triton")
         assert torch.equal(small, big)
+        assert_close(unbounded, small, ATTENTION_FWD)
 
 
 def test_split_count_follows_max_seqlen_k_else_the_capacity_never_a_length_read_back(device, monkeypatch):
@@ -219,7 +223,7 @@ def test_sm90_decode_tile_follows_the_layout_and_the_longest_sequence():
     assert tuning.kvcache_block_pages(2, 128, 64, leftpad=False) == 0      # larger than the block
 
 
-def test_max_seqlen_k_bounds_the_lengths_and_is_checked(device):
+def test_max_seqlen_k_bounds_the_lengths_and_is_checked(device, monkeypatch):
     q, kc, vc, seqlens = decode_inputs(device, B=2, Sk=300, Hq=4, Hkv=2, D=128, capacity=400, seed=2)
     new = randn(2, 1, 2, 128, dtype=q.dtype, device=device, generator=gen(3))
     want = lanekit.flash_attn_with_kvcache(q, kc.clone(), vc.clone(), new, new, cache_seqlens=seqlens,
@@ -230,6 +234,7 @@ def test_max_seqlen_k_bounds_the_lengths_and_is_checked(device):
                                                   max_seqlen_k=bound, lane="triton")
         assert_close(got, want, ATTENTION_FWD)
     kc0, vc0 = kc.clone(), vc.clone()
+    monkeypatch.setenv("LANEKIT_CHECK_INDICES", "1")   # the lengths live on the device: read back in the debug mode
     with pytest.raises(ValueError, match="max_seqlen_k: expected at least .*301.*got 300"):
         lanekit.flash_attn_with_kvcache(q, kc, vc, new, new, cache_seqlens=seqlens, max_seqlen_k=300)
     with pytest.raises(TypeError, match="max_seqlen_k: expected an int or None, got float"):
@@ -765,12 +770,13 @@ def test_decode_and_varlen_read_nothing_back_from_the_device(device, monkeypatch
     table = torch.tensor([[0, 1, 4], [2, 3, 5]], dtype=torch.int32, device=device)
     seqlens = torch.tensor([7, 2], dtype=torch.int32, device=device)
     new = randn(2, 1, 2, 16, dtype=q.dtype, device=device, generator=gen(3))
+    slots = torch.tensor([30, 31], device=device)   # a copy from the host (a sync itself): made before the checked calls
 
     def calls():
         lanekit.flash_attn_varlen_func(q, k, v, cq, ck, 3, 4, causal=True)
         lanekit.flash_attn_with_kvcache(q[:2, None], kc, vc, new, new, cache_seqlens=seqlens, block_table=table,
                                         causal=True)
-        lanekit.kv_cache.reshape_and_cache(new[:, 0], new[:, 0], kc, vc, torch.tensor([30, 31], device=device))
+        lanekit.kv_cache.reshape_and_cache(new[:, 0], new[:, 0], kc, vc, slots)
         lanekit.kv_cache.gather_cache(kc, vc, table, seqlens, max_seqlen=12)
 
     calls()                          # compiles the kernels

@@ -595,7 +595,8 @@ def test_write_takes_slices_of_what_append_returned_but_not_copies_or_changed_te
     copy.write(x[:2], x[:2], copy.append(3, 2))
 
 
-def test_numpy_and_0d_tensor_ints_are_ints_and_floats_are_type_errors(device):
+def test_numpy_and_0d_tensor_ints_are_ints_and_floats_are_type_errors(device, monkeypatch):
+    monkeypatch.setenv("LANEKIT_CHECK_INDICES", "1")   # max_seqlen against the lengths: read back in the debug mode
     cache = KV.PagedKVCache(np.int64(8), torch.tensor(2), 2, 16, torch.float32, device)
     slots = cache.append([0, 1], [np.int32(3), torch.tensor(2)])
     cache.write(torch.ones(5, 2, 16, device=device), torch.ones(5, 2, 16, device=device), slots)

@@ -210,8 +210,8 @@ def _bad_call(case, device):
         "cu_seqlens float": (chunk_simple_gla, (q1, k1, v1, g1), {"cu_seqlens": cu.float()}),
         "cu_seqlens 2-D": (chunk_simple_gla, (q1, k1, v1, g1), {"cu_seqlens": cu[None]}),
         "cu_seqlens one entry": (chunk_simple_gla, (q1, k1, v1, g1), {"cu_seqlens": cu[:1]}),
-        "cu_seqlens decreasing": (chunk_linear_attn, (q1, k1, v1), {"cu_seqlens": cu[[0, 2, 1]].cpu()}),
-        "cu_seqlens short of T": (chunk_linear_attn, (q1, k1, v1), {"cu_seqlens": cu[:2].cpu()}),
+        "cu_seqlens decreasing": (chunk_linear_attn, (q1, k1, v1), {"cu_seqlens": cu[[0, 2, 1]]}),
+        "cu_seqlens short of T": (chunk_linear_attn, (q1, k1, v1), {"cu_seqlens": cu[:2]}),
         "initial_state per sequence": (chunk_simple_gla, (q1, k1, v1, g1), {"cu_seqlens": cu, "initial_state": h0[:1]}),
         "unknown lane": (chunk_linear_attn, (q, k, v), {"lane": "cuda"}),
     }[case]
@@ -254,6 +254,8 @@ def test_bad_input_raises_a_clear_error_and_launches_nothing(case, device, monke
     from lanekit.linear_attn import op
 
     exc, message = BAD_INPUTS[case]
+    if case in ("cu_seqlens decreasing", "cu_seqlens short of T"):
+        monkeypatch.setenv("LANEKIT_CHECK_INDICES", "1")   # a GPU tensor's values: read back only in the debug mode
     fn, args, kwargs = _bad_call(case, device)
     tensors = [t for a in (*args, *kwargs.values()) for t in (a if isinstance(a, tuple) else (a,))
                if isinstance(t, torch.Tensor) and t.device.type != "meta"]

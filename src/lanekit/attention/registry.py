@@ -76,6 +76,20 @@ ATTENTION_FP8 = Tolerance(
     ),
 )
 
+LSE_FP8 = Tolerance(
+    name="lse_fp8",
+    ulps=1.0,
+    fp32_ulps=4096.0,
+    reason=(
+        "the LSE of fp8 q k^T: Hopper's fp8 tensor cores add the products of one matrix "
+        "instruction with about 14 bits kept after aligning them to the largest (DeepSeek-V3's "
+        "report, 3.3.2), and Triton keeps that fast accumulation by default on sm90 "
+        "(max_num_imprecise_acc), as FlashAttention-3's fp8 path does. Measured on an H100 over "
+        "the registered samples: up to 1265 fp32 steps at max|lse| (2^-12.7 relative); the "
+        "interpreter and sm80 (int8) are exact products summed in fp32. 2^-11 relative: 4096 steps."
+    ),
+)
+
 ATTENTION_DSINKS = Tolerance(
     name="attention_dsinks",
     ulps=4.0,
@@ -96,8 +110,8 @@ def _quantized(x: torch.Tensor, dtype, B: int, Hkv: int, g) -> tuple[torch.Tenso
     (B, Hkv) fp32 descale drawn in [0.5, 1.5) over that factor: the values are codes * descale."""
     top = 127.0 if dtype == torch.int8 else min(torch.finfo(dtype).max, 448.0)
     c = top / 4.0
-    codes = x * c
-    codes = codes.round().clamp(-127, 127).to(dtype) if dtype == torch.int8 else codes.to(dtype)
+    codes = (x * c).clamp(-top, top)   # a draw past 4 deviations: the format's top, not NaN (e4m3 has no inf)
+    codes = codes.round().to(dtype) if dtype == torch.int8 else codes.to(dtype)
     descale = (torch.rand(B, Hkv, generator=g) + 0.5) / c
     return codes, descale.to(x.device)
 
@@ -244,7 +258,7 @@ register(Op(
     lanes={"triton": "lanekit.attention.op:flash_attn_triton",
            "reference": "lanekit.attention.op:flash_attn_reference"},
     samples=_attention_fp8_samples,
-    outputs=(("out", ATTENTION_FP8), ("lse", LSE)),
+    outputs=(("out", ATTENTION_FP8), ("lse", LSE_FP8)),
     doc="fp8 (e4m3, e5m2) and int8 flash_attn_func with FlashAttention-3's descales; P.V in V's fp8 format",
 ))
 
@@ -360,7 +374,7 @@ register(Op(
     lanes={"triton": "lanekit.attention.op:flash_attn_varlen_triton",
            "reference": "lanekit.attention.op:flash_attn_varlen_reference"},
     samples=_varlen_fp8_samples,
-    outputs=(("out", ATTENTION_FP8), ("lse", LSE)),
+    outputs=(("out", ATTENTION_FP8), ("lse", LSE_FP8)),
     doc="fp8 (e4m3, e5m2) and int8 flash_attn_varlen_func with descales, packed or paged K/V",
 ))
 
@@ -582,7 +596,7 @@ register(Op(
     lanes={"triton": "lanekit.attention.op:flash_attn_with_kvcache_triton",
            "reference": "lanekit.attention.op:flash_attn_with_kvcache_reference"},
     samples=_kvcache_fp8_samples,
-    outputs=(("out", ATTENTION_FP8), ("lse", LSE), ("k_cache", ELTWISE), ("v_cache", ELTWISE)),
+    outputs=(("out", ATTENTION_FP8), ("lse", LSE_FP8), ("k_cache", ELTWISE), ("v_cache", ELTWISE)),
     doc="fp8 (e4m3, e5m2) and int8 q over caches of its dtype with descales: paged, split-K (with_kvcache)",
 ))
 
