@@ -11,9 +11,9 @@ prefill included, median of 3 runs after one warm-up run.
 - ``hf sdpa``: transformers' ``model.generate`` with ``attn_implementation="sdpa"``;
 - ``hf lanekit``: the same with ``attn_implementation="lanekit"`` (lanekit.integrations.transformers).
 
-The check before timing: greedy_generate's first 4 tokens agree with transformers' (sdpa) for at
-least 7 of the 8 prompts (bf16 rounding may flip a near-tie; weights drawn with std 0.3 keep the
-top logits apart). Issue 38's bars: greedy_generate at least 1.5x hf sdpa and 1.0x hf lanekit.
+The check before timing, on an fp32 copy of the model: greedy_generate's first 4 tokens agree with
+transformers' (sdpa) for at least 7 of the 8 prompts. (In bf16 the random model is chaotic enough
+that two correct attentions' rounding flips some prompts' tokens within 4 steps.) Issue 38's bars: greedy_generate at least 1.5x hf sdpa and 1.0x hf lanekit.
 """
 
 from __future__ import annotations
@@ -77,11 +77,20 @@ def _ours(m, prompts, new: int):
 
 
 def check(c, m, prompts, new: int = 4) -> str | None:
-    ours = _ours(m, prompts, new)
-    theirs = _hf(m, prompts, "sdpa", new)
+    """greedy_generate against transformers (sdpa) on an fp32 copy of the model: the first ``new``
+    tokens of at least all but one prompt agree. In fp32, because the random model is chaotic
+    (std 0.3 weights over 16 layers): in bf16, rounding ordered differently by two attentions
+    flips near-ties (on the H200: 3 of 8 prompts differ within 4 tokens)."""
+    import copy
+
+    m32 = copy.deepcopy(m).float() if m.lm_head.weight.dtype != torch.float32 else m
+    ours = _ours(m32, prompts, new)
+    theirs = _hf(m32, prompts, "sdpa", new)
+    del m32
     agree = sum(a == b for a, b in zip(ours, theirs))
     if agree < len(ours) - 1:
-        return f"greedy_generate agreed with transformers (sdpa) on {agree} of {len(ours)} prompts' first {new} tokens"
+        return (f"greedy_generate agreed with transformers (sdpa) on {agree} of {len(ours)} prompts' first {new} "
+                f"tokens (fp32 copy of the model)")
     return None
 
 

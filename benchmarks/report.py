@@ -22,6 +22,23 @@ lanekit / peer: above 1.00x lanekit is faster.
 """
 
 NOTES = {
+    "mla_graphs": (
+        "MLA decode (`flash_mla_with_kvcache`), DeepSeek-V3 absorbed form: B=64 single-query "
+        "sequences, H query heads of 576 (512 latent + 64 rope) over one cached latent row a token, "
+        "pages of 64 shuffled over the pool; bf16 cache, or e4m3 codes with a scale per token. GB/s "
+        "of the latent cache read. Peers: PyTorch gather + bmm as a model would write it, and a "
+        "read-only kernel (a bound: the same pages read where they lie, no attention). From CUDA "
+        "graphs. Issue 34's bar, >= 80% of HBM at H=128, is out of reach of this kernel: at H=128 "
+        "each cached row feeds 2 * 128 * (576 + 512) FLOPs, compute-bound on the H200 "
+        "(docs/tuning/mla.md)."
+    ),
+    "mla_eager": "The `mla_graphs` cases, called eagerly (host time included).",
+    "attention_fp8": (
+        "fp8 attention forward: lanekit's e4m3 q, k, v with FlashAttention-3's descales beside its "
+        "own bf16 on the same values and SDPA's flash backend on bf16 copies (no fp8 peer on the "
+        "GPU machine), 16k tokens, 2048 / D heads; and gpt-oss-style bf16 attention with sinks "
+        "(64 query heads over 8 KV heads, D 64). From CUDA graphs."
+    ),
     "attention": (
         "Attention forward, bf16, B * S = 16k tokens, 2048 / D heads, FLOPs = 4 * B * H * S^2 * D "
         "(halved when causal). Peers: PyTorch `scaled_dot_product_attention` forced to its "
@@ -147,7 +164,10 @@ NOTES = {
 def _rates(row: dict) -> dict:
     """A row's figures by name: TFLOP/s (compute-bound families), GB/s (memory-bound) or
     microseconds per call (host-timed families)."""
-    return row.get("tflops", row.get("gbps", row.get("us", row.get("tok_s", {}))))
+    for key in ("tflops", "gbps", "us", "tok_s"):     # the per-implementation dict (a memory-bound row
+        if isinstance(row.get(key), dict):             # may also carry its own TFLOP/s as one number)
+            return row[key]
+    return {}
 
 
 def _unit(rows: list[dict]) -> str:
@@ -155,7 +175,7 @@ def _unit(rows: list[dict]) -> str:
         return "us"
     if any("tok_s" in r for r in rows):
         return "tokens/s"
-    return "GB/s" if any("gbps" in r for r in rows) else "TFLOP/s"
+    return "GB/s" if any(isinstance(r.get("gbps"), dict) for r in rows) else "TFLOP/s"
 
 
 def peers_of(rows: list[dict]) -> list[str]:
