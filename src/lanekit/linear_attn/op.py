@@ -75,7 +75,7 @@ _recurrent_fwd_op.register_fake(_forward_fake)
 @torch.library.custom_op("lanekit::linear_attn_chunk_bwd", mutates_args=())
 def _chunk_bwd_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor | None, initial_state: torch.Tensor | None,
-    cu_seqlens: torch.Tensor | None, do: torch.Tensor, dht: torch.Tensor | None, final: torch.Tensor, scale: float,
+    cu_seqlens: torch.Tensor | None, do: torch.Tensor, dht: torch.Tensor | None, scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     from lanekit.linear_attn.kernels import chunk_bwd
 
@@ -86,11 +86,11 @@ def _chunk_bwd_op(
         dg = torch.empty_like(g) if g is not None else q.new_empty(0)
         return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dg, dh0
     return chunk_bwd(q=q, k=k, v=v, g=g, initial_state=initial_state, cu_seqlens=cu_seqlens, scale=scale,
-                     do=do, dht=dht, final=final)
+                     do=do, dht=dht)
 
 
 @_chunk_bwd_op.register_fake
-def _(q, k, v, g, initial_state, cu_seqlens, do, dht, final, scale):
+def _(q, k, v, g, initial_state, cu_seqlens, do, dht, scale):
     return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
             torch.empty_like(g) if g is not None else q.new_empty(0),
             torch.empty_like(initial_state) if initial_state is not None else q.new_empty(0))
@@ -98,15 +98,16 @@ def _(q, k, v, g, initial_state, cu_seqlens, do, dht, final, scale):
 
 def _setup_context(ctx, inputs, output):
     q, k, v, g, initial_state, cu_seqlens, scale, output_final_state, fp32_out = inputs
-    ctx.save_for_backward(q, k, v, g, initial_state, cu_seqlens, output[1])
+    ctx.save_for_backward(q, k, v, g, initial_state, cu_seqlens)
     ctx.scale = scale
+    ctx.has_final = output[1].numel() > 0
 
 
 def _backward(ctx, do, dht):
-    q, k, v, g, initial_state, cu_seqlens, final = ctx.saved_tensors
-    if final.numel() == 0:
+    q, k, v, g, initial_state, cu_seqlens = ctx.saved_tensors
+    if not ctx.has_final:
         dht = None
-    dq, dk, dv, dg, dh0 = _chunk_bwd_op(q, k, v, g, initial_state, cu_seqlens, do, dht, final, ctx.scale)
+    dq, dk, dv, dg, dh0 = _chunk_bwd_op(q, k, v, g, initial_state, cu_seqlens, do, dht, ctx.scale)
     return (dq, dk, dv, dg if g is not None else None, dh0 if initial_state is not None else None,
             None, None, None, None)
 

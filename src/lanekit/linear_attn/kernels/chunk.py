@@ -14,10 +14,13 @@ is fp32) and the final state (fp32); ``_chunk_output_kernel`` then computes ever
 in parallel. Backward: the state pass runs again; ``_chunk_state_bwd_kernel`` walks the chunks in
 reverse carrying dh (the gradient of the state leaving a chunk), storing it per chunk and writing
 the initial state's gradient; ``_chunk_grad_kernel`` computes dq, dk, dv per chunk in parallel and,
-with decay, the per-token term q_t . dq_t - k_t . dk_t of dL/d(cumulative g) and its sum per chunk;
-``_dg_kernel`` sums those from the end of each sequence into dg, one chunk per program (the later
-chunks' sums, then within the chunk), plus <dht, S_T>, through which every g reaches the final
-state.
+with decay, the gradient of L by the chunk-local cumulative decay gc_t: q_t . dq_t - k_t . dk_t,
+plus, at the chunk's last token (gc there is G), dL/dG = <dh_{n+1}, h_{n+1}> = exp(G) <dh, h_n> +
+sum_s k_s . dk_s (the inter-chunk part of dk). ``_dg_kernel`` sums those from the chunk's end into
+dg. Everything a chunk's decay does to later chunks passes through h_{n+1}, so dg needs no sum
+across chunks: the per-token terms of a sequence sum to nearly zero (a shift of every g changes
+nothing), and a sum of them over thousands of tokens would carry the rounding of every term (at
+16k tokens, 8 bf16 steps of dg, against about one this way, as fla's kernels do it).
 
 Varlen (``cu_seqlens``): sequences packed along T of batch row 0. The host sanitizes the offsets
 on the device (clamped to [0, T], made non-decreasing: kernels never leave the tensors, and a
@@ -246,18 +249,20 @@ def _chunk_state_bwd_kernel(
 
 @triton.jit(do_not_specialize=["T", "NT", "NSEQ", "SEARCH_STEPS"])
 def _chunk_grad_kernel(
-    Q, K_, V_, G, DO, HBUF, DHBUF, DQ, DK_, DV_, DGL, CSUM, CU, CU_CHUNKS,
+    Q, K_, V_, G, DO, HBUF, DHBUF, DQ, DK_, DV_, DG, CU, CU_CHUNKS,
     stride_qb, stride_qt, stride_qh, stride_qk,
     stride_kb, stride_kt, stride_kh, stride_kk,
     stride_vb, stride_vt, stride_vh, stride_vv,
     stride_gb, stride_gt, stride_gh,
     stride_db, stride_dt, stride_dh, stride_dv,
+    stride_dgb, stride_dgt, stride_dgh,
     scale, T, NT, H, DK, DV, NSEQ, SEARCH_STEPS,
     CHUNK: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     HAS_G: tl.constexpr, IS_VARLEN: tl.constexpr, INPUT_PRECISION: tl.constexpr,
 ):
     # dq, dk, dv of one chunk (the gradient buffers are contiguous (B, T, H, D)); with decay also
-    # DGL (B, T, H) fp32, the per-token term of dg, and CSUM (chunks, H) fp32, its chunk's sum
+    # dg, the reverse cumulative sum within the chunk of dL/d(gc_t) (gc the chunk-local cumulative
+    # decay; dL/dG joins at the last token)
     i_c = tl.program_id(0)
     i_bh = tl.program_id(1)
     b, i_h, t0, eos, hidx, _ = _chunk_of(i_c, i_bh, CU, CU_CHUNKS, T, NT, H, NSEQ, SEARCH_STEPS, CHUNK, IS_VARLEN)
@@ -283,6 +288,7 @@ def _chunk_grad_kernel(
     dq = tl.zeros([CHUNK, BK], dtype=tl.float32)        # do h^T, summed over V
     dk = tl.zeros([CHUNK, BK], dtype=tl.float32)        # v dh^T, summed over V
     ds = tl.zeros([CHUNK, CHUNK], dtype=tl.float32)     # do v^T, summed over V
+    hdh = tl.zeros([], dtype=tl.float32)                 # <dh_{n+1}, h_n>, summed over V
     state_in = tl.where(t0 < eos, k_in[:, None], False)   # (where, not &: Triton 3.9's interpreter
     #                                                          makes a tensor & scalar bool non-boolean)
     for i_v in range(0, tl.cdiv(DV, BV)):
@@ -294,6 +300,8 @@ def _chunk_grad_kernel(
                     mask=state_in & v_in[None, :], other=0.0).to(dt)                                  # [BK, BV]
         dh = tl.load(_state_ptr(DHBUF, hidx, H, i_h, offs_k, offs_v, DK, DV),
                      mask=state_in & v_in[None, :], other=0.0).to(dt)                                 # [BK, BV]
+        if HAS_G:
+            hdh += tl.sum(tl.sum(h.to(tl.float32) * dh.to(tl.float32), 1), 0)
         ds = tl.dot(do, tl.trans(v), ds, input_precision=INPUT_PRECISION)
         dq = tl.dot(do, tl.trans(h), dq, input_precision=INPUT_PRECISION)
         dk = tl.dot(v, tl.trans(dh), dk, input_precision=INPUT_PRECISION)
@@ -306,6 +314,9 @@ def _chunk_grad_kernel(
         ds = tl.where(causal, ds * (scale * tl.exp(gc[:, None] - gc[None, :])), 0.0)
         dq *= (scale * tl.exp(gc))[:, None]
         dk *= tl.exp(g_total - gc)[:, None]
+        # dL/dG (G = gc at the chunk's last token): <dh_{n+1}, h_{n+1}>, h_{n+1} = exp(G) h_n + sum_s
+        # exp(G - gc_s) k_s^T v_s, so exp(G) <dh, h_n> + sum_s k_s . dk_s with dk the inter-chunk part
+        d_total = tl.exp(g_total) * hdh + tl.sum(tl.sum(k.to(tl.float32) * dk, 1), 0)
     else:
         ds = tl.where(causal, ds * scale, 0.0)
         dq *= scale
@@ -316,39 +327,12 @@ def _chunk_grad_kernel(
     tl.store(DQ + out, dq.to(DQ.dtype.element_ty), mask=t_in[:, None] & k_in[None, :])
     tl.store(DK_ + out, dk.to(DK_.dtype.element_ty), mask=t_in[:, None] & k_in[None, :])
     if HAS_G:
-        # dL/d(cumulative g at t) = q_t . dq_t - k_t . dk_t (the decay enters as exp(b_t - b_s))
+        # dL/d(gc_t) = q_t . dq_t - k_t . dk_t (the decay enters as exp(gc_t - gc_s)), + dL/dG at the end
         dgl = tl.sum(q.to(tl.float32) * dq, 1) - tl.sum(k.to(tl.float32) * dk, 1)
-        tl.store(DGL + (b * T + t) * H + i_h, dgl, mask=t_in)
-        tl.store(CSUM + hidx * H + i_h, tl.sum(dgl, 0), mask=t0 < eos)
-
-
-@triton.jit(do_not_specialize=["T", "NT", "NSEQ", "SEARCH_STEPS"])
-def _dg_kernel(
-    DGL, CSUM, EXTRA, DG, CU, CU_CHUNKS,
-    stride_gb, stride_gt, stride_gh,
-    T, NT, H, NSEQ, SEARCH_STEPS,
-    CHUNK: tl.constexpr, BLOCK_S: tl.constexpr, HAS_EXTRA: tl.constexpr, IS_VARLEN: tl.constexpr,
-):
-    # dg_t = sum_{u >= t in the sequence} dgl_u (+ <dht, S_T>), one chunk per program: the sums of
-    # the sequence's later chunks (CSUM), then the reverse cumulative sum within the chunk
-    i_c = tl.program_id(0)
-    i_bh = tl.program_id(1)
-    b, i_h, t0, eos, hidx, seq = _chunk_of(i_c, i_bh, CU, CU_CHUNKS, T, NT, H, NSEQ, SEARCH_STEPS, CHUNK,
-                                           IS_VARLEN)
-    later = tl.cdiv(eos - t0, CHUNK) - 1              # the sequence's chunks after this one
-    acc = tl.zeros([], dtype=tl.float32)
-    offs_s = tl.arange(0, BLOCK_S)
-    for j0 in range(0, later, BLOCK_S):
-        j = hidx + 1 + j0 + offs_s
-        acc += tl.sum(tl.load(CSUM + j * H + i_h, mask=j0 + offs_s < later, other=0.0), 0)
-    if HAS_EXTRA:
-        acc += tl.load(EXTRA + seq * H + i_h, mask=t0 < eos, other=0.0)
-    t = t0 + tl.arange(0, CHUNK)
-    t_in = t < eos
-    x = tl.load(DGL + (b * T + t) * H + i_h, mask=t_in, other=0.0)                    # [C]
-    suffix = tl.sum(x, 0) - tl.cumsum(x, 0) + x
-    tl.store(DG + b * stride_gb + t * stride_gt + i_h * stride_gh, (acc + suffix).to(DG.dtype.element_ty),
-             mask=t_in)
+        last = tl.minimum(eos - t0, CHUNK) - 1
+        dgl = tl.where(offs_c == last, dgl + d_total, dgl)
+        dg = tl.cumsum(dgl, 0, reverse=True)                 # dg_t = sum_{u >= t in the chunk} dL/d(gc_u)
+        tl.store(DG + b * stride_dgb + t * stride_dgt + i_h * stride_dgh, dg.to(DG.dtype.element_ty), mask=t_in)
 
 
 # --------------------------------------------------------------------------------------------
@@ -357,7 +341,6 @@ def _dg_kernel(
 
 MAX_GRID_YZ = 65535  # CUDA's limit on grid dimensions 1 and 2
 MAX_BLOCK_K = 256    # the largest key head dim (api.MAX_HEAD_DIM_K): a whole key row in one tile
-DG_BLOCK = 256       # chunk sums _dg_kernel adds per step (a 16k-token sequence has 256 chunks of 64)
 
 BAD_CU_SEQLENS = errors.register(
     "linear attention: cu_seqlens not non-decreasing from 0 to T (the packed tokens); the kernels "
@@ -477,15 +460,14 @@ def chunk_fwd(*, q, k, v, g, initial_state, cu_seqlens, scale, output_final_stat
     return o, final if final is not None else q.new_empty(0, dtype=torch.float32)
 
 
-def chunk_bwd(*, q, k, v, g, initial_state, cu_seqlens, scale, do, dht, final):
+def chunk_bwd(*, q, k, v, g, initial_state, cu_seqlens, scale, do, dht):
     """(dq, dk, dv, dg (g's shape and dtype; empty without g), d initial_state (its dtype; empty
     without one)) for the gradients do (B, T, H, V) of o and dht (N, H, K, V) of the final state
-    (None: unused). ``final``: the final state the forward returned, for dg's <dht, S_T> term.
-    T > 0."""
+    (None: unused). T > 0."""
     if do.dtype == torch.float32 and q.dtype != torch.float32:
         # an fp32 output's gradient (the normalized form): computed in fp32, rounded once at the end
         grads = chunk_bwd(q=q.float(), k=k.float(), v=v.float(), g=g, initial_state=initial_state,
-                          cu_seqlens=cu_seqlens, scale=scale, do=do, dht=dht, final=final)
+                          cu_seqlens=cu_seqlens, scale=scale, do=do, dht=dht)
         return (grads[0].to(q.dtype), grads[1].to(k.dtype), grads[2].to(v.dtype), *grads[3:])
     B, T, H, DK = q.shape
     DV = v.shape[3]
@@ -497,8 +479,7 @@ def chunk_bwd(*, q, k, v, g, initial_state, cu_seqlens, scale, do, dht, final):
     dq = alloc.empty((B, T, H, DK), dtype=q.dtype, device=dev)
     dk = alloc.empty((B, T, H, DK), dtype=k.dtype, device=dev)
     dv = alloc.empty((B, T, H, DV), dtype=v.dtype, device=dev)
-    dgl = alloc.empty((B, T, H), dtype=torch.float32, device=dev) if g is not None else None
-    csum = alloc.empty((lay.states, H), dtype=torch.float32, device=dev) if g is not None else None
+    dg = alloc.empty(tuple(g.shape), dtype=g.dtype, device=dev) if g is not None else q.new_empty(0)
     dh0 = (alloc.empty((lay.N, H, DK, DV), dtype=initial_state.dtype, device=dev)
            if initial_state is not None else None)
     cu = lay.cu if lay.varlen else q
@@ -521,19 +502,9 @@ def chunk_bwd(*, q, k, v, g, initial_state, cu_seqlens, scale, do, dht, final):
         cfg = tiles.grad
         _chunk_grad_kernel[(lay.chunks, heads)](
             q, k, v, g if g is not None else q, do, hbuf, dhbuf, dq, dk, dv,
-            dgl if dgl is not None else q, csum if csum is not None else q, cu, cu_chunks,
-            *q.stride(), *k.stride(), *v.stride(), *_strides(g, 3), *do.stride(),
+            dg if g is not None else q, cu, cu_chunks,
+            *q.stride(), *k.stride(), *v.stride(), *_strides(g, 3), *do.stride(), *_strides(dg if g is not None else None, 3),
             scale, T, lay.NT, H, DK, DV, lay.N, lay.search_steps,
             CHUNK=tiles.chunk, BK=BK, BV=_block(DV, cfg.block_v), HAS_G=g is not None, IS_VARLEN=lay.varlen,
             INPUT_PRECISION=_precision(q), **cfg.options())
-        dg = q.new_empty(0)
-        if g is not None:
-            dg = alloc.empty(tuple(g.shape), dtype=g.dtype, device=dev)
-            extra = None
-            if dht is not None and final is not None and final.numel():
-                extra = (dht.float() * final).sum((-2, -1)).contiguous()            # (N, H): <dht, S_T>
-            _dg_kernel[(lay.chunks, heads)](
-                dgl, csum, extra if extra is not None else dgl, dg, cu, cu_chunks, *dg.stride(),
-                T, lay.NT, H, lay.N, lay.search_steps,
-                CHUNK=tiles.chunk, BLOCK_S=DG_BLOCK, HAS_EXTRA=extra is not None, IS_VARLEN=lay.varlen)
     return dq, dk, dv, dg, dh0 if dh0 is not None else q.new_empty(0)
