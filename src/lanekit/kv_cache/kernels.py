@@ -25,6 +25,7 @@ from lanekit.runtime import errors
 from lanekit.runtime.alloc import empty
 from lanekit.runtime.host import cdiv, next_power_of_2
 from lanekit.runtime.lanes import triton_interpreted
+from lanekit.runtime.launch import launch
 
 if triton_interpreted():
     from lanekit.runtime.interpreter import fix_interpreter
@@ -217,7 +218,7 @@ def scatter_kv(*, x, cache, slots=None, scale_in=None, scale_out=None):
         return
     quant = QUANT_CODES.get(cache.dtype, 0)
     block_r, block_d, num_warps = _tiles(N * H, D, x.device)
-    _scatter_kv_kernel[(cdiv(N * H, block_r),)](
+    launch(_scatter_kv_kernel, (cdiv(N * H, block_r),),
         x, slots, scale_in, cache, scale_out,
         *x.stride(), slots.stride(0) if slots is not None else 0,
         *(scale_in.stride() if scale_in is not None else (0, 0)),
@@ -245,7 +246,7 @@ def append_kv(*, x, cache, table, seqlens, scale_out=None):
     rows = x.reshape(B * S_new, H, D) if x.is_contiguous() else x.flatten(0, 1)
     quant = QUANT_CODES.get(cache.dtype, 0)
     block_r, block_d, num_warps = _tiles(B * S_new * H, D, x.device)
-    _scatter_kv_kernel[(cdiv(B * S_new * H, block_r),)](
+    launch(_scatter_kv_kernel, (cdiv(B * S_new * H, block_r),),
         rows, None, None, cache, scale_out,
         *rows.stride(), 0, 0, 0,
         *cache.stride(), *(scale_out.stride() if scale_out is not None else (0, 0, 0)),
@@ -272,7 +273,7 @@ def gather_kv(*, cache, scale=None, block_table=None, seqlens=None, max_seqlen, 
         return out
     block_r, block_d, num_warps = _tiles(rows, D, cache.device)
     blocks_per_seq = cdiv(rows, block_r)
-    _gather_kv_kernel[(B * blocks_per_seq,)](
+    launch(_gather_kv_kernel, (B * blocks_per_seq,),
         cache, scale, block_table, seqlens, out,
         *cache.stride(), *(scale.stride() if scale is not None else (0, 0, 0)),
         *(block_table.stride() if block_table is not None else (0, 0)), *out.stride(),
@@ -313,7 +314,7 @@ def merge_attn_states_fwd(*, out_a, lse_a, out_b, lse_b):
         return out, lse
     block_r, block_d, num_warps = _tiles(rows, D, out_a.device)
     blocks_per_seq = cdiv(rows, block_r)
-    _merge_attn_states_kernel[(B * blocks_per_seq,)](
+    launch(_merge_attn_states_kernel, (B * blocks_per_seq,),
         out_a, lse_a, out_b, lse_b, out, lse,
         *out_a.stride(), *out_b.stride(), *out.stride(), *lse_a.stride(), *lse_b.stride(), *lse.stride(),
         S, H, D, blocks_per_seq, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=num_warps,

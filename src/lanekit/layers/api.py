@@ -274,7 +274,8 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interlea
     _tensor("x", x, dtypes=_WITH_F64, ndim=(3, 4))
     # positions from the device are checked by the kernel (masked, recorded for check_errors),
     # on the host only in the debug mode or on the reference lane
-    read = _check_indices_eagerly() or _select_lane(x.device, lane) == "reference"
+    selected = _select_lane(x.device, lane)
+    read = selected == "reference" or _check_indices_eagerly()
     rotary_dim, position_ids, seqlen_offsets = _rotary_common("x", x, cos, sin, rotary_dim, position_ids,
                                                               seqlen_offsets, read=read)
     if x.dim() == 3 and cu_seqlens is None and position_ids is None:
@@ -306,7 +307,7 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interlea
     if inplace:
         _check_writable("x", x)
         _check_inplace("x", x, "inplace=True")
-    chosen = _lane(x, lane)
+    chosen = _lane(x, lane, chosen=selected)
     return getattr(_lanes, f"apply_rotary_{chosen}")(
         x=x, cos=cos, sin=sin, interleaved=interleaved, rotary_dim=rotary_dim,
         position_ids=position_ids, cu_seqlens=cu_seqlens.contiguous() if cu_seqlens is not None else None,
@@ -352,13 +353,14 @@ def apply_rotary_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: to
         raise ValueError(f"k: expected (B, S, Hkv, D) = ({q.shape[0]}, {q.shape[1]}, Hkv, {q.shape[3]}) "
                          f"as q's, got {tuple(k.shape)}")
     interleaved = _flag("interleaved", interleaved)
-    read = _check_indices_eagerly() or _select_lane(q.device, lane) == "reference"
+    selected = _select_lane(q.device, lane)
+    read = selected == "reference" or _check_indices_eagerly()
     rotary_dim, position_ids, seqlen_offsets = _rotary_common("q", q, cos, sin, rotary_dim, position_ids,
                                                               seqlen_offsets, read=read)
     if isinstance(seqlen_offsets, torch.Tensor) and seqlen_offsets.shape[0] != q.shape[0]:
         raise ValueError(f"seqlen_offsets: expected ({q.shape[0]},), got {tuple(seqlen_offsets.shape)}")
     _check_rope_range(q.shape[1], cos, seqlen_offsets, position_ids, read)
-    chosen = _lane(q, lane, "q")
+    chosen = _lane(q, lane, "q", chosen=selected)
     return getattr(_lanes, f"apply_rotary_qk_{chosen}")(
         q=q, k=k, cos=cos, sin=sin, interleaved=interleaved, rotary_dim=rotary_dim,
         position_ids=position_ids, seqlen_offsets=seqlen_offsets)

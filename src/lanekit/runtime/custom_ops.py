@@ -16,10 +16,18 @@ def custom_op(name: str, mutates_args=()):
 
 
 def _needs_grad(inputs) -> bool:
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs)
+    if not torch.is_grad_enabled():
+        return False
+    for t in inputs:
+        if t is not None and t.requires_grad:
+            return True
+    return False
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
+# the argument types that are never a traced tensor: checked by type() first, since isinstance on
+# torch.Tensor goes through its metaclass (a cost per argument on every eager call)
+_NOT_TRACED = frozenset({torch.Tensor, torch.nn.Parameter, type(None), bool, int, float, str, torch.dtype})
 
 
 def _traced(args) -> bool:
@@ -27,7 +35,10 @@ def _traced(args) -> bool:
     fake or functional tensors, a dispatch mode): then only the op itself is right."""
     if torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None:
         return True
-    return any(isinstance(a, torch.Tensor) and type(a) not in _PLAIN for a in args)
+    for a in args:
+        if type(a) not in _NOT_TRACED and isinstance(a, torch.Tensor):
+            return True
+    return False
 
 
 def call(op, *args, inputs=()):

@@ -42,6 +42,9 @@ def register(message: str) -> int:
 def error_flag(device: torch.device) -> torch.Tensor:
     """The int32 (1,) flag of ``device``: zero until a kernel records an error. Kept for the
     process's life, so that CUDA graphs may capture launches that write it."""
+    flag = _FLAGS.get(device)   # a tensor's .device: found at once, on every launch
+    if flag is not None:
+        return flag
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())

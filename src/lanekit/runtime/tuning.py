@@ -78,9 +78,21 @@ def arch_id(device: torch.device) -> str:
     compiling = _COMPILING_FOR.get()
     if compiling is not None:
         return compiling
+    arch = _ARCH_OF.get(device)
+    if arch is not None:
+        return arch
     if device.type != "cuda" or not torch.cuda.is_available():
-        return "generic"
-    return _cuda_arch_id(device.index if device.index is not None else torch.cuda.current_device())
+        arch = "generic"
+    elif device.index is None:   # the current device's: not kept (it may change)
+        return _cuda_arch_id(torch.cuda.current_device())
+    else:
+        arch = _cuda_arch_id(device.index)
+    _ARCH_OF[device] = arch
+    return arch
+
+
+# a device's architecture, by device (a tensor's .device): asked once, looked up on every launch
+_ARCH_OF: dict[torch.device, str] = {}
 
 
 @functools.lru_cache(maxsize=None)

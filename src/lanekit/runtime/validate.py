@@ -48,25 +48,37 @@ def argument_errors(fn):
 LANE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
+# Python's own float and int answered by type() first: isinstance against numbers' ABCs walks
+# their registry (a few microseconds per argument on every call)
 def is_real(x) -> bool:
     """A real number (Python's or NumPy's), and not a bool (True would silently mean 1.0)."""
-    return isinstance(x, numbers.Real) and not isinstance(x, (bool, np.bool_))
+    t = type(x)
+    if t is float or t is int:
+        return True
+    return t is not bool and isinstance(x, numbers.Real) and not isinstance(x, np.bool_)
 
 
 def is_int(x) -> bool:
     """An integer: Python's or NumPy's (not a bool: True would silently mean 1), or a 0-d tensor of
     an integer dtype (its value is read back where it is used: on a GPU, one sync). Floats are not
     ints, whatever their value."""
+    t = type(x)
+    if t is int:
+        return True
+    if t is bool or t is float:
+        return False
     if isinstance(x, torch.Tensor):
         return x.dim() == 0 and not (x.dtype.is_floating_point or x.dtype.is_complex or x.dtype == torch.bool)
-    return isinstance(x, numbers.Integral) and not isinstance(x, (bool, np.bool_))
+    return isinstance(x, numbers.Integral) and not isinstance(x, np.bool_)
 
 
 def is_flag(x) -> bool:
     """A bool: Python's or NumPy's, or a 0-d torch.bool tensor (never an int, a str or None)."""
+    if type(x) is bool:
+        return True
     if isinstance(x, torch.Tensor):
         return x.dim() == 0 and x.dtype == torch.bool
-    return isinstance(x, (bool, np.bool_))
+    return isinstance(x, np.bool_)
 
 
 def flag(name: str, value) -> bool:
@@ -168,10 +180,12 @@ def check_writable(name: str, out: torch.Tensor, *inputs: torch.Tensor | None):
     if any(st == 0 and n > 1 for n, st in zip(out.shape, out.stride())):
         raise ArgumentError(f"{name}: expected a tensor whose elements do not share memory, got strides "
                          f"{out.stride()} for shape {tuple(out.shape)} (an expanded view)")
-    lo, hi = _span(out)
+    span = None
+    storage = out.untyped_storage().data_ptr()
     for t in inputs:
-        if t is None or t.numel() == 0 or t.untyped_storage().data_ptr() != out.untyped_storage().data_ptr():
+        if t is None or t.untyped_storage().data_ptr() != storage or t.numel() == 0:
             continue
+        lo, hi = span = span or _span(out)   # only where an input shares out's memory
         same = t.data_ptr() == out.data_ptr() and t.shape == out.shape and t.stride() == out.stride()
         t_lo, t_hi = _span(t)
         if not same and t_lo <= hi and lo <= t_hi:
@@ -263,11 +277,13 @@ def shape(name: str, t: torch.Tensor, expected: tuple, what: str):
         raise ArgumentError(f"{name}: expected shape {tuple(expected)} ({what}), got {tuple(t.shape)}")
 
 
-def lane_for(x: torch.Tensor, lane: str | None, name: str = "x") -> str:
+def lane_for(x: torch.Tensor, lane: str | None, name: str = "x", chosen: str | None = None) -> str:
     """The lane that runs an op on ``x``: :func:`lanekit.runtime.lanes.select_lane` on x's device
-    (the call's ``lane``, then LANEKIT_LANE, then the device). A float64 ``x`` runs on the
-    reference lane only: elsewhere a TypeError naming ``name``."""
-    chosen = select_lane(x.device, lane)
+    (the call's ``lane``, then LANEKIT_LANE, then the device), or ``chosen`` where the caller has
+    selected it already. A float64 ``x`` runs on the reference lane only: elsewhere a TypeError
+    naming ``name``."""
+    if chosen is None:
+        chosen = select_lane(x.device, lane)
     if x.dtype == torch.float64 and chosen != "reference":
         raise ArgumentTypeError(f"{name}: expected dtype in {[str(d) for d in LANE_DTYPES]} on the {chosen} lane, got "
                         "torch.float64 (float64 runs on the reference lane only: lane='reference')")

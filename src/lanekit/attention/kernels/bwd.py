@@ -31,6 +31,7 @@ from lanekit.common.numerics import tanh as _tanh
 from lanekit.runtime import alloc
 from lanekit.runtime.host import cdiv, next_power_of_2
 from lanekit.runtime.lanes import triton_interpreted
+from lanekit.runtime.launch import launch
 
 if triton_interpreted():
     from lanekit.runtime.interpreter import fix_interpreter
@@ -600,7 +601,7 @@ def flash_attn_bwd(
     with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
         if rows > 0:
             pre_m = 64 if not triton_interpreted() else 16
-            _flash_attn_bwd_preprocess_kernel[(cdiv(rows, pre_m), Hq, rows_out.shape[0])](
+            launch(_flash_attn_bwd_preprocess_kernel, (cdiv(rows, pre_m), Hq, rows_out.shape[0]),
                 rows_out, rows_dout, lse, dlse if dlse is not None else lse, delta, lse2,
                 *rows_out.stride(), *rows_dout.stride(), Hq, rows, Dv,
                 BLOCK_M=pre_m, BLOCK_DV=block_dv, HAS_DLSE=dlse is not None,
@@ -610,7 +611,7 @@ def flash_attn_bwd(
         key_blocks = cdiv(min(Sk, k.shape[0]) if varlen else Sk, cfg_kv.block_n)
         query_blocks = cdiv(min(Sq, total_q) if varlen else Sq, cfg_q.block_m)
         if Sk > 0:
-            _flash_attn_bwd_dkdv_kernel[(key_blocks, Hkv, B)](
+            launch(_flash_attn_bwd_dkdv_kernel, (key_blocks, Hkv, B),
                 q, k, v, dout, lse2, delta, dk, dv, dbias if dbias is not None else q, *operands,
                 *_strides_bthd(q, varlen), *_strides_bthd(k, varlen), *_strides_bthd(v, varlen),
                 *_strides_bthd(dout, varlen), *_strides_bthd(dk, varlen), *_strides_bthd(dv, varlen),
@@ -620,7 +621,7 @@ def flash_attn_bwd(
                 **cfg_kv.options(),
             )
         if Sq > 0:
-            _flash_attn_bwd_dq_kernel[(query_blocks, Hq, B)](
+            launch(_flash_attn_bwd_dq_kernel, (query_blocks, Hq, B),
                 q, k, v, dout, lse2, delta, dq, *operands,
                 *_strides_bthd(q, varlen), *_strides_bthd(k, varlen), *_strides_bthd(v, varlen),
                 *_strides_bthd(dout, varlen), *_strides_bthd(dq, varlen),

@@ -18,6 +18,7 @@ from lanekit.runtime.host import cdiv, next_power_of_2
 from lanekit.runtime.lanes import triton_interpreted
 from lanekit.runtime.tuning import INTERPRETER, TileConfig, lookup
 from lanekit.runtime.validate import ArgumentError
+from lanekit.runtime.launch import launch
 
 if triton_interpreted():
     from lanekit.runtime.interpreter import fix_interpreter
@@ -204,7 +205,7 @@ def clamp_cu_seqlens(cu: torch.Tensor, *, total: int, capacity: int, max_len: in
     out = torch.empty_like(cu)
     n = cu.shape[0]
     with torch.cuda.device(cu.device) if cu.is_cuda else _null():
-        _clamp_cu_seqlens_kernel[(1,)](cu, out, n, total, capacity, max_len, errors.error_flag(cu.device),
+        launch(_clamp_cu_seqlens_kernel, (1,), cu, out, n, total, capacity, max_len, errors.error_flag(cu.device),
                                        BAD_CU_SEQLENS, PAGED=paged, BLOCK=max(2, next_power_of_2(n)),
                                        num_warps=4)
     return out

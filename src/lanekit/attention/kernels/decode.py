@@ -27,6 +27,7 @@ from lanekit.common.numerics import tanh as _tanh
 from lanekit.runtime import alloc, errors
 from lanekit.runtime.host import cdiv, next_power_of_2
 from lanekit.runtime.lanes import triton_interpreted
+from lanekit.runtime.launch import launch
 
 if triton_interpreted():
     from lanekit.runtime.interpreter import fix_interpreter
@@ -463,7 +464,7 @@ def flash_attn_kvcache(
     quantized = k_cache_scale is not None
     scale_strides = (*k_cache_scale.stride(), *v_cache_scale.stride()) if quantized else (0,) * 6
     with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
-        _flash_attn_kvcache_kernel[(m_blocks * num_splits, Hkv, B)](
+        launch(_flash_attn_kvcache_kernel, (m_blocks * num_splits, Hkv, B),
             q, k_cache, v_cache,
             k_cache_scale if quantized else q, v_cache_scale if quantized else q,
             block_table if block_table is not None else seqlens, seqlens,
@@ -487,7 +488,7 @@ def flash_attn_kvcache(
             LEN_BIT=BAD_SEQLENS, PAGE_BIT=BAD_PAGE, s_new=s_new,
         )
         if num_splits > 1:
-            _merge_splits_kernel[(Sq, Hq, B)](
+            launch(_merge_splits_kernel, (Sq, Hq, B),
                 part, part_lse, out, lse, *part.stride(), *part_lse.stride(), *out.stride(), *lse.stride(),
                 num_splits, Dv, BLOCK_S=max(2, next_power_of_2(num_splits)), BLOCK_DV=block_dv,
                 num_warps=4, **({"Sinks": sinks, "HAS_SINKS": True} if sinks is not None else {}),

@@ -23,6 +23,7 @@ from lanekit.common.numerics import tanh as _tanh
 from lanekit.runtime import alloc, errors
 from lanekit.runtime.host import cdiv, next_power_of_2
 from lanekit.runtime.lanes import triton_interpreted
+from lanekit.runtime.launch import launch
 
 if triton_interpreted():
     from lanekit.runtime.interpreter import fix_interpreter
@@ -370,7 +371,7 @@ def flash_attn_fwd(
     grid = (cdiv(rows, cfg.block_m), Hq, B)
     # Triton launches on the current device: make it q's.
     with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
-        _flash_attn_fwd_kernel[grid](
+        launch(_flash_attn_fwd_kernel, grid,
             q, k, v, out, lse,
             attn_bias if attn_bias is not None else q,
             mask if mask is not None else q,

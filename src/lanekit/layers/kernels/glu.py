@@ -11,6 +11,7 @@ import triton.language as tl
 from lanekit.layers import tuning
 from lanekit.runtime.host import cdiv, next_power_of_2
 from lanekit.runtime.lanes import triton_interpreted
+from lanekit.runtime.launch import launch
 
 if triton_interpreted():
     from lanekit.runtime.interpreter import fix_interpreter
@@ -106,7 +107,7 @@ def glu_fwd(*, gate, up, activation, out):
     gate, up, out_rows = _flat(gate, up, out)
     rows, N = gate.shape
     grid, block, num_warps = _glu_grid(rows, N, gate.device)
-    _glu_fwd_kernel[grid](gate, up, out_rows, *gate.stride(), *up.stride(), *out_rows.stride(), N,
+    launch(_glu_fwd_kernel, grid, gate, up, out_rows, *gate.stride(), *up.stride(), *out_rows.stride(), N,
                           ACT=ACTIVATIONS[activation], BLOCK_N=block, num_warps=num_warps)
     return out
 
@@ -120,6 +121,6 @@ def glu_bwd(*, dy, gate, up, activation, dgate, dup):
     dy, gate, up, dgate, dup = _flat(dy, gate, up, dgate, dup)
     rows, N = gate.shape
     grid, block, num_warps = _glu_grid(rows, N, gate.device)
-    _glu_bwd_kernel[grid](dy, gate, up, dgate, dup, *dy.stride(), *gate.stride(), *up.stride(),
+    launch(_glu_bwd_kernel, grid, dy, gate, up, dgate, dup, *dy.stride(), *gate.stride(), *up.stride(),
                           *dgate.stride(), *dup.stride(), N, ACT=ACTIVATIONS[activation],
                           BLOCK_N=block, num_warps=num_warps)

@@ -26,6 +26,7 @@ from lanekit.layers.kernels.shared import _row_scale, _rows, _stride, _strides
 from lanekit.runtime.alloc import empty
 from lanekit.runtime.host import cdiv, next_power_of_2
 from lanekit.runtime.lanes import triton_interpreted
+from lanekit.runtime.launch import launch
 
 if triton_interpreted():
     from lanekit.runtime.interpreter import fix_interpreter
@@ -351,7 +352,7 @@ def norm_fwd(*, x, weight, bias, eps, offset=0.0, is_rms, residual=None, gate=No
     if scale is not None and one_block:
         while mod_rows < tuning.NORM_MOD_ROWS and rows_per_mod % (2 * mod_rows) == 0:
             mod_rows *= 2
-    _norm_fwd_kernel[(rows // mod_rows,)](
+    launch(_norm_fwd_kernel, (rows // mod_rows,),
         x2, r2, gate, scale, shift, weight, bias, y2, h2, mean, rstd,
         *_strides(x2), *_strides(r2), *_strides(gate), *_strides(scale), *_strides(shift),
         *_strides(y2), *_strides(h2), _stride(weight), _stride(bias),
@@ -392,7 +393,7 @@ def norm_bwd(*, dy, dh_out, x, weight, bias, mean, rstd, offset=0.0, is_rms, res
     parts = [partial(weight is not None), partial(bias is not None), partial(has_mod),
              partial(has_mod), partial(gate is not None)]
     dx2, dr2 = dx.view(-1, N), (dr.view(-1, N) if dr is not None else None)
-    _norm_bwd_kernel[(groups, chunks)](
+    launch(_norm_bwd_kernel, (groups, chunks),
         dy2, dh2, x2, r2, gate, scale, weight, bias, mean, rstd, dx2, dr2, *parts,
         *_strides(dy2), *_strides(dh2), *_strides(x2), *_strides(r2), *_strides(gate),
         *_strides(scale), *_strides(dx2), *_strides(dr2), _stride(weight), _stride(bias),

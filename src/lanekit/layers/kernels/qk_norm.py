@@ -21,6 +21,7 @@ from lanekit.layers.kernels.shared import _load_f32, _prefetch_rows, _row_scale,
 from lanekit.runtime.alloc import empty
 from lanekit.runtime.host import cdiv, next_power_of_2
 from lanekit.runtime.lanes import triton_interpreted
+from lanekit.runtime.launch import launch
 
 if triton_interpreted():
     from lanekit.runtime.interpreter import fix_interpreter
@@ -530,7 +531,7 @@ def qk_norm_rope_fwd(*, q, k, q_out, k_out, q_weight, k_weight, cos, sin, rot_st
                       and (s_blocks + ahead) * block_s < 2 ** 31) else 0
     prefetch_rope = (native and bool(cfg.prefetch_rope) and cos.stride(-1) == sin.stride(-1) == 1
                      and cos.dtype == sin.dtype)
-    _qk_norm_rope_fwd_kernel[grid](
+    launch(_qk_norm_rope_fwd_kernel, grid,
         q, k, q_out, k_out, q_w, k_w, q_sc, k_sc, cos, sin, pos,
         seqlen_offsets if offsets_tensor else None,
         *q.stride(), *k.stride(), _stride(q_weight), _stride(k_weight), *cos.stride(), *sin.stride(), *pos_strides,
@@ -583,7 +584,7 @@ def rms_norm_rope_bwd(*, dq_out, dk_out, q, k, q_weight, k_weight, cos, sin, eps
         pos_strides = (0, 0) if position_ids is None else position_ids.stride()
         # absent weights: q's own in their slots (never read or written; the picks need a type)
         q_w, k_w, q_p, k_p = (q_weight, k_weight, dqw_part, dkw_part) if has_weight else (q,) * 4
-        _rms_norm_rope_bwd_kernel[(s_blocks, 2 if HK else 1, B)](
+        launch(_rms_norm_rope_bwd_kernel, (s_blocks, 2 if HK else 1, B),
             dq_out, dk_out, q, k, dq, dk, cos, sin, position_ids,
             seqlen_offsets if offsets_tensor else None, q_w, k_w, q_p, k_p,
             *dq_out.stride(), *dk_out.stride(), *q.stride(), *k.stride(), *dq.stride(), *dk.stride(),

@@ -12,6 +12,7 @@ from lanekit.layers import tuning
 from lanekit.runtime import errors
 from lanekit.runtime.host import cdiv, next_power_of_2
 from lanekit.runtime.lanes import triton_interpreted
+from lanekit.runtime.launch import launch
 
 if triton_interpreted():
     from lanekit.runtime.interpreter import fix_interpreter
@@ -197,7 +198,7 @@ def rotary_fwd(*, x, cos, sin, out, rot_start, rotary_dim, interleaved=False, co
     block_h = min(next_power_of_2(H), cfg.block_rows)   # a token's heads first, then tokens
     block_s = max(1, cfg.block_rows // block_h)
     grid = (cdiv(S, block_s), B, cdiv(H, block_h))
-    _rotary_kernel[grid](
+    launch(_rotary_kernel, grid,
         x4, o4, cos, sin, pos, cu_seqlens, seqlen_offsets if offsets_tensor else None,
         *x_strides, *o_strides, *cos.stride(), *sin.stride(), *pos_strides,
         S, H, D, rot_start, half, 0 if offsets_tensor else int(seqlen_offsets),
@@ -229,7 +230,7 @@ def rotary_qk_fwd(*, q, k, q_out, k_out, cos, sin, rotary_dim, interleaved=False
     block_s = max(1, cfg.block_rows // block_h)
     q_blocks = cdiv(Hq, block_h)
     grid = (cdiv(S, block_s), B, q_blocks + cdiv(Hk, block_h))
-    _rotary_qk_kernel[grid](
+    launch(_rotary_qk_kernel, grid,
         q, k, q_out, k_out, cos, sin, pos, seqlen_offsets if offsets_tensor else None,
         *q.stride(), *k.stride(), *q_out.stride(), *k_out.stride(), *cos.stride(), *sin.stride(),
         *pos_strides, S, Hq, Hk, D, half, 0 if offsets_tensor else int(seqlen_offsets), q_blocks,
