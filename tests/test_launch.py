@@ -44,6 +44,7 @@ def kernel(monkeypatch):
     monkeypatch.setattr(launch_mod, "_device_and_stream", lambda driver: (0, "stream"))
     monkeypatch.setattr(launch_mod, "_JIT", None)
     monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setenv("LANEKIT_FAST_LAUNCH", "1")
     return k, slow, fast
 
 
@@ -128,3 +129,12 @@ def test_a_first_launch_inside_an_interception_is_not_taken_for_tritons_own(kern
     for _ in range(2):
         launch_mod.launch(k, (1,), x, y, 7, 0.5, BLOCK=16)
     assert len(slow) == 2 and not fast and launch_mod._JIT is None
+
+
+def test_without_the_opt_in_every_launch_takes_tritons_path(kernel, monkeypatch):
+    k, slow, fast = kernel
+    monkeypatch.delenv("LANEKIT_FAST_LAUNCH")
+    x = torch.empty(4)
+    for _ in range(3):
+        launch_mod.launch(k, (1,), x, x, 3, 0.5, BLOCK=16)
+    assert len(slow) == 3 and not fast

@@ -13,6 +13,11 @@ ints are keyed more finely than Triton's divisibility classes: never less). A la
 the same key calls the compiled kernel's launcher directly, as ``JITFunction.run`` itself does
 after its lookup.
 
+Opt-in for now: ``LANEKIT_FAST_LAUNCH=1`` (read once, at the first launch) turns the shortcut on;
+without it every launch is ``kernel[grid](...)``. It was written against Triton 3.6's
+``JITFunction.run`` and tested here with stand-ins for Triton's launcher; it becomes the default
+once the native test suite has run through it on a GPU (issue 38's note).
+
 Only NVIDIA GPUs take the shortcut (AMD's backend specializes a pointer on the size of its buffer
 too, which is not in the key), only when no launch hook is set (profilers add one: they get
 Triton's own path), and never under Triton's interpreter or while ``lanekit export`` intercepts
@@ -20,6 +25,8 @@ launches (``JITFunction.run`` patched): those run ``kernel[grid](...)`` as writt
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -57,7 +64,9 @@ def _jit():
 
         if JITFunction.run.__qualname__ != "JITFunction.run":
             return None
-        _JIT = (JITFunction, JITFunction.run, knobs.runtime, driver, not getattr(torch.version, "hip", None))
+        enabled = os.environ.get("LANEKIT_FAST_LAUNCH", "") == "1"
+        _JIT = (JITFunction, JITFunction.run, knobs.runtime, driver,
+                enabled and not getattr(torch.version, "hip", None))
     return _JIT
 
 
