@@ -274,6 +274,7 @@ def test_w4a16_linear_rejects(change, error, match, no_launch):
     (dict(g_idx=torch.zeros(63, dtype=torch.int32)), ValueError, "g_idx"),
     (dict(g_idx=torch.full((64,), 2, dtype=torch.int32)), ValueError, r"g_idx: expected groups in \[0, 2\)"),
     (dict(g_idx=torch.zeros(64)), TypeError, "g_idx"),
+    (dict(group_size=4, scales=torch.ones(16, 16, dtype=torch.float16)), ValueError, "multiple of 8"),
 ])
 def test_w4a16_linear_rejects_gptq(change, error, match, no_launch):
     kw = _good("gptq")

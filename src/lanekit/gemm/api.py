@@ -343,7 +343,7 @@ def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
               8e + j of N in nibble (0, 4, 1, 5, 2, 6, 3, 7)[j] of element e (bits 4i..4i+3 are
               nibble i): AWQ's order, from its packing map (0, 2, 4, 6, 1, 3, 5, 7);
             - layout "gptq" (AutoGPTQ's ``QuantLinear``): (K / 8, N), packed along K, row 8e + j
-              of K in nibble j of element e. K must be a multiple of 8.
+              of K in nibble j of element e. K and group_size must be multiples of 8.
         scales: (K / group_size, N) float16, bfloat16 or float32 (checkpoints: float16).
         zeros: None, or int32 (K / group_size, N / 8), the zero points packed along N: "awq" in
             AWQ's order, holding z; "gptq" in sequential order, holding z - 1 (GPTQ's stored
@@ -374,6 +374,9 @@ def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     K = _x16(x)
     N = _w4_shapes(x, qweight, layout, K)
     group = _group_size(group_size, K)
+    if layout == "gptq" and group % 8:
+        raise ValueError(f"group_size: expected a multiple of 8 with layout 'gptq' (eight rows of K to an "
+                         f"int32: a group holds whole words), got {group}")
     G = K // group if group else 0
     _v.tensor("scales", scales, dtypes=SCALE_DTYPES, ndim=2, like=x, like_name="x")
     _v.shape("scales", scales, (G, N), "K / group_size, N")

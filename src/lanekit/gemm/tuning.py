@@ -109,9 +109,10 @@ W4: dict[str, dict[int, GemmConfig]] = {
         64: GemmConfig(64, 64, 64, 8, 4, 2),
     },
     # H100/H200: 64 rows even at decode (wgmma's least M), 128 of K a step (one AWQ/GPTQ group
-    # of 128), 3-4 stages of packed weights; prefill: the 16-bit GEMM's 128 x 128 over 8 warps
+    # of 128), 8 warps for the two accumulators and the unpacked code tile (4 warps spilled 40
+    # bytes on GPTQ's fp16 sample, lanekit export 2026-12-07); prefill: 128 x 128 over 8 warps
     "sm90": {
-        1: GemmConfig(64, 64, 128, 8, 4, 4),
+        1: GemmConfig(64, 64, 128, 8, 8, 3),
         64: GemmConfig(64, 128, 128, 8, 4, 3),
         256: GemmConfig(128, 128, 64, 8, 8, 3),
     },
@@ -142,12 +143,21 @@ def _w4_row(device: torch.device, M: int) -> GemmConfig:
     return rows[max(k for k in rows if k <= max(M, 1))]
 
 
-def w4a16_config(device: torch.device, M: int, group_size: int, K: int) -> GemmConfig:
+# GPTQ's act-order (g_idx) keeps two dequantized weight tiles live (the 16-bit value and its
+# remainder, two tl.dot): RDNA's K step of 64 spilled 424 bytes on the act-order sample (lanekit
+# export 2026-12-07), 32 does not
+ACT_ORDER_BLOCK_K: dict[str, int] = {"generic": 128, "gfx1201": 32}
+
+
+def w4a16_config(device: torch.device, M: int, group_size: int, K: int, act_order: bool = False) -> GemmConfig:
     """The row for M, its K step no wider than a group (a run of K steps never straddles two
-    groups: a wider step would only load masked lanes) and at least 16 (tl.dot's least)."""
+    groups: a wider step would only load masked lanes) and at least 16 (tl.dot's least);
+    with act-order no wider than ACT_ORDER_BLOCK_K."""
     cfg = _w4_row(device, M)
     span = group_size if group_size < K else K
     block_k = max(16, min(cfg.block_k, 1 << max(span - 1, 0).bit_length()))
+    if act_order and cfg is not INTERPRETER:
+        block_k = min(block_k, arch_row(ACT_ORDER_BLOCK_K, device))
     return dataclasses.replace(cfg, block_k=block_k)
 
 

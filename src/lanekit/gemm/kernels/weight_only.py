@@ -64,16 +64,37 @@ def _zero_points(Z, g, offs_n, n_mask, stride_zg, stride_zn,
 
 
 @triton.jit
-def _codes(QW, k, offs_n, mask, stride_qk, stride_qn, AWQ: tl.constexpr):
-    """The 4-bit codes q[k, n] of the packed weight: [BLOCK_K, BLOCK_N] int32. AWQ: (K, N/8),
-    columns packed in AWQ's order; GPTQ: (K/8, N), row 8e + j in nibble j."""
+def _repeat_rows(w, R: tl.constexpr):
+    """[A, B] -> [A * R, B]: each row R times (packed words spread over the codes they hold)."""
+    return tl.reshape(tl.broadcast_to(w[:, None, :], (w.shape[0], R, w.shape[1])), (w.shape[0] * R, w.shape[1]))
+
+
+@triton.jit
+def _repeat_cols(w, R: tl.constexpr):
+    """[A, B] -> [A, B * R]: each column R times."""
+    return tl.reshape(tl.broadcast_to(w[:, :, None], (w.shape[0], w.shape[1], R)), (w.shape[0], w.shape[1] * R))
+
+
+@triton.jit
+def _codes(QW, k0, pid_n, K, N, stride_qk, stride_qn, AWQ: tl.constexpr,
+           BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The 4-bit codes q[k0 + i, pid_n * BLOCK_N + j]: [BLOCK_K, BLOCK_N] int32, each int32 word
+    loaded once. AWQ: (K, N/8), columns packed in AWQ's order; GPTQ: (K/8, N), row 8e + j in
+    nibble j (k0 a multiple of 8). Rows past K and columns past N read 0."""
     if AWQ:
-        word = tl.load(QW + k[:, None] * stride_qk + (offs_n // 8)[None, :] * stride_qn, mask=mask, other=0)
-        shift = _awq_shift(offs_n)[None, :]
+        k = k0 + tl.arange(0, BLOCK_K).to(tl.int64)
+        pn = pid_n * (BLOCK_N // 8) + tl.arange(0, BLOCK_N // 8).to(tl.int64)
+        word = tl.load(QW + k[:, None] * stride_qk + pn[None, :] * stride_qn,
+                       mask=(k < K)[:, None] & (pn < N // 8)[None, :], other=0)      # [BLOCK_K, BLOCK_N / 8]
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
+        return (_repeat_cols(word, 8) >> _awq_shift(offs_n)[None, :]) & 0xF
     else:
-        word = tl.load(QW + (k // 8)[:, None] * stride_qk + offs_n[None, :] * stride_qn, mask=mask, other=0)
-        shift = ((k % 8) * 4)[:, None]
-    return (word >> shift) & 0xF
+        pk = k0 // 8 + tl.arange(0, BLOCK_K // 8).to(tl.int64)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
+        word = tl.load(QW + pk[:, None] * stride_qk + offs_n[None, :] * stride_qn,
+                       mask=(pk < K // 8)[:, None] & (offs_n < N)[None, :], other=0)  # [BLOCK_K / 8, BLOCK_N]
+        shift = (tl.arange(0, BLOCK_K) % 8) * 4
+        return (_repeat_rows(word, 8) >> shift[:, None]) & 0xF
 
 
 @triton.jit
@@ -105,7 +126,7 @@ def _w4a16_kernel(X, QW, S, Z, G_IDX, BIAS, Y, ERR, M, N, K, group_size, num_gro
             tl.atomic_or(ERR, ERR_BIT, mask=bad > 0)
             g = tl.where(ok, g, 0)
             mask = ok[:, None] & n_mask[None, :]
-            q = _codes(QW, k, offs_n, mask, stride_qk, stride_qn, AWQ)                # [BLOCK_K, BLOCK_N]
+            q = _codes(QW, k0, pid_n, K, N, stride_qk, stride_qn, AWQ, BLOCK_K, BLOCK_N)  # [BLOCK_K, BLOCK_N]
             z = _zero_points(Z, g[:, None], offs_n[None, :], mask, stride_zg, stride_zn,
                              AWQ, HAS_ZEROS, ZERO_OFFSET)
             s = tl.load(S + g[:, None] * stride_sg + offs_n[None, :] * stride_sn, mask=mask, other=0.0)
@@ -125,7 +146,7 @@ def _w4a16_kernel(X, QW, S, Z, G_IDX, BIAS, Y, ERR, M, N, K, group_size, num_gro
                 k_mask = k < end
                 a = tl.load(X + offs_m[:, None] * stride_xm + k[None, :] * stride_xk,
                             mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-                q = _codes(QW, k, offs_n, k_mask[:, None] & n_mask[None, :], stride_qk, stride_qn, AWQ)
+                q = _codes(QW, k0, pid_n, K, N, stride_qk, stride_qn, AWQ, BLOCK_K, BLOCK_N)
                 b = (q - z[None, :]).to(dtype)                                        # [-16, 15]: exact
                 part = tl.dot(a, b, part)
             acc += part * s[None, :]                                                  # the group's scale, once
@@ -148,7 +169,7 @@ def w4a16_linear_fwd(x, qweight, scales, zeros, g_idx, bias, group_size: int, la
         if bias is not None:
             out += bias.to(x.dtype)
         return out
-    cfg = tuning.w4a16_config(x.device, M, group_size, K)
+    cfg = tuning.w4a16_config(x.device, M, group_size, K, act_order=g_idx is not None)
     z = zeros if zeros is not None else qweight
     grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n),)
     launch(_w4a16_kernel, grid,
@@ -178,9 +199,10 @@ def _mxfp4_linear_kernel(X, W, S, BIAS, Y, M, N, K, stride_xm, stride_xk, stride
     for k0 in range(0, K, BLOCK_K):          # BLOCK_K = 32: one e8m0 scale per column a step
         k = k0 + offs_k
         a = tl.load(X + offs_m[:, None] * stride_xm + k[None, :] * stride_xk, mask=m_mask[:, None], other=0.0)
-        byte = tl.load(W + offs_n[None, :] * stride_wn + (k // 2)[:, None] * stride_wk,
-                       mask=n_mask[None, :], other=0).to(tl.int32)                   # [BLOCK_K, BLOCK_N]
-        code = (byte >> ((k % 2) * 4)[:, None]) & 0xF                                 # element 2i: low nibble
+        kb = k0 // 2 + tl.arange(0, BLOCK_K // 2).to(tl.int64)
+        byte = tl.load(W + offs_n[None, :] * stride_wn + kb[:, None] * stride_wk,
+                       mask=n_mask[None, :], other=0).to(tl.int32)                   # [BLOCK_K / 2, BLOCK_N]
+        code = (_repeat_rows(byte, 2) >> ((offs_k % 2) * 4)[:, None]) & 0xF          # element 2i: low nibble
         b = e2m1_value(code).to(X.dtype.element_ty)                                   # exact in 16 bits
         e = tl.load(S + offs_n * stride_sn + (k0 // BLOCK_K) * stride_sk, mask=n_mask, other=127)
         acc += tl.dot(a, b) * e8m0_scale(e.to(tl.int32))[None, :]
