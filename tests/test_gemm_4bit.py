@@ -321,3 +321,13 @@ def test_mxfp4_linear_rejects(change, error, match, no_launch):
 def test_pack_int4_rejects(call, error, match):
     with pytest.raises(error, match=match):
         call()
+
+
+def test_custom_ops_pass_torch_library_opcheck():
+    """The fake (meta) functions and schemas are right: what torch.compile relies on."""
+    kw = greg.w4_case("opcheck", DEVICE, lead=(3,), K=64, N=16, group=32, layout="gptq", g_idx=True,
+                      bias=True).kwargs
+    torch.library.opcheck(gop._w4a16_op, (kw["x"], kw["qweight"], kw["scales"], kw["zeros"], kw["g_idx"],
+                                          kw["bias"], 32, "gptq"))
+    m = greg.mxfp4_case("opcheck", DEVICE, lead=(3,), K=64, N=16, bias=True).kwargs
+    torch.library.opcheck(gop._mxfp4_op, (m["x"], m["w_fp4"], m["w_scale"], m["bias"]))

@@ -235,6 +235,8 @@ def _w4a16_samples(device):
                   group=100)
     yield w4_case("M9 K192 N48 awq g64 fp32 scales, x non-contiguous", device, lead=(9,), K=192, N=48,
                   group=64, scale_dtype=torch.float32, strided=True)
+    yield w4_case("M70 K128 N72 gptq g32 (the prefill row)", device, lead=(70,), K=128, N=72, group=32,
+                  layout="gptq")
     yield w4_case("K0 bias", device, lead=(3,), K=0, N=16, bias=True)
     yield w4_case("M0", device, lead=(0,), K=64, N=16, group=32)
 
@@ -269,6 +271,7 @@ def _mxfp4_samples(device):
     yield mxfp4_case("(3, 5) K128 N72, row 0 all zero with the least scale", device, lead=(3, 5), K=128,
                      N=72, zero_row=True)
     yield mxfp4_case("M9 K160 N33, x and w non-contiguous", device, lead=(9,), K=160, N=33, strided=True)
+    yield mxfp4_case("M70 K64 N72 (the prefill row)", device, lead=(70,), K=64, N=72)
     yield mxfp4_case("M0", device, lead=(0,), K=64, N=16)
 
 
