@@ -402,7 +402,7 @@ def mxfp4_linear(x: torch.Tensor, w_fp4: torch.Tensor, w_scale_e8m0: torch.Tenso
         x: (..., K) bfloat16 or float16, any strides; K a multiple of 32.
         w_fp4: uint8 (N, K / 2), or gpt-oss's blocks (N, K / 32, 16): e2m1 codes two to a byte,
             element 2i of a row in the low nibble, 2i + 1 in the high one (gpt-oss's
-            ``_get_mxfp4_tensor``, transformers' Mxfp4 integration). e2m1 (OCP MX v1.0): sign,
+            ``_get_mxfp4_tensor``). e2m1 (OCP MX v1.0): sign,
             two exponent bits (bias 1), one mantissa bit: 0, 0.5, 1, 1.5, 2, 3, 4, 6 and negatives.
         w_scale_e8m0: uint8 or float8_e8m0fnu (N, K / 32): the shared scale of each 32 elements
             of a row along K, 2^(e - 127); e = 255 is NaN (OCP MX v1.0; gpt-oss's own loader
