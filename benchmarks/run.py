@@ -17,16 +17,17 @@ import triton
 from rich.console import Console
 from rich.table import Table
 
-from benchmarks import (attention, attention_fp8, attention_fp32, attention_train, decode, eager, gemm, generate, layers,
-                        linear_attn, mla, moe, prefill, quant, report, train)
+from benchmarks import (attention, attention_fp8, attention_fp32, attention_train, decode, eager, gemm, gemm_4bit,
+                        generate, layers, linear_attn, mla, moe, prefill, quant, report, train)
 
 FAMILIES = {"attention": attention, "attention_train": attention_train, "attention_fp32": attention_fp32,
             "attention_fp8": attention_fp8,
             "layers": layers, "decode": decode, "prefill": prefill, **moe.FAMILIES,
-            **quant.FAMILIES, **gemm.FAMILIES, **mla.FAMILIES, **linear_attn.FAMILIES, "eager": eager,
+            **quant.FAMILIES, **gemm.FAMILIES, **gemm_4bit.FAMILIES, **mla.FAMILIES, **linear_attn.FAMILIES, "eager": eager,
             **train.FAMILIES, "generate": generate}
 #: Names that stand for several families: ``python -m benchmarks.run moe``.
 GROUPS = {"moe": tuple(moe.FAMILIES), "quant": tuple(quant.FAMILIES), "gemm": tuple(gemm.FAMILIES),
+          "gemm_4bit": tuple(gemm_4bit.FAMILIES),
           "mla": tuple(mla.FAMILIES), "linear_attn": tuple(linear_attn.FAMILIES), "train": tuple(train.FAMILIES)}
 
 

@@ -105,3 +105,15 @@ def e8m0_scale(e):
     e = 0 (2^-127) is fp32's subnormal 0x00400000. As reference.gemm.e8m0."""
     bits = tl.where(e == 0, 0x00400000, e << 23)
     return tl.where(e == 255, float("nan"), bits.to(tl.float32, bitcast=True))
+
+
+@triton.jit
+def e2m1_value(code):
+    """The value of an OCP MX FP4 (e2m1) code (int32 0..15) as fp32, exactly: sign bit 3,
+    exponent bits 2..1 (bias 1), mantissa bit 0; 0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives
+    (code 8 is -0.0). As reference.numerics.e2m1."""
+    e = (code >> 1) & 3
+    m = (code & 1).to(tl.float32)
+    # e = 0: m / 2 (subnormal); else (2 + m) * 2^(e - 2)
+    mag = tl.where(e == 0, m * 0.5, (2.0 + m) * tl.where(e == 1, 0.5, tl.where(e == 2, 1.0, 2.0)))
+    return tl.where((code & 8) != 0, -mag, mag)

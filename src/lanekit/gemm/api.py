@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from lanekit.gemm import op as _op
+from lanekit.runtime import errors as _errors
 from lanekit.runtime import validate as _v
 from lanekit.runtime.lanes import select_lane as _select_lane
 
@@ -264,3 +265,175 @@ def w8a16_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tens
     _channel_scale("weight_scale", weight_scale, N, x, tensor_ok=False)
     fn = _op.w8a16_linear_triton if _lane(x, lane) == "triton" else _op.w8a16_linear_reference
     return fn(x=x, weight=weight, weight_scale=weight_scale, bias=bias)
+
+
+# ---- 4-bit weights ----
+
+W4_LAYOUTS = ("awq", "gptq")
+SCALE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _x16(x):
+    _v.tensor("x", x, dtypes=(torch.bfloat16, torch.float16))
+    if x.dim() < 1:
+        raise ValueError(f"x: expected (..., K), got shape {tuple(x.shape)}")
+    return x.shape[-1]
+
+
+def _bias_n(bias, N, x):
+    if bias is not None:
+        _v.tensor("bias", bias, dtypes=(x.dtype, torch.float32), ndim=1, like=x, like_name="x")
+        if bias.shape[0] != N:
+            raise ValueError(f"bias: expected shape ({N},) (N), got {tuple(bias.shape)}")
+
+
+def _w4_shapes(x, qweight, layout, K):
+    if layout not in W4_LAYOUTS:
+        raise ValueError(f"layout: expected one of {list(W4_LAYOUTS)}, got {layout!r}")
+    _v.tensor("qweight", qweight, dtypes=(torch.int32,), ndim=2, like=x, like_name="x")
+    if layout == "awq":      # (K, N / 8): eight columns of N to an int32
+        if qweight.shape[0] != K:
+            raise ValueError(f"qweight: expected AWQ's (K, N / 8) with K = {K} (x's last dim), got "
+                             f"{tuple(qweight.shape)}")
+        return qweight.shape[1] * 8
+    if K % 8 or qweight.shape[0] * 8 != K:   # (K / 8, N): eight rows of K to an int32
+        raise ValueError(f"qweight: expected GPTQ's (K / 8, N) with K = {K} (x's last dim, a multiple "
+                         f"of 8), got {tuple(qweight.shape)}")
+    return qweight.shape[1]
+
+
+def _group_size(group_size, K):
+    if not _v.is_int(group_size) or (int(group_size) < 1 and int(group_size) != -1):
+        raise (TypeError if not _v.is_int(group_size) else ValueError)(
+            f"group_size: expected an int >= 1, or -1 (one group of all K), got {group_size!r}")
+    group = K if int(group_size) == -1 else int(group_size)
+    if K and K % group:
+        raise ValueError(f"group_size: expected a divisor of K, got group_size {group} with K = {K} "
+                         f"(x's last dim); the last group would be partial, and partial groups are "
+                         "refused, not padded")
+    return group
+
+
+def _g_idx(g_idx, layout, K, G, x):
+    if g_idx is None:
+        return None
+    if layout != "gptq":
+        raise ValueError(f"g_idx: expected None with layout {layout!r} (act-order is GPTQ's), got a tensor")
+    _v.tensor("g_idx", g_idx, dtypes=(torch.int32, torch.int64), ndim=1, like=x, like_name="x")
+    _v.shape("g_idx", g_idx, (K,), "K: the group of each row of K")
+    if (g_idx.device.type == "cpu" or _errors.check_indices_eagerly()) and K:
+        bad = (g_idx < 0) | (g_idx >= G)
+        if bool(bad.any()):
+            raise ValueError(f"g_idx: expected groups in [0, {G}) (K / group_size), got {int(g_idx[bad][0])}")
+    return g_idx
+
+
+def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                 zeros: torch.Tensor | None = None, group_size: int = 128, layout: str = "awq",
+                 bias: torch.Tensor | None = None, g_idx: torch.Tensor | None = None, *,
+                 lane: str | None = None) -> torch.Tensor:
+    """y = x @ W + bias with W (K, N) the int4 weight of an AWQ or GPTQ checkpoint, dequantized
+    group-wise: W[k, n] = (q[k, n] - z[g, n]) * scales[g, n], g = k // group_size (or g_idx[k]).
+
+    Arguments:
+        x: (..., K) bfloat16 or float16, any strides.
+        qweight: int32, the 4-bit codes q (0..15) eight to an element, as the checkpoint stores
+            them (``lanekit.quant.pack_int4`` writes both):
+            - layout "awq" (AutoAWQ's ``WQLinear_GEMM``): (K, N / 8), packed along N, column
+              8e + j of N in nibble (0, 4, 1, 5, 2, 6, 3, 7)[j] of element e (bits 4i..4i+3 are
+              nibble i): AWQ's order, from its packing map (0, 2, 4, 6, 1, 3, 5, 7);
+            - layout "gptq" (AutoGPTQ's ``QuantLinear``): (K / 8, N), packed along K, row 8e + j
+              of K in nibble j of element e. K and group_size must be multiples of 8.
+        scales: (K / group_size, N) float16, bfloat16 or float32 (checkpoints: float16).
+        zeros: None, or int32 (K / group_size, N / 8), the zero points packed along N: "awq" in
+            AWQ's order, holding z; "gptq" in sequential order, holding z - 1 (GPTQ's stored
+            offset: AutoGPTQ packs ``zeros - 1`` and its kernels add 1 back, so a stored 15
+            means 16). None: every zero point 8 (symmetric 4-bit, GPTQ's sym=True).
+        group_size: rows of K per scale: an int >= 1 dividing K, or -1 for one group (per output
+            channel). K not a multiple of it is refused (ValueError), never padded.
+        layout: "awq" or "gptq".
+        bias: (N,) in x's dtype or float32, or None.
+        g_idx: GPTQ's act-order: int32 or int64 (K,), the group of each row of K (layout "gptq"
+            only). Values outside [0, K / group_size) are refused where they are checked on the
+            host (CPU tensors, or LANEKIT_CHECK_INDICES=1); on a GPU such a row of K adds
+            nothing and is recorded in the device error flag (``lanekit.runtime.errors``).
+        lane: "triton" or "reference"; default triton for CUDA/ROCm tensors, reference otherwise.
+
+    Returns:
+        y: (..., N) in x's dtype. The exact products (codes minus zero times x, then times the
+        scale) are summed in fp32 and rounded once (AWQ's and GPTQ's own kernels round the
+        dequantized weight to fp16 first; lanekit does not).
+
+    Raises:
+        TypeError for a wrong type or dtype, ValueError for a wrong layout, rank, shape, device,
+        group_size (K not a multiple of it), or g_idx with layout "awq".
+
+    Sources: AutoAWQ's ``WQLinear_GEMM.from_linear`` and AutoGPTQ's ``QuantLinear.pack`` (the
+    packing), vLLM's ``awq_triton`` and GPTQ kernels (the dequantization); docs/semantics.md.
+    """
+    K = _x16(x)
+    N = _w4_shapes(x, qweight, layout, K)
+    group = _group_size(group_size, K)
+    if layout == "gptq" and group % 8:
+        raise ValueError(f"group_size: expected a multiple of 8 with layout 'gptq' (eight rows of K to an "
+                         f"int32: a group holds whole words), got {group}")
+    G = K // group if group else 0
+    _v.tensor("scales", scales, dtypes=SCALE_DTYPES, ndim=2, like=x, like_name="x")
+    _v.shape("scales", scales, (G, N), "K / group_size, N")
+    if zeros is not None:
+        _v.tensor("zeros", zeros, dtypes=(torch.int32,), ndim=2, like=x, like_name="x")
+        if N % 8:
+            raise ValueError(f"zeros: expected None with N = {N} not a multiple of 8 (zeros pack eight "
+                             f"columns of N to an int32), got a tensor")
+        _v.shape("zeros", zeros, (G, N // 8), "K / group_size, N / 8")
+    g_idx = _g_idx(g_idx, layout, K, G, x)
+    _bias_n(bias, N, x)
+    fn = _op.w4a16_linear_triton if _lane(x, lane) == "triton" else _op.w4a16_linear_reference
+    return fn(x=x, qweight=qweight, scales=scales, zeros=zeros, group_size=group or 1, layout=layout,
+              g_idx=g_idx, bias=bias)
+
+
+def mxfp4_linear(x: torch.Tensor, w_fp4: torch.Tensor, w_scale_e8m0: torch.Tensor,
+                 bias: torch.Tensor | None = None, *, lane: str | None = None) -> torch.Tensor:
+    """y = x @ W.T + bias with W (N, K) an OCP MXFP4 weight (16-bit activations, 4-bit weights),
+    in gpt-oss's layout.
+
+    Arguments:
+        x: (..., K) bfloat16 or float16, any strides; K a multiple of 32.
+        w_fp4: uint8 (N, K / 2), or gpt-oss's blocks (N, K / 32, 16): e2m1 codes two to a byte,
+            element 2i of a row in the low nibble, 2i + 1 in the high one (gpt-oss's
+            ``_get_mxfp4_tensor``). e2m1 (OCP MX v1.0): sign,
+            two exponent bits (bias 1), one mantissa bit: 0, 0.5, 1, 1.5, 2, 3, 4, 6 and negatives.
+        w_scale_e8m0: uint8 or float8_e8m0fnu (N, K / 32): the shared scale of each 32 elements
+            of a row along K, 2^(e - 127); e = 255 is NaN (OCP MX v1.0; gpt-oss's own loader
+            would give inf there), and every output it touches is NaN.
+        bias: (N,) in x's dtype or float32, or None.
+        lane: "triton" or "reference".
+
+    Returns:
+        y: (..., N) in x's dtype. The e2m1 values (exact in 16 bits) times x are summed in fp32
+        per 32 of K, each partial sum times its scale, then rounded once.
+
+    Raises:
+        TypeError for a wrong type or dtype, ValueError for K not a multiple of 32 or a wrong
+        rank, shape or device.
+
+    Sources: OCP Microscaling Formats (MX) v1.0; openai/gpt-oss ``torch/weights.py``.
+    """
+    K = _x16(x)
+    if K % MX_GROUP:
+        raise ValueError(f"x: expected K a multiple of {MX_GROUP} (one e8m0 scale per 32 along K), got K = {K}")
+    _v.tensor("w_fp4", w_fp4, dtypes=(torch.uint8,), ndim=(2, 3), like=x, like_name="x")
+    N = w_fp4.shape[0]
+    if w_fp4.dim() == 3:
+        _v.shape("w_fp4", w_fp4, (N, K // MX_GROUP, MX_GROUP // 2), "N, K / 32, 16: gpt-oss's blocks")
+        w_fp4 = w_fp4.reshape(N, K // 2)
+    _v.shape("w_fp4", w_fp4, (N, K // 2), "N, K / 2: two e2m1 codes a byte")
+    e8m0 = getattr(torch, "float8_e8m0fnu", torch.uint8)
+    _v.tensor("w_scale_e8m0", w_scale_e8m0, dtypes=(torch.uint8, e8m0), ndim=2, like=x, like_name="x")
+    _v.shape("w_scale_e8m0", w_scale_e8m0, (N, K // MX_GROUP), "N, K / 32")
+    if w_scale_e8m0.dtype != torch.uint8:
+        w_scale_e8m0 = w_scale_e8m0.view(torch.uint8)
+    _bias_n(bias, N, x)
+    fn = _op.mxfp4_linear_triton if _lane(x, lane) == "triton" else _op.mxfp4_linear_reference
+    return fn(x=x, w_fp4=w_fp4, w_scale=w_scale_e8m0, bias=bias)

@@ -135,3 +135,48 @@ def w8a16_linear_triton(*, x, weight, weight_scale, bias=None):
 
 def w8a16_linear_reference(*, x, weight, weight_scale, bias=None):
     return _round(ref.w8a16_linear(x, weight, weight_scale, bias), x.dtype)
+
+
+# ---- 4-bit weights ----
+
+@_custom_op("lanekit::w4a16_linear")
+def _w4a16_op(x: Tensor, qweight: Tensor, scales: Tensor, zeros: Tensor | None, g_idx: Tensor | None,
+              bias: Tensor | None, group_size: int, layout: str) -> Tensor:
+    return _kernels().w4a16_linear_fwd(x, qweight, scales, zeros, g_idx, bias, group_size, layout)
+
+
+@_w4a16_op.register_fake
+def _(x, qweight, scales, zeros, g_idx, bias, group_size, layout):
+    return x.new_empty((x.shape[0], scales.shape[1]))
+
+
+@_custom_op("lanekit::mxfp4_linear")
+def _mxfp4_op(x: Tensor, w_fp4: Tensor, w_scale: Tensor, bias: Tensor | None) -> Tensor:
+    return _kernels().mxfp4_linear_fwd(x, w_fp4, w_scale, bias)
+
+
+@_mxfp4_op.register_fake
+def _(x, w_fp4, w_scale, bias):
+    return x.new_empty((x.shape[0], w_fp4.shape[0]))
+
+
+def w4a16_linear_triton(*, x, qweight, scales, zeros=None, group_size=128, layout="awq", g_idx=None,
+                        bias=None):
+    lead = x.shape[:-1]
+    y = _call(_w4a16_op, _rows(x), qweight, scales, zeros, g_idx, bias, group_size, layout)
+    return y.reshape(*lead, scales.shape[1])
+
+
+def w4a16_linear_reference(*, x, qweight, scales, zeros=None, group_size=128, layout="awq", g_idx=None,
+                           bias=None):
+    return _round(ref.w4a16_linear(x, qweight, scales, zeros, group_size, layout, g_idx, bias), x.dtype)
+
+
+def mxfp4_linear_triton(*, x, w_fp4, w_scale, bias=None):
+    lead = x.shape[:-1]
+    y = _call(_mxfp4_op, _rows(x), w_fp4, w_scale, bias)
+    return y.reshape(*lead, w_fp4.shape[0])
+
+
+def mxfp4_linear_reference(*, x, w_fp4, w_scale, bias=None):
+    return _round(ref.mxfp4_linear(x, w_fp4, w_scale, bias), x.dtype)

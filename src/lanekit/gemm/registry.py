@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from lanekit.reference.numerics import pack_int4
 from lanekit.runtime.registry import Op, Sample, register
 from lanekit.testing import Tolerance, generator, noncontiguous, randn
 
@@ -186,6 +187,94 @@ def _w8a16_samples(device):
     yield linear_case("K0 bias", device, lead=(3,), K=0, N=5, wdtype=i8, bias=True)
 
 
+def w4_case(name, device, *, lead, K, N, group=128, layout="awq", zeros=True, g_idx=False, bias=False,
+            dtype=torch.bfloat16, scale_dtype=torch.float16, last_group_largest=False, zero_row=False,
+            strided=False) -> Sample:
+    """An AWQ or GPTQ checkpoint's tensors for W (K, N): codes, zero points (stored as the
+    layout stores them) and scales drawn at random, packed with reference.numerics.pack_int4.
+    last_group_largest: the last group's scales 8 times the others'; zero_row: output channel 0
+    all zero (codes equal to the zero point) with scale 0 (no NaN may come of it)."""
+    g = generator(name)
+    x = _x(g, (*lead, K), dtype, device, strided=strided)
+    G = K // group if K else 0
+    q = torch.randint(0, 16, (K, N), generator=g)
+    stored = torch.randint(0, 16, (G, N), generator=g)      # gptq: z - 1
+    z = stored + (1 if layout == "gptq" else 0) if zeros else torch.full((G, N), 8)
+    s = torch.rand(G, N, generator=g) * 0.02 + 0.005
+    if last_group_largest and G:
+        s[-1] *= 8
+    rows = torch.arange(K) // group
+    if g_idx:       # act-order: each group's rows scattered over K (GPTQ's desc_act)
+        rows = rows[torch.randperm(K, generator=g)]
+    if zero_row and K:
+        q[:, 0] = z[rows, 0]
+        s[:, 0] = 0
+    dim, order = (1, "awq") if layout == "awq" else (0, "sequential")
+    kw = dict(x=x, qweight=pack_int4(q, dim, order).to(device), scales=s.to(scale_dtype).to(device),
+              zeros=pack_int4(stored, 1, order).to(device) if zeros else None, group_size=group,
+              layout=layout, g_idx=rows.to(torch.int32).to(device) if g_idx else None, bias=None)
+    if bias:
+        kw["bias"] = randn(N, dtype=dtype, device=device, generator=g)
+    return Sample(name, kw)
+
+
+def _w4a16_samples(device):
+    yield w4_case("M1 K128 N64 awq (decode)", device, lead=(1,), K=128, N=64)
+    yield w4_case("M17 K256 N40 awq g64 bias, the last group's scale the largest", device, lead=(17,),
+                  K=256, N=40, group=64, bias=True, last_group_largest=True)
+    yield w4_case("K32 one atom awq g32", device, lead=(5,), K=32, N=24, group=32)
+    yield w4_case("(3, 5) K256 N72 gptq fp16, channel 0 all zero with scale 0", device, lead=(3, 5),
+                  K=256, N=72, layout="gptq", dtype=torch.float16, zero_row=True)
+    yield w4_case("M17 K256 N40 gptq g64 act-order g_idx bias", device, lead=(17,), K=256, N=40, group=64,
+                  layout="gptq", g_idx=True, bias=True, last_group_largest=True)
+    yield w4_case("M1 K64 N24 gptq g32 act-order, channel 0 zero", device, lead=(1,), K=64, N=24, group=32,
+                  layout="gptq", g_idx=True, zero_row=True)
+    yield w4_case("M9 K96 N20 gptq symmetric (no zeros) g32 bf16 scales", device, lead=(9,), K=96, N=20,
+                  group=32, layout="gptq", zeros=False, scale_dtype=torch.bfloat16)
+    yield w4_case("M7 K100 N48 awq per channel (one group of K = 100)", device, lead=(7,), K=100, N=48,
+                  group=100)
+    yield w4_case("M9 K192 N48 awq g64 fp32 scales, x non-contiguous", device, lead=(9,), K=192, N=48,
+                  group=64, scale_dtype=torch.float32, strided=True)
+    yield w4_case("M70 K128 N72 gptq g32 (the prefill row)", device, lead=(70,), K=128, N=72, group=32,
+                  layout="gptq")
+    yield w4_case("K0 bias", device, lead=(3,), K=0, N=16, bias=True)
+    yield w4_case("M0", device, lead=(0,), K=64, N=16, group=32)
+
+
+def mxfp4_case(name, device, *, lead, K, N, dtype=torch.bfloat16, bias=False, last_block_largest=False,
+               zero_row=False, strided=False) -> Sample:
+    """MXFP4 weight (N, K): e2m1 codes drawn at random, two to a byte (low nibble first), e8m0
+    exponents 2^-8..2^0. last_block_largest: each row's last block 2^3, above all the others;
+    zero_row: row 0 all +0 codes with the least scale (2^-127)."""
+    g = generator(name)
+    x = _x(g, (*lead, K), dtype, device, strided=strided)
+    codes = torch.randint(0, 16, (N, K), generator=g)
+    e = torch.randint(119, 128, (N, K // 32), generator=g)
+    if last_block_largest and K:
+        e[:, -1] = 130
+    if zero_row and K:
+        codes[0] = 0
+        e[0] = 0
+    w = pack_int4(codes, 1, dtype=torch.uint8)
+    kw = dict(x=x, w_fp4=(noncontiguous(w) if strided else w).to(device),
+              w_scale=e.to(torch.uint8).to(device), bias=None)
+    if bias:
+        kw["bias"] = randn(N, dtype=dtype, device=device, generator=g)
+    return Sample(name, kw)
+
+
+def _mxfp4_samples(device):
+    yield mxfp4_case("M1 K64 N48 (decode)", device, lead=(1,), K=64, N=48)
+    yield mxfp4_case("M17 K96 N40 fp16 bias, the last block's scale the largest", device, lead=(17,), K=96,
+                     N=40, dtype=torch.float16, bias=True, last_block_largest=True)
+    yield mxfp4_case("K32 one block", device, lead=(5,), K=32, N=24)
+    yield mxfp4_case("(3, 5) K128 N72, row 0 all zero with the least scale", device, lead=(3, 5), K=128,
+                     N=72, zero_row=True)
+    yield mxfp4_case("M9 K160 N33, x and w non-contiguous", device, lead=(9,), K=160, N=33, strided=True)
+    yield mxfp4_case("M70 K64 N72 (the prefill row)", device, lead=(70,), K=64, N=72)
+    yield mxfp4_case("M0", device, lead=(0,), K=64, N=16)
+
+
 _REF, _OP = "lanekit.reference.gemm", "lanekit.gemm.op"
 
 
@@ -204,3 +293,7 @@ _register("w8a8_linear", _w8a8_samples,
 _register("fp8_linear", _fp8_linear_samples,
           "vLLM's fp8 linear: per-token, static or 1x128-group e4m3 activations, per-channel/tensor/block weights")
 _register("w8a16_linear", _w8a16_samples, "int8 weights widened in the load, 16-bit activations")
+_register("w4a16_linear", _w4a16_samples,
+          "AWQ/GPTQ int4 weights (group scales, zeros, act-order g_idx) dequantized in the K loop, 16-bit x")
+_register("mxfp4_linear", _mxfp4_samples,
+          "OCP MXFP4 weights (e2m1, an e8m0 scale per 32 along K; gpt-oss's layout), 16-bit x")

@@ -99,6 +99,73 @@ def gemm_config(device: torch.device, M: int, *, mx: bool = False) -> GemmConfig
     return cfg
 
 
+# ---- 4-bit weights (w4a16_linear, mxfp4_linear) ----
+# The weight tile is unpacked and dequantized in registers each K step (int32 words or bytes,
+# shifts and masks, a subtraction), so the weight's shared-memory stage is a quarter of a 16-bit
+# one's. None is measured on a GPU yet (docs/tuning/gemm.md); where the rows come from is said on each.
+W4: dict[str, dict[int, GemmConfig]] = {
+    "generic": {
+        1: GemmConfig(16, 64, 128, 8, 4, 2),
+        64: GemmConfig(64, 64, 64, 8, 4, 2),
+    },
+    # H100/H200: 64 rows even at decode (wgmma's least M), 128 of K a step (one AWQ/GPTQ group
+    # of 128), 8 warps for the two accumulators and the unpacked code tile (4 warps spilled 40
+    # bytes on GPTQ's fp16 sample, lanekit export 2026-12-07); prefill: 128 x 128 over 8 warps
+    "sm90": {
+        1: GemmConfig(64, 64, 128, 8, 8, 3),
+        64: GemmConfig(64, 128, 128, 8, 4, 3),
+        256: GemmConfig(128, 128, 64, 8, 8, 3),
+    },
+    # A100: mma.sync m16n8k16, so 16 rows at decode; 163 KiB of shared memory
+    "sm80": {
+        1: GemmConfig(16, 64, 128, 8, 4, 3),
+        64: GemmConfig(64, 128, 64, 8, 4, 3),
+        256: GemmConfig(128, 128, 64, 8, 8, 3),
+    },
+    # MI300 (wave64, 64 KiB LDS): 2 stages; mfma 16 x 16 tiles at decode
+    "gfx942": {
+        1: GemmConfig(16, 64, 128, 8, 4, 2),
+        64: GemmConfig(64, 128, 64, 8, 4, 2),
+        256: GemmConfig(128, 128, 64, 8, 8, 2),
+    },
+    # RDNA 4 (and gfx1151 by alias; wave32, 64 KiB LDS): wmma 16 x 16 tiles, 4 warps
+    "gfx1201": {
+        1: GemmConfig(16, 64, 64, 8, 4, 2),
+        64: GemmConfig(64, 64, 64, 8, 4, 2),
+    },
+}
+
+
+def _w4_row(device: torch.device, M: int) -> GemmConfig:
+    if device.type != "cuda" and compiling() is None:
+        return INTERPRETER
+    rows = arch_row(W4, device)
+    return rows[max(k for k in rows if k <= max(M, 1))]
+
+
+# GPTQ's act-order (g_idx) keeps two dequantized weight tiles live (the 16-bit value and its
+# remainder, two tl.dot): RDNA's K step of 64 spilled 424 bytes on the act-order sample (lanekit
+# export 2026-12-07), 32 does not
+ACT_ORDER_BLOCK_K: dict[str, int] = {"generic": 128, "gfx1201": 32}
+
+
+def w4a16_config(device: torch.device, M: int, group_size: int, K: int, act_order: bool = False) -> GemmConfig:
+    """The row for M, its K step no wider than a group (a run of K steps never straddles two
+    groups: a wider step would only load masked lanes) and at least 16 (tl.dot's least);
+    with act-order no wider than ACT_ORDER_BLOCK_K."""
+    cfg = _w4_row(device, M)
+    span = group_size if group_size < K else K
+    block_k = max(16, min(cfg.block_k, 1 << max(span - 1, 0).bit_length()))
+    if act_order and cfg is not INTERPRETER:
+        block_k = min(block_k, arch_row(ACT_ORDER_BLOCK_K, device))
+    return dataclasses.replace(cfg, block_k=block_k)
+
+
+def mxfp4_config(device: torch.device, M: int) -> GemmConfig:
+    """The row for M with a K step of 32: one e8m0 scale per column a step."""
+    return dataclasses.replace(_w4_row(device, M), block_k=MX_BLOCK_K)
+
+
 # ---- compile allowances (lanekit export / targets): (kernel, target) -> (bytes | regex, reason)
 SPILL_ALLOWANCES: dict[tuple[str, str], tuple[int, str]] = {
     ("_scaled_mm_kernel", "sm90"): (560, (

@@ -12,12 +12,14 @@ from __future__ import annotations
 import torch
 
 from lanekit.quant import op as _lanes
+from lanekit.reference import numerics as _numerics
 from lanekit.runtime.validate import int_at_least as _int_at_least
+from lanekit.runtime.validate import is_int as _v_is_int
 from lanekit.runtime.validate import lane_for as _lane_for
 from lanekit.runtime.validate import shape as _shape
 from lanekit.runtime.validate import tensor as _tensor
 
-__all__ = ["quantize_fp8", "quantize_int8", "dequantize_fp8", "dequantize_int8"]
+__all__ = ["quantize_fp8", "quantize_int8", "dequantize_fp8", "dequantize_int8", "pack_int4", "unpack_int4"]
 
 _X_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -379,3 +381,77 @@ def stochastic_round_fp8(x: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3
     if offset + x.numel() >= 2 ** 63:
         raise ValueError(f"offset: expected offset + R * C < 2^63, got {offset} with {x.numel()} values")
     return getattr(_lanes, f"stochastic_round_fp8_{chosen}")(x=x, dtype=dtype, seed=seed, offset=offset)
+
+
+# ---- 4-bit codes: packing and unpacking (load-time helpers, plain PyTorch on any device) ----
+
+_INT_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
+
+
+def _int4_args(t, name, dim, order, dtype):
+    if order not in _numerics.INT4_ORDERS:
+        raise ValueError(f"order: expected one of {list(_numerics.INT4_ORDERS)}, got {order!r}")
+    if dtype not in _numerics.PACK:
+        raise TypeError(f"dtype: expected torch.int32 (eight codes an element) or torch.uint8 (two), got {dtype}")
+    if order == "awq" and dtype != torch.int32:
+        raise ValueError(f"order: expected 'sequential' with dtype {dtype} (AWQ's order is of eight "
+                         "nibbles in an int32), got 'awq'")
+    if not _v_is_int(dim):
+        raise TypeError(f"dim: expected an int, got {type(dim).__name__}")
+    if t.dim() == 0 or not -t.dim() <= int(dim) < t.dim():
+        raise ValueError(f"dim: expected a dimension of {name} (shape {tuple(t.shape)}), got {dim}")
+    return int(dim) % t.dim()
+
+
+def pack_int4(codes: torch.Tensor, dim: int = -1, order: str = "sequential",
+              dtype: torch.dtype = torch.int32) -> torch.Tensor:
+    """Pack 4-bit codes (integers 0..15) along ``dim``: eight to an int32 or two to a uint8.
+
+    Element 8e + j of ``dim`` goes to nibble j (bits 4j .. 4j + 3) of packed element e, or with
+    ``order="awq"`` to nibble (0, 4, 1, 5, 2, 6, 3, 7)[j]: AWQ's order, the inverse of the map
+    (0, 2, 4, 6, 1, 3, 5, 7) with which AutoAWQ's ``WQLinear_GEMM.from_linear`` fills nibble i.
+    For uint8, element 2e + 1 goes to the high nibble (MXFP4's and gpt-oss's order). The packed
+    int32 holds the same 32 bits, read as signed. The checkpoints' tensors, from codes Q (K, N)
+    of W (K, N) = x's right operand and zero points Z (K / group_size, N):
+
+    - AWQ: ``qweight = pack_int4(Q, 1, "awq")`` (K, N / 8), ``qzeros = pack_int4(Z, 1, "awq")``;
+    - GPTQ: ``qweight = pack_int4(Q, 0)`` (K / 8, N), ``qzeros = pack_int4(Z - 1, 1)``
+      (GPTQ stores zero - 1);
+    - MXFP4 (gpt-oss): ``blocks = pack_int4(codes (N, K), 1, dtype=torch.uint8)`` (N, K / 2).
+
+    Arguments:
+        codes: integer tensor (uint8, int8, int16, int32, int64), values in 0..15, any device;
+            its size along ``dim`` a multiple of 8 (int32) or 2 (uint8).
+        dim: the dimension packed. order: "sequential" or "awq" (int32 only).
+        dtype: torch.int32 or torch.uint8.
+
+    Returns: ``dtype``, ``dim`` eight (two) times shorter; :func:`unpack_int4` gives codes back
+    exactly.
+
+    Raises: TypeError for a wrong type or dtype; ValueError for a wrong dim, order, size, or a
+    value outside 0..15 (read on the host: a sync on a GPU; this runs once, at load).
+    """
+    _tensor("codes", codes, dtypes=_INT_DTYPES)
+    d = _int4_args(codes, "codes", dim, order, dtype)
+    per = _numerics.PACK[dtype]
+    if codes.shape[d] % per:
+        raise ValueError(f"codes: expected size along dim {dim} a multiple of {per} ({per} codes to a "
+                         f"{dtype}), got shape {tuple(codes.shape)}")
+    if codes.numel():
+        lo, hi = int(codes.min()), int(codes.max())
+        if lo < 0 or hi > 15:
+            raise ValueError(f"codes: expected values in 0..15, got {lo if lo < 0 else hi}")
+    return _numerics.pack_int4(codes, d, order, dtype)
+
+
+def unpack_int4(packed: torch.Tensor, dim: int = -1, order: str = "sequential") -> torch.Tensor:
+    """The 4-bit codes (uint8, 0..15) of ``packed`` (int32: eight an element; uint8: two), along
+    ``dim``, which grows eight (two) times: the inverse of :func:`pack_int4` with the same dim
+    and order ("awq": AWQ's nibble order, int32 only).
+
+    Raises: TypeError for a packed dtype other than int32 or uint8; ValueError for a wrong dim
+    or order.
+    """
+    _tensor("packed", packed, dtypes=tuple(_numerics.PACK))
+    d = _int4_args(packed, "packed", dim, order, packed.dtype)
+    return _numerics.unpack_int4(packed, d, order)

@@ -3,14 +3,16 @@ inputs (float64 in the checks), multiplied, plus bias. Plain PyTorch.
 
 Semantics: ``torch._scaled_mm`` (per-tensor and rowwise scales), DeepSeek-V3's 128 x 128 block
 scales, the OCP Microscaling spec v1.0 (MXFP8: e4m3 elements, one e8m0 scale per 32 along K),
-vLLM's W8A8 / W8A16 linears (``cutlass_scaled_mm``, ``scaled_int8_quant``, ``scaled_fp8_quant``).
+vLLM's W8A8 / W8A16 linears (``cutlass_scaled_mm``, ``scaled_int8_quant``, ``scaled_fp8_quant``);
+the 4-bit weight-only linears: AWQ's and GPTQ's int4 checkpoints (AutoAWQ's ``WQLinear_GEMM``,
+AutoGPTQ's ``QuantLinear``) and OCP MXFP4 in gpt-oss's layout (docs/semantics.md, "4-bit weights").
 """
 
 from __future__ import annotations
 
 import torch
 
-from lanekit.reference.numerics import finite_amax, quant_scale, quantize_groups, to_codes
+from lanekit.reference.numerics import e2m1, finite_amax, quant_scale, quantize_groups, to_codes, unpack_int4
 
 BLOCK = 128
 MX_GROUP = 32
@@ -137,3 +139,52 @@ def w8a16_linear(x, weight, weight_scale, bias=None):
     w = weight.to(torch.float64) * weight_scale.to(torch.float64).reshape(-1, 1)
     y = _finish(x.reshape(x.shape[:-1].numel(), K).to(torch.float64) @ w.t(), bias, x.dtype)
     return y.reshape(*lead, weight.shape[0])
+
+
+# ---- 4-bit weights ----
+
+GPTQ_ZERO_OFFSET = 1    # GPTQ checkpoints store zero - 1 (AutoGPTQ's pack: ``zeros -= 1``)
+SYMMETRIC_ZERO = 8      # zeros=None: the midpoint of 0..15
+
+
+def w4_weight(qweight, scales, zeros, group_size, layout, g_idx=None) -> torch.Tensor:
+    """The weight W (K, N) of an AWQ or GPTQ int4 checkpoint, in scales' dtype (exact in float64):
+    W[k, n] = (q[k, n] - z[g, n]) * s[g, n] with g = g_idx[k] (default k // group_size).
+
+    awq: qweight (K, N/8), columns in AWQ's nibble order; zeros (K/G, N/8) likewise, the zero
+    points themselves. gptq: qweight (K/8, N), eight rows of K to an int32, row 8e + j in nibble
+    j; zeros (K/G, N/8), column 8e + j in nibble j, holding zero - 1. zeros None: every zero 8.
+    scales: (K/G, N)."""
+    if layout == "awq":
+        q = unpack_int4(qweight, dim=1, order="awq")
+        z = None if zeros is None else unpack_int4(zeros, dim=1, order="awq").to(torch.int64)
+    else:
+        q = unpack_int4(qweight, dim=0)
+        z = None if zeros is None else unpack_int4(zeros, dim=1).to(torch.int64) + GPTQ_ZERO_OFFSET
+    K = q.shape[0]
+    g = g_idx.to(torch.int64) if g_idx is not None else torch.arange(K, device=q.device) // group_size
+    codes = q.to(torch.int64) - (SYMMETRIC_ZERO if z is None else z[g])
+    return codes.to(scales.dtype) * scales[g]
+
+
+def w4a16_linear(x, qweight, scales, zeros=None, group_size=128, layout="awq", g_idx=None, bias=None):
+    """x (..., K) @ W (K, N) + bias, W the int4 checkpoint's weight (:func:`w4_weight`)."""
+    lead, K = x.shape[:-1], x.shape[-1]
+    w = w4_weight(qweight, scales.to(torch.float64), zeros, group_size, layout, g_idx)
+    y = _finish(x.reshape(lead.numel(), K).to(torch.float64) @ w, bias, x.dtype)
+    return y.reshape(*lead, w.shape[1])
+
+
+def mxfp4_weight(w_fp4, w_scale, dtype=torch.float64) -> torch.Tensor:
+    """The weight W (N, K) of OCP MXFP4 blocks in gpt-oss's layout: w_fp4 (N, K/2) uint8, two e2m1
+    codes a byte, element 2i in the low nibble; w_scale (N, K/32) e8m0 bytes (0xFF: NaN)."""
+    w = e2m1(unpack_int4(w_fp4, dim=1), dtype)
+    return w * e8m0(w_scale).to(dtype).repeat_interleave(MX_GROUP, 1)
+
+
+def mxfp4_linear(x, w_fp4, w_scale, bias=None):
+    """x (..., K) @ W.T + bias, W (N, K) the MXFP4 weight (:func:`mxfp4_weight`)."""
+    lead, K = x.shape[:-1], x.shape[-1]
+    w = mxfp4_weight(w_fp4, w_scale)
+    y = _finish(x.reshape(lead.numel(), K).to(torch.float64) @ w.t(), bias, x.dtype)
+    return y.reshape(*lead, w.shape[0])

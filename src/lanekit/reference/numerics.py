@@ -87,3 +87,56 @@ def quantize_groups(x: torch.Tensor, group: int | None, dtype: torch.dtype = tor
     s = quant_scale(finite_amax(padded, -1), qmax, 1.0)                 # (R, groups)
     codes = to_codes(padded / s.unsqueeze(-1), dtype).view(R, groups * group)[:, :C]
     return codes, s
+
+
+# ---- 4-bit codes: int4 nibbles packed eight to an int32 (or two to a uint8), and OCP's e2m1 ----
+
+# Where AWQ puts the eight columns col * 8 + j of one int32: AutoAWQ's WQLinear_GEMM.from_linear
+# writes column col * 8 + order_map[i] into nibble i (bits 4i .. 4i + 3) with order_map
+# (0, 2, 4, 6, 1, 3, 5, 7); so column j sits in nibble AWQ_NIBBLE[j] (AWQ's "reverse order",
+# which vLLM's awq_triton unpacks with). Nibble j holds element j in every other layout here
+# (GPTQ's qweight and qzeros, AutoGPTQ's QuantLinear.pack; the low nibble first in a uint8).
+AWQ_NIBBLE = (0, 4, 1, 5, 2, 6, 3, 7)
+INT4_ORDERS = ("sequential", "awq")
+PACK = {torch.int32: 8, torch.uint8: 2}
+
+
+def _nibbles(order: str, per: int) -> torch.Tensor:
+    return torch.tensor(AWQ_NIBBLE if order == "awq" else range(per), dtype=torch.int64)
+
+
+def unpack_int4(packed: torch.Tensor, dim: int = -1, order: str = "sequential") -> torch.Tensor:
+    """The 4-bit codes (0..15, uint8) of ``packed`` (int32: eight per element; uint8: two),
+    unpacked along ``dim``, which grows eight (two) times: element e * 8 + j of that dim is
+    nibble j of packed element e (``order`` "awq": nibble AWQ_NIBBLE[j])."""
+    per = PACK[packed.dtype]
+    dim = dim % packed.dim()
+    p = packed.movedim(dim, -1).to(torch.int64) & ((1 << (4 * per)) - 1)      # int32 as unsigned
+    shifts = 4 * _nibbles(order, per).to(p.device)
+    codes = (p.unsqueeze(-1) >> shifts) & 0xF                                   # (..., E, per)
+    return codes.reshape(*p.shape[:-1], p.shape[-1] * per).movedim(-1, dim).to(torch.uint8)
+
+
+def pack_int4(codes: torch.Tensor, dim: int = -1, order: str = "sequential",
+              dtype: torch.dtype = torch.int32) -> torch.Tensor:
+    """Integer codes in 0..15 packed along ``dim`` (its size a multiple of 8 for int32, 2 for
+    uint8) into ``dtype``: the inverse of :func:`unpack_int4`, exactly."""
+    per = PACK[dtype]
+    dim = dim % codes.dim()
+    c = codes.movedim(dim, -1).to(torch.int64)
+    c = c.reshape(*c.shape[:-1], c.shape[-1] // per, per)
+    shifts = 4 * _nibbles(order, per).to(c.device)
+    word = (c << shifts).sum(-1)                                                # disjoint bits: sum = or
+    if dtype == torch.int32:
+        word = torch.where(word >= 2**31, word - 2**32, word)                   # the same 32 bits, signed
+    return word.to(dtype).movedim(-1, dim)
+
+
+# OCP MX v1.0's FP4 (e2m1): sign, 2 exponent bits (bias 1), 1 mantissa bit; no inf or NaN.
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def e2m1(codes: torch.Tensor, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """The values of e2m1 codes (integers 0..15), exactly, in ``dtype``."""
+    table = torch.tensor(E2M1_VALUES, dtype=dtype, device=codes.device)
+    return table[codes.to(torch.int64)]

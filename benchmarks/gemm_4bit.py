@@ -1,0 +1,164 @@
+"""4-bit weight-only linears (issue 33, part A): lanekit.gemm.w4a16_linear (AWQ, GPTQ, GPTQ with
+act-order) and mxfp4_linear beside bf16 F.linear, the dequantize-then-bf16 pipeline in PyTorch,
+and our own 8-bit w8a16_linear at the same shape.
+
+Shapes: the linears of Llama-3-8B (qkv 4096 -> 6144, o 4096 -> 4096, gate_up 4096 -> 28672, down
+14336 -> 4096) and Qwen3-32B (qkv 5120 -> 10240, o 8192 -> 5120, gate_up 5120 -> 51200, down
+25600 -> 5120) at M in {1, 8, 16, 64, 1024}; group size 128. Bars (issue 33): W4A16 and MXFP4 at
+M <= 16 >= 3.0x bf16 F.linear and >= 75% of HBM bandwidth on the packed weights and scales
+(``gemm4_bandwidth``: GB/s of the bytes a call must read and write); W4A16 at M = 1024 >= 0.9x
+bf16. Families: ``gemm4_graphs`` (TFLOP/s from CUDA graphs), ``gemm4_bandwidth`` (GB/s, M <= 16),
+``gemm4_eager`` (host included); ``python -m benchmarks.run gemm_4bit`` runs all three.
+``python -m benchmarks.gemm_4bit`` runs every case's inputs, check and peers once at tiny shapes
+on the CPU.
+"""
+
+from __future__ import annotations
+
+import sys
+import zlib
+from types import SimpleNamespace
+
+import torch
+import torch.nn.functional as F
+
+import lanekit.gemm as lk
+from lanekit.gemm import registry as greg
+from lanekit.reference import gemm as ref
+from lanekit.reference.numerics import pack_int4
+from lanekit.testing import compare
+
+BF16 = torch.bfloat16
+GROUP = 128
+MS = (1, 8, 16, 64, 1024)
+KNS = ((4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096),          # Llama-3-8B
+       (5120, 10240), (8192, 5120), (5120, 51200), (25600, 5120))         # Qwen3-32B
+OPS = ("w4a16 awq", "w4a16 gptq", "w4a16 gptq act-order", "mxfp4")
+QUICK_MS, QUICK_KNS = (1, 16, 1024), ((4096, 4096), (14336, 4096))
+TINY_MS, TINY_KNS = (1, 17), ((256, 64),)
+
+
+def cases(quick: bool = False, *, ms=None, kns=None):
+    ms = ms or (QUICK_MS if quick else MS)
+    kns = kns or (QUICK_KNS if quick else KNS)
+    for op in OPS:
+        for K, N in kns:
+            for M in ms:
+                yield dict(op=op, M=M, K=K, N=N)
+
+
+def decode_cases(quick: bool = False):
+    return (c for c in cases(quick) if c["M"] <= 16)
+
+
+def name(c) -> str:
+    return f"{c['op']} M={c['M']} K={c['K']} N={c['N']}"
+
+
+def flops(c) -> float:
+    return 2.0 * c["M"] * c["N"] * c["K"]
+
+
+def bytes_moved(c) -> float:
+    """What a call must read and write: the packed weight (K * N / 2), its scales (fp16 per
+    group of 128 for W4A16, one byte per 32 for MXFP4) and zeros (AWQ/GPTQ: 4 bits per group and
+    column), g_idx (4 bytes per row of K), x and y in bf16."""
+    M, K, N = c["M"], c["K"], c["N"]
+    weight = K * N / 2
+    if c["op"] == "mxfp4":
+        scales = K * N / 32
+    else:
+        scales = (K // GROUP) * N * (2 + 0.5) + (4 * K if "act-order" in c["op"] else 0)
+    return weight + scales + 2.0 * M * (K + N)
+
+
+def make_inputs(c, device="cuda"):
+    """(x bf16 (M, K), lanekit's kwargs): random codes, zeros and scales of K^-1/2 / 8 so that
+    outputs are O(1)."""
+    g = torch.Generator().manual_seed(zlib.crc32(name(c).encode()))
+    M, K, N = c["M"], c["K"], c["N"]
+    x = torch.randn(M, K, generator=g).to(BF16).to(device)
+    if c["op"] == "mxfp4":
+        codes = torch.randint(0, 16, (N, K), generator=g)
+        e = torch.randint(118, 122, (N, K // 32), generator=g, dtype=torch.uint8)
+        return x, dict(x=x, w_fp4=pack_int4(codes, 1, dtype=torch.uint8).to(device), w_scale_e8m0=e.to(device))
+    layout = "awq" if "awq" in c["op"] else "gptq"
+    q = torch.randint(0, 16, (K, N), generator=g)
+    z = torch.randint(0, 16, (K // GROUP, N), generator=g)
+    s = (torch.rand(K // GROUP, N, generator=g) + 0.5) / (8 * K ** 0.5)
+    dim, order = (1, "awq") if layout == "awq" else (0, "sequential")
+    kw = dict(x=x, qweight=pack_int4(q, dim, order).to(device), scales=s.half().to(device),
+              zeros=pack_int4(z, 1, order).to(device), group_size=GROUP, layout=layout)
+    if "act-order" in c["op"]:
+        kw["g_idx"] = (torch.arange(K) // GROUP)[torch.randperm(K, generator=g)].to(torch.int32).to(device)
+    return x, kw
+
+
+def _lanekit(c, kw):
+    fn = lk.mxfp4_linear if c["op"] == "mxfp4" else lk.w4a16_linear
+    return lambda: fn(**kw)
+
+
+def _oracle(c, kw):
+    up = {k: (v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v) for k, v in kw.items()}
+    if c["op"] == "mxfp4":
+        return ref.mxfp4_linear(up["x"], up["w_fp4"], up["w_scale_e8m0"])
+    return ref.w4a16_linear(**up)
+
+
+def check(c, x, kw) -> str | None:
+    """None when lanekit's output is within the gemm tolerance of the float64 oracle."""
+    got = compare(_lanekit(c, kw)(), _oracle(c, kw), greg.GEMM)
+    return None if got.ok else got.detail
+
+
+def _dequantize(c, kw):
+    """The PyTorch pipeline a user without a kernel runs: unpack, dequantize to bf16, F.linear."""
+    if c["op"] == "mxfp4":
+        return ref.mxfp4_weight(kw["w_fp4"], kw["w_scale_e8m0"], BF16)               # (N, K)
+    return ref.w4_weight(kw["qweight"], kw["scales"].to(BF16), kw["zeros"], kw["group_size"], kw["layout"],
+                         kw.get("g_idx")).t()
+
+
+def runners(c, x, kw) -> dict:
+    """lanekit and its peers for the case: name -> a no-argument callable."""
+    N, K = c["N"], c["K"]
+    w_bf16 = torch.randn(N, K, device=x.device).to(BF16)
+    w8 = torch.randint(-128, 128, (N, K), dtype=torch.int8, device=x.device)
+    s8 = torch.full((N,), 1.0 / (127 * K ** 0.5), device=x.device)
+    return {
+        "lanekit": _lanekit(c, kw),
+        "bf16 F.linear": lambda: F.linear(x, w_bf16),
+        "dequantize + bf16 F.linear": lambda: F.linear(x, _dequantize(c, kw)),
+        "lanekit w8a16": lambda: lk.w8a16_linear(x, w8, s8),
+    }
+
+
+_COMMON = dict(name=name, flops=flops, bytes_moved=bytes_moved, make_inputs=make_inputs, check=check,
+               runners=runners)
+GRAPHS = SimpleNamespace(UNIT="TFLOP/s", CUDA_GRAPHS=True, cases=cases, **_COMMON)
+BANDWIDTH = SimpleNamespace(UNIT="GB/s", CUDA_GRAPHS=True, cases=decode_cases,
+                            **{**_COMMON, "name": lambda c: name(c) + " GB/s"})
+EAGER = SimpleNamespace(UNIT="TFLOP/s", CUDA_GRAPHS=False, cases=cases,
+                        **{**_COMMON, "name": lambda c: name(c) + " eager"})
+FAMILIES = {"gemm4_graphs": GRAPHS, "gemm4_bandwidth": BANDWIDTH, "gemm4_eager": EAGER}
+
+
+def smoke(device="cpu") -> list[str]:
+    """Every op at tiny shapes: inputs, the check, and each peer once on ``device``."""
+    lines = []
+    for c in cases(ms=TINY_MS, kns=TINY_KNS):
+        x, kw = make_inputs(c, device)
+        error = check(c, x, kw)
+        ran = []
+        for peer, fn in runners(c, x, kw).items():
+            fn()
+            ran.append(peer)
+        lines.append(f"{name(c)}: {'ok' if error is None else error}, peers {', '.join(ran)}")
+    return lines
+
+
+if __name__ == "__main__":
+    for line in smoke():
+        print(line)
+    sys.exit(0)

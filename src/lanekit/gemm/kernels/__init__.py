@@ -1,0 +1,7 @@
+"""The GEMM family's kernels: ``scaled_mm`` (the 8-bit scaled GEMM and the per-row quantize
+pass) and ``weight_only`` (4-bit weights dequantized in the K loop: AWQ/GPTQ int4, MXFP4)."""
+
+from lanekit.gemm.kernels.scaled_mm import quant_rows, scaled_mm_fwd
+from lanekit.gemm.kernels.weight_only import mxfp4_linear_fwd, w4a16_linear_fwd
+
+__all__ = ["scaled_mm_fwd", "quant_rows", "w4a16_linear_fwd", "mxfp4_linear_fwd"]

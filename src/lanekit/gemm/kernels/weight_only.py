@@ -1,0 +1,234 @@
+"""4-bit weight-only linears: the weight's codes are unpacked and dequantized in the K loop, in
+registers, then multiplied with 16-bit activations by ``tl.dot`` (sums in fp32).
+
+- ``_w4a16_kernel``: y = x @ W + bias, W (K, N) from an AWQ or GPTQ int4 checkpoint,
+  W[k, n] = (q[k, n] - z[g, n]) * s[g, n]. Without g_idx each group of ``group_size`` rows of K
+  is one run of K steps: the codes minus zero (integers in [-16, 15], exact in fp16/bf16) are
+  multiplied in 16 bits and summed in fp32, and the group's scale multiplies that partial sum
+  once, so the result is the exact product summed in fp32 (no dequantized weight is rounded to
+  16 bits). With GPTQ's act-order g_idx the group changes within a K step: the weight
+  (q - z) * s (exact in fp32) is split into a 16-bit value and its 16-bit remainder, each
+  multiplied by tl.dot: the weight then carries 16 + 8 significant bits (bf16), not 8.
+- ``_mxfp4_linear_kernel``: y = x @ W.T + bias, W (N, K) OCP MXFP4: e2m1 codes two to a byte
+  (element 2i in the low nibble), one e8m0 scale per 32 of K; a K step of 32 (one scale per
+  column a step) whose e2m1 values (exact in 16 bits) are multiplied and the product scaled.
+
+Layouts and their sources: lanekit.reference.gemm (w4_weight, mxfp4_weight) and
+docs/semantics.md. All offsets int64; masks on every partial tile; an out-of-range g_idx value is
+masked (its row of K adds nothing) and recorded in the device error flag (runtime.errors).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from lanekit.common.numerics import e2m1_value, e8m0_scale
+from lanekit.gemm import tuning
+from lanekit.gemm.kernels.scaled_mm import _swizzle
+from lanekit.runtime import errors
+from lanekit.runtime.alloc import empty
+from lanekit.runtime.launch import launch
+from lanekit.runtime.lanes import triton_interpreted
+
+if triton_interpreted():
+    from lanekit.runtime.interpreter import fix_interpreter
+
+    fix_interpreter()
+
+BAD_G_IDX = errors.register(
+    "w4a16_linear: a g_idx value outside [0, K / group_size) (that row of K was left out of the sum)")
+
+
+@triton.jit
+def _awq_shift(n):
+    """The bit offset of column n within its int32 in AWQ's order (nibble (n % 8) // 2 + 4 (n % 2))."""
+    j = n % 8
+    return ((j // 2) + (j % 2) * 4) * 4
+
+
+@triton.jit
+def _zero_points(Z, g, offs_n, n_mask, stride_zg, stride_zn,
+                 AWQ: tl.constexpr, HAS_ZEROS: tl.constexpr, ZERO_OFFSET: tl.constexpr):
+    """Zero points of rows g of the zeros (packed along N, eight to an int32): g scalar -> [BLOCK_N],
+    g [BLOCK_K, 1] -> [BLOCK_K, BLOCK_N]. Without zeros: 8 (symmetric)."""
+    if HAS_ZEROS:
+        if AWQ:
+            shift = _awq_shift(offs_n)
+        else:
+            shift = (offs_n % 8) * 4
+        word = tl.load(Z + g * stride_zg + (offs_n // 8) * stride_zn, mask=n_mask, other=0)
+        return ((word >> shift) & 0xF) + ZERO_OFFSET
+    else:
+        return tl.full(offs_n.shape, 8, tl.int32)
+
+
+@triton.jit
+def _repeat_rows(w, R: tl.constexpr):
+    """[A, B] -> [A * R, B]: each row R times (packed words spread over the codes they hold)."""
+    return tl.reshape(tl.broadcast_to(w[:, None, :], (w.shape[0], R, w.shape[1])), (w.shape[0] * R, w.shape[1]))
+
+
+@triton.jit
+def _repeat_cols(w, R: tl.constexpr):
+    """[A, B] -> [A, B * R]: each column R times."""
+    return tl.reshape(tl.broadcast_to(w[:, :, None], (w.shape[0], w.shape[1], R)), (w.shape[0], w.shape[1] * R))
+
+
+@triton.jit
+def _codes(QW, k0, pid_n, K, N, stride_qk, stride_qn, AWQ: tl.constexpr,
+           BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The 4-bit codes q[k0 + i, pid_n * BLOCK_N + j]: [BLOCK_K, BLOCK_N] int32, each int32 word
+    loaded once. AWQ: (K, N/8), columns packed in AWQ's order; GPTQ: (K/8, N), row 8e + j in
+    nibble j (k0 a multiple of 8). Rows past K and columns past N read 0."""
+    if AWQ:
+        k = k0 + tl.arange(0, BLOCK_K).to(tl.int64)
+        pn = pid_n * (BLOCK_N // 8) + tl.arange(0, BLOCK_N // 8).to(tl.int64)
+        word = tl.load(QW + k[:, None] * stride_qk + pn[None, :] * stride_qn,
+                       mask=(k < K)[:, None] & (pn < N // 8)[None, :], other=0)      # [BLOCK_K, BLOCK_N / 8]
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
+        return (_repeat_cols(word, 8) >> _awq_shift(offs_n)[None, :]) & 0xF
+    else:
+        pk = k0 // 8 + tl.arange(0, BLOCK_K // 8).to(tl.int64)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
+        word = tl.load(QW + pk[:, None] * stride_qk + offs_n[None, :] * stride_qn,
+                       mask=(pk < K // 8)[:, None] & (offs_n < N)[None, :], other=0)  # [BLOCK_K / 8, BLOCK_N]
+        shift = (tl.arange(0, BLOCK_K) % 8) * 4
+        return (_repeat_rows(word, 8) >> shift[:, None]) & 0xF
+
+
+@triton.jit
+def _w4a16_kernel(X, QW, S, Z, G_IDX, BIAS, Y, ERR, M, N, K, group_size, num_groups,
+                  stride_xm, stride_xk, stride_qk, stride_qn, stride_sg, stride_sn,
+                  stride_zg, stride_zn, stride_ym, stride_yn, ERR_BIT,
+                  AWQ: tl.constexpr, HAS_ZEROS: tl.constexpr, ZERO_OFFSET: tl.constexpr,
+                  HAS_G_IDX: tl.constexpr, HAS_BIAS: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  GROUP_M: tl.constexpr):
+    pid = tl.program_id(0).to(tl.int64)
+    pid_m, pid_n = _swizzle(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
+    offs_k = tl.arange(0, BLOCK_K).to(tl.int64)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    dtype = X.dtype.element_ty
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if HAS_G_IDX:
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + offs_k
+            k_mask = k < K
+            a = tl.load(X + offs_m[:, None] * stride_xm + k[None, :] * stride_xk,
+                        mask=m_mask[:, None] & k_mask[None, :], other=0.0)          # [BLOCK_M, BLOCK_K]
+            g = tl.load(G_IDX + k, mask=k_mask, other=0).to(tl.int64)               # [BLOCK_K]
+            ok = k_mask & (g >= 0) & (g < num_groups)
+            bad = tl.max((k_mask & (ok == 0)).to(tl.int32), axis=0)
+            tl.atomic_or(ERR, ERR_BIT, mask=bad > 0)
+            g = tl.where(ok, g, 0)
+            mask = ok[:, None] & n_mask[None, :]
+            q = _codes(QW, k0, pid_n, K, N, stride_qk, stride_qn, AWQ, BLOCK_K, BLOCK_N)  # [BLOCK_K, BLOCK_N]
+            z = _zero_points(Z, g[:, None], offs_n[None, :], mask, stride_zg, stride_zn,
+                             AWQ, HAS_ZEROS, ZERO_OFFSET)
+            s = tl.load(S + g[:, None] * stride_sg + offs_n[None, :] * stride_sn, mask=mask, other=0.0)
+            w = (q - z).to(tl.float32) * s.to(tl.float32)                            # exact in fp32
+            hi = w.to(dtype)
+            lo = (w - hi.to(tl.float32)).to(dtype)                                   # what hi rounded off
+            acc = tl.dot(a, hi, acc)
+            acc = tl.dot(a, lo, acc)
+    else:
+        for g in range(0, num_groups):
+            s = tl.load(S + g * stride_sg + offs_n * stride_sn, mask=n_mask, other=0.0).to(tl.float32)
+            z = _zero_points(Z, g, offs_n, n_mask, stride_zg, stride_zn, AWQ, HAS_ZEROS, ZERO_OFFSET)
+            part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            end = (g + 1) * group_size
+            for k0 in range(g * group_size, end, BLOCK_K):
+                k = k0 + offs_k
+                k_mask = k < end
+                a = tl.load(X + offs_m[:, None] * stride_xm + k[None, :] * stride_xk,
+                            mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+                q = _codes(QW, k0, pid_n, K, N, stride_qk, stride_qn, AWQ, BLOCK_K, BLOCK_N)
+                b = (q - z[None, :]).to(dtype)                                        # [-16, 15]: exact
+                part = tl.dot(a, b, part)
+            acc += part * s[None, :]                                                  # the group's scale, once
+    if HAS_BIAS:
+        acc += tl.load(BIAS + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    tl.store(Y + offs_m[:, None] * stride_ym + offs_n[None, :] * stride_yn, acc.to(Y.dtype.element_ty),
+             mask=m_mask[:, None] & n_mask[None, :])
+
+
+def w4a16_linear_fwd(x, qweight, scales, zeros, g_idx, bias, group_size: int, layout: str):
+    """y (M, N) in x's dtype for x (M, K); the checkpoint's tensors as lanekit.gemm's api checked
+    them (group_size resolved: K for per-channel)."""
+    M, K = x.shape
+    N = scales.shape[1]
+    out = empty((M, N), dtype=x.dtype, device=x.device)
+    if M == 0 or N == 0:
+        return out
+    if K == 0:      # the empty sum: zeros plus bias, no launch over empty operands
+        out.zero_()
+        if bias is not None:
+            out += bias.to(x.dtype)
+        return out
+    cfg = tuning.w4a16_config(x.device, M, group_size, K, act_order=g_idx is not None)
+    z = zeros if zeros is not None else qweight
+    grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n),)
+    launch(_w4a16_kernel, grid,
+           x, qweight, scales, z, g_idx if g_idx is not None else qweight,
+           bias if bias is not None else scales, out, errors.error_flag(x.device), M, N, K, group_size,
+           K // group_size, *x.stride(), *qweight.stride(), *scales.stride(),
+           *(zeros.stride() if zeros is not None else (0, 0)), *out.stride(), BAD_G_IDX,
+           AWQ=layout == "awq", HAS_ZEROS=zeros is not None, ZERO_OFFSET=1 if layout == "gptq" else 0,
+           HAS_G_IDX=g_idx is not None, HAS_BIAS=bias is not None, BLOCK_M=cfg.block_m,
+           BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, **cfg.options())
+    return out
+
+
+@triton.jit
+def _mxfp4_linear_kernel(X, W, S, BIAS, Y, M, N, K, stride_xm, stride_xk, stride_wn, stride_wk,
+                         stride_sn, stride_sk, stride_ym, stride_yn, HAS_BIAS: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         GROUP_M: tl.constexpr):
+    pid = tl.program_id(0).to(tl.int64)
+    pid_m, pid_n = _swizzle(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
+    offs_k = tl.arange(0, BLOCK_K).to(tl.int64)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):          # BLOCK_K = 32: one e8m0 scale per column a step
+        k = k0 + offs_k
+        a = tl.load(X + offs_m[:, None] * stride_xm + k[None, :] * stride_xk, mask=m_mask[:, None], other=0.0)
+        kb = k0 // 2 + tl.arange(0, BLOCK_K // 2).to(tl.int64)
+        byte = tl.load(W + offs_n[None, :] * stride_wn + kb[:, None] * stride_wk,
+                       mask=n_mask[None, :], other=0).to(tl.int32)                   # [BLOCK_K / 2, BLOCK_N]
+        code = (_repeat_rows(byte, 2) >> ((offs_k % 2) * 4)[:, None]) & 0xF          # element 2i: low nibble
+        b = e2m1_value(code).to(X.dtype.element_ty)                                   # exact in 16 bits
+        e = tl.load(S + offs_n * stride_sn + (k0 // BLOCK_K) * stride_sk, mask=n_mask, other=127)
+        acc += tl.dot(a, b) * e8m0_scale(e.to(tl.int32))[None, :]
+    if HAS_BIAS:
+        acc += tl.load(BIAS + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    tl.store(Y + offs_m[:, None] * stride_ym + offs_n[None, :] * stride_yn, acc.to(Y.dtype.element_ty),
+             mask=m_mask[:, None] & n_mask[None, :])
+
+
+def mxfp4_linear_fwd(x, w_fp4, w_scale, bias):
+    """y (M, N) in x's dtype for x (M, K), w_fp4 (N, K/2) uint8, w_scale (N, K/32) uint8."""
+    M, K = x.shape
+    N = w_fp4.shape[0]
+    out = empty((M, N), dtype=x.dtype, device=x.device)
+    if M == 0 or N == 0:
+        return out
+    if K == 0:
+        out.zero_()
+        if bias is not None:
+            out += bias.to(x.dtype)
+        return out
+    cfg = tuning.mxfp4_config(x.device, M)
+    grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n),)
+    launch(_mxfp4_linear_kernel, grid,
+           x, w_fp4, w_scale, bias if bias is not None else x, out, M, N, K, *x.stride(),
+           *w_fp4.stride(), *w_scale.stride(), *out.stride(), HAS_BIAS=bias is not None,
+           BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+           **cfg.options())
+    return out
