@@ -4,6 +4,7 @@ lane of any op is reported failing, with its sample names and a non-zero exit.""
 import importlib
 import json
 import math
+import os
 import warnings
 
 import pytest
@@ -213,3 +214,89 @@ def test_the_interpreters_expected_numpy_warnings_are_not_shown(device):
     assert result.status == "interpreted"
     assert [str(w.message) for w in seen if issubclass(w.category, RuntimeWarning)] == []
     assert warnings.filters == filters   # the process's own filters are left as they were
+
+
+# ---- lanekit check --jobs N: (op, lane) pairs in worker processes ----
+
+# cheap pairs on both lanes (the Triton lane interpreted without a GPU), named out of the plan's
+# order so that the workers finish them out of order
+FEW = ["quantize_kv", "geglu", "merge_attn_states", "dequantize_kv"]
+
+
+def _without_timing(record: dict) -> dict:
+    machine = {k: v for k, v in record["machine"].items() if k != "date"}
+    results = [{**{k: v for k, v in r.items() if k != "seconds"},
+                "samples": [{k: v for k, v in s.items() if k != "seconds"} for s in r["samples"]]}
+               for r in record["results"]]
+    return {**record, "machine": machine, "results": results}
+
+
+def _table_rows(printed: str) -> list[str]:
+    """The table's rows and the verdict, without the times."""
+    rows = [line.rsplit("│", 2)[0] for line in printed.splitlines() if line.startswith("│")]
+    return rows + [line.split(" in ")[0] for line in printed.splitlines() if "samples passed in" in line]
+
+
+def test_check_in_worker_processes_prints_and_records_what_one_process_does(tmp_path, capsys):
+    printed = {}
+    for jobs in ("1", "2"):
+        assert main(["check", *(a for op in FEW for a in ("--op", op)), "--jobs", jobs,
+                     "--json", str(tmp_path / f"jobs{jobs}.json")]) == 0
+        printed[jobs] = capsys.readouterr().out
+    one, two = (json.loads((tmp_path / f"jobs{jobs}.json").read_text()) for jobs in ("1", "2"))
+
+    assert [(r["op"], r["lane"]) for r in two["results"]] == [(op, lane) for op in FEW for lane in OPS[op].lanes]
+    assert _without_timing(two) == _without_timing(one)
+    assert _table_rows(printed["2"]) == _table_rows(printed["1"])
+    assert len(_table_rows(printed["2"])) == 2 * len(FEW) + 1   # a row per pair, and the verdict
+
+
+def test_workers_report_every_sample_as_it_runs(device):
+    seen = []
+    run = check.run_checks(device, FEW[:2], ["reference"], lambda *event: seen.append(event), jobs=2)
+
+    for r in run.results:
+        names = [s.name for s in r.samples]
+        assert [e[2] for e in seen if e[:2] == (r.op, r.lane) and e[3] is None] == names
+        assert [e[3] for e in seen if e[:2] == (r.op, r.lane) and e[3] is not None] == r.samples
+    assert len(seen) == 2 * sum(r.total for r in run.results)
+
+
+def _dies_on_geglu(name, lane, device, on_sample):
+    """A worker's unit that kills its process on geglu's Triton lane, as a crashing kernel would."""
+
+    if (name, lane) == ("geglu", "triton"):
+        os._exit(3)
+    return check.check_lane(OPS[name], lane, device, on_sample)
+
+
+def test_a_worker_that_dies_fails_its_pair_and_the_others_still_run(device):
+    units = [(op, lane) for op in FEW for lane in ("reference", "triton")]
+
+    results = check.check_in_workers(units, device, 2, run_unit=_dies_on_geglu)
+
+    assert [(r.op, r.lane) for r in results] == units
+    for r in results:
+        if (r.op, r.lane) == ("geglu", "triton"):
+            assert r.status == "failing" and not r.samples
+            assert r.note.startswith("the worker process checking it died (exit code 3)")
+            assert "--op geglu --lane triton --jobs 1" in r.note
+        else:
+            assert r.ok and r.total > 0, (r.op, r.lane, r.note)
+
+
+def test_jobs_default_to_the_cores_when_interpreted_and_one_on_a_gpu(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    assert check.default_jobs("cpu") == cores
+    assert check.default_jobs("cuda") == 1
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert check.default_jobs("cpu") == 1
+
+
+@pytest.mark.parametrize("jobs", ["0", "-1", "two"])
+def test_jobs_below_one_is_a_usage_error(jobs, capsys):
+    with pytest.raises(SystemExit) as exit:
+        main(["check", "--jobs", jobs])
+    assert exit.value.code == 2
+    assert f"expected a whole number of 1 or more, got '{jobs}'" in capsys.readouterr().err

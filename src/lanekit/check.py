@@ -17,9 +17,14 @@ from __future__ import annotations
 import datetime
 import json
 import math
+import multiprocessing
+import multiprocessing.connection
+import os
 import platform
+import signal
 import time
 import warnings
+from collections import deque
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from importlib import metadata
@@ -257,10 +262,136 @@ def plan(ops: Iterable[str] | None = None, lanes: Iterable[str] | None = None) -
 
 def run_checks(device: str | torch.device, ops: Iterable[str] | None = None,
                lanes: Iterable[str] | None = None,
-               on_sample: Callable[[str, str, str, SampleResult | None], None] | None = None) -> CheckRun:
-    """Check the planned (op, lane) pairs on ``device``; see :func:`plan` and :func:`check_lane`."""
-    results = [check_lane(op, lane, device, on_sample) for op, lane in plan(ops, lanes)]
+               on_sample: Callable[[str, str, str, SampleResult | None], None] | None = None,
+               jobs: int = 1) -> CheckRun:
+    """Check the planned (op, lane) pairs on ``device``; see :func:`plan` and :func:`check_lane`.
+
+    ``jobs`` > 1 checks the pairs in that many worker processes (see :func:`check_in_workers`);
+    the results are the same, in the same order."""
+    pairs = plan(ops, lanes)
+    if jobs > 1 and len(pairs) > 1:
+        results = check_in_workers([(op.name, lane) for op, lane in pairs], device, jobs, on_sample)
+    else:
+        results = [check_lane(op, lane, device, on_sample) for op, lane in pairs]
     return CheckRun(machine_info(device), results)
+
+
+def default_jobs(device: str | torch.device) -> int:
+    """How many processes ``lanekit check`` runs by default: one per CPU this process may use when
+    the Triton lane is interpreted (the interpreter runs one kernel on one core, so the cores are
+    idle otherwise), one on a GPU (the kernels share one device, and they are fast there)."""
+    if torch.device(device).type == "cuda" or not triton_interpreted():
+        return 1
+    return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+
+
+def check_in_workers(units: list[tuple[str, str]], device: str | torch.device, jobs: int,
+                     on_sample: Callable[[str, str, str, SampleResult | None], None] | None = None,
+                     run_unit: Callable = None) -> list[LaneResult]:
+    """:func:`check_lane` on each (op name, lane) of ``units``, in ``jobs`` worker processes, the
+    results in the order of ``units``. Workers are started with the ``spawn`` method (safe with
+    CUDA and with threads) and inherit this process's environment, ``TRITON_INTERPRET`` included;
+    each takes the next unit when it is done with one. ``on_sample`` is called in this process as
+    the workers go.
+    A worker that dies (a crash in a kernel, say) fails the unit it was running, with its exit
+    code, and a new worker takes its place for the units left. ``run_unit(op name, lane, device,
+    on_sample)`` runs one unit in a worker (default: :func:`check_lane` on the registered op)."""
+    ctx = multiprocessing.get_context("spawn")
+    todo = deque(range(len(units)))
+    results: list[LaneResult | None] = [None] * len(units)
+    threads = max(1, torch.get_num_threads() // jobs)   # the cores shared out, not oversubscribed
+    workers: dict = {}   # connection -> [process, index of the unit it runs, or None]
+
+    def busy() -> int:
+        return sum(w[1] is not None for w in workers.values())
+
+    def start_worker():
+        mine, theirs = ctx.Pipe()
+        process = ctx.Process(target=_worker, args=(theirs, str(device), threads, run_unit or _check_unit),
+                              daemon=True)
+        process.start()
+        theirs.close()
+        workers[mine] = [process, None]
+
+    def give_work(conn):
+        index = todo.popleft()
+        try:
+            conn.send((index, *units[index]))
+        except OSError:   # it died: its sentinel says so below, and the unit waits for another
+            todo.appendleft(index)
+        else:
+            workers[conn][1] = index
+
+    finished = False
+    try:
+        while todo or busy():
+            while len(workers) < min(jobs, len(todo) + busy()):
+                start_worker()
+            for conn, (_, index) in list(workers.items()):
+                if index is None and todo:
+                    give_work(conn)
+            ready = multiprocessing.connection.wait([*workers, *(w[0].sentinel for w in workers.values())])
+            for conn, (process, _) in list(workers.items()):
+                if conn not in ready and process.sentinel not in ready:
+                    continue
+                try:
+                    while conn.poll():   # a dead worker's last messages are read too
+                        kind, index, payload = conn.recv()
+                        if kind == "sample" and on_sample:
+                            on_sample(*payload)
+                        elif kind == "done":
+                            results[index] = payload
+                            workers[conn][1] = None
+                except (EOFError, OSError):
+                    pass
+                if process.is_alive():
+                    continue
+                process.join()
+                index = workers.pop(conn)[1]
+                conn.close()
+                if index is not None:
+                    name, lane = units[index]
+                    results[index] = LaneResult(name, lane, "failing", note=(
+                        f"the worker process checking it died (exit code {process.exitcode}); "
+                        f"`lanekit check --op {name} --lane {lane} --jobs 1` runs it in one process"))
+        finished = True
+    finally:
+        for conn, (process, _) in workers.items():
+            if finished:
+                try:
+                    conn.send(None)
+                except OSError:
+                    pass
+                process.join(timeout=10)
+            if process.is_alive():
+                process.terminate()
+                process.join()
+            conn.close()
+    return results
+
+
+def _worker(conn, device: str, threads: int, run_unit: Callable) -> None:
+    """A worker of :func:`check_in_workers`: checks the units it is sent until it is sent None.
+    Ctrl-C is the parent's to handle (it ends the workers), not a traceback from each of them."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    torch.set_num_threads(threads)
+    while True:
+        try:
+            unit = conn.recv()
+        except EOFError:   # the parent is gone
+            return
+        if unit is None:
+            return
+        index, name, lane = unit
+
+        def on_sample(*event, _index=index):
+            conn.send(("sample", _index, event))
+
+        conn.send(("done", index, run_unit(name, lane, device, on_sample)))
+
+
+def _check_unit(name: str, lane: str, device: str, on_sample) -> LaneResult:
+    return check_lane(registry()[name], lane, device, on_sample)
 
 
 def count_samples(device: str | torch.device, pairs: list[tuple[Op, str]]) -> int:

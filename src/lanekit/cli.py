@@ -1,6 +1,6 @@
 """``lanekit``: the command line.
 
-    lanekit check [--op NAME ...] [--lane triton|reference ...] [--json PATH]
+    lanekit check [--op NAME ...] [--lane triton|reference ...] [--json PATH] [--jobs N]
         every registered op on every lane this machine has, against its oracle (lanekit.check)
     lanekit matrix [--check]
         regenerate docs/execution-matrix.md from the registry and docs/checks/*.json
@@ -48,6 +48,9 @@ def _parser() -> argparse.ArgumentParser:
     check.add_argument("--json", metavar="PATH",
                        help="also write the results and the machine's description as JSON "
                        "(docs/checks/<machine>.json records a machine for the execution matrix)")
+    check.add_argument("--jobs", type=_positive, metavar="N",
+                       help="check this many (op, lane) pairs at once, each in a process of its own "
+                       "(default: one per CPU when Triton is interpreted, 1 on a GPU)")
     check.set_defaults(run=_check)
 
     matrix = sub.add_parser("matrix", help="regenerate docs/execution-matrix.md",
@@ -85,6 +88,16 @@ def _parser() -> argparse.ArgumentParser:
 
     sub.add_parser("demo", help="run lanekit's demo (lanekit demo --help for its arguments)")
     return parser
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number of 1 or more, got {text!r}")
+    return value
 
 
 def _use_gpu_or_interpreter() -> str:
@@ -129,7 +142,8 @@ def _check(args) -> int:
             else:
                 progress.advance(task)
 
-        run = check.run_checks(device, args.op, args.lane, on_sample)
+        jobs = args.jobs or check.default_jobs(device)
+        run = check.run_checks(device, args.op, args.lane, on_sample, jobs=jobs)
     results = run.results
     elapsed = time.perf_counter() - start
 
