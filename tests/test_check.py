@@ -117,7 +117,7 @@ def test_check_command_exits_nonzero_and_records_the_failing_samples(monkeypatch
     _install_wrong_lanes(monkeypatch, _wrong_by("nan", 0))
     path = tmp_path / "record.json"
 
-    assert main(["check", "--json", str(path)]) == 1
+    assert main(["check", "--json", str(path), "--jobs", "1"]) == 1   # the patched lanes are this process's
 
     printed = capsys.readouterr().out
     assert "failing" in printed and "lanes failing" in printed
@@ -147,7 +147,7 @@ def test_an_exception_in_a_lane_fails_its_samples_with_the_message(monkeypatch, 
     for r in run.results:
         assert r.status == "failing" and r.passed == 0 and r.total > 0
         assert all(s.error == "RuntimeError: the kernel fell over" for s in r.samples)
-    assert main(["check", "--lane", "reference"]) == 1
+    assert main(["check", "--lane", "reference", "--jobs", "1"]) == 1
     assert "RuntimeError: the kernel fell over" in capsys.readouterr().out
 
 
