@@ -25,7 +25,7 @@ import triton.language as tl
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import lanekit
-from lanekit.attention.api import kvcache_num_splits
+from lanekit.attention.api_kvcache import kvcache_num_splits
 from lanekit.attention.registry import ATTENTION_FWD
 from lanekit.reference import attention as ref
 from lanekit.testing import compare, upcast

@@ -276,6 +276,37 @@ def test_argument_error_classes_are_value_and_type_errors_that_are_runtime_error
         lanekit.flash_attn_func(q, q, q, dropout_p=1.0)
 
 
+def _bad_calls():
+    """One call per public attention function of FlashAttention's API, with softcap=-1: a plain
+    ValueError raised in the family's own checks (not in runtime.validate, whose errors are of the
+    argument classes already)."""
+    q = torch.zeros(1, 3, 2, 16, dtype=torch.float16)
+    flat, cu = torch.zeros(3, 2, 16, dtype=torch.float16), torch.tensor([0, 3], dtype=torch.int32)
+    bad = {"softcap": -1.0}
+    return {
+        "flash_attn_func": lambda: lanekit.flash_attn_func(q, q, q, **bad),
+        "flash_attn_qkvpacked_func": lambda: lanekit.flash_attn_qkvpacked_func(torch.stack([q] * 3, 2), **bad),
+        "flash_attn_kvpacked_func": lambda: lanekit.flash_attn_kvpacked_func(q, torch.stack([q] * 2, 2), **bad),
+        "flash_attn_varlen_func": lambda: lanekit.flash_attn_varlen_func(flat, flat, flat, cu, cu, 3, 3, **bad),
+        "flash_attn_varlen_qkvpacked_func":
+            lambda: lanekit.flash_attn_varlen_qkvpacked_func(torch.stack([flat] * 3, 1), cu, 3, **bad),
+        "flash_attn_varlen_kvpacked_func":
+            lambda: lanekit.flash_attn_varlen_kvpacked_func(flat, torch.stack([flat] * 2, 1), cu, cu, 3, 3, **bad),
+        "flash_attn_with_kvcache": lambda: lanekit.flash_attn_with_kvcache(q, q, q, **bad),
+    }
+
+
+def test_every_public_attention_function_raises_the_argument_error_classes():
+    # FlashAttention raises RuntimeError where lanekit raises ValueError/TypeError: every entry point
+    # must be wrapped (argument_errors) so that code written against either catches both.
+    calls = _bad_calls()
+    assert set(calls) == set(lanekit.attention.__all__) - {"flash_mla_with_kvcache", "get_mla_metadata"}
+    for name, call in calls.items():
+        with pytest.raises(ArgumentError, match="softcap: expected a finite float >= 0, got -1.0") as caught:
+            call()
+        assert isinstance(caught.value, RuntimeError), name
+
+
 @pytest.mark.parametrize("append", [False, True], ids=["no append", "append"])
 def test_a_block_table_too_narrow_for_cache_seqlens_is_a_runtime_error_naming_block_table(append, monkeypatch):
     # FlashAttention's case (its issue 2709): one page of 16 per sequence, 17 tokens asked for.

@@ -160,7 +160,7 @@ def test_output_does_not_depend_on_the_allocated_capacity_given_max_seqlen_k(dev
 
 def test_split_count_follows_max_seqlen_k_else_the_capacity_never_a_length_read_back(device, monkeypatch):
     # (DESIGN.md's hot path: the lengths live on the device and are not read back per call)
-    from lanekit.attention import api
+    from lanekit.attention import api_kvcache as api
 
     seen = []
     heuristic = api.num_splits_heuristic
@@ -243,7 +243,7 @@ def test_max_seqlen_k_bounds_the_lengths_and_is_checked(device, monkeypatch):
 
 
 def test_split_heuristic_rounds_to_the_nearest_wave():
-    from lanekit.attention import api
+    from lanekit.attention import api_kvcache as api
 
     cpu = torch.device("cpu")   # 4 "SMs" off the GPU
     assert api.num_splits_heuristic(4, None, cpu, programs_per_sm=1) == 1    # one full wave

@@ -11,7 +11,7 @@ import torch
 
 from lanekit.attention import op_mla as _lanes
 from lanekit.attention import tuning
-from lanekit.attention.api import MAX_SPLITS, num_splits_heuristic
+from lanekit.attention.api_kvcache import MAX_SPLITS, num_splits_heuristic
 from lanekit.kv_cache import checks
 from lanekit.runtime import errors
 from lanekit.runtime.lanes import triton_interpreted

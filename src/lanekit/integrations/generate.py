@@ -23,7 +23,8 @@ from collections.abc import Sequence
 
 import torch
 
-from lanekit.attention.api import flash_attn_varlen_func, flash_attn_with_kvcache
+from lanekit.attention.api import flash_attn_varlen_func
+from lanekit.attention.api_kvcache import flash_attn_with_kvcache
 from lanekit.kv_cache import PagedKVCache
 
 

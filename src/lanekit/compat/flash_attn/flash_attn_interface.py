@@ -1,7 +1,7 @@
 """FlashAttention 2's ``flash_attn.flash_attn_interface`` on lanekit's kernels.
 
-The public functions are lanekit's own (:mod:`lanekit.attention.api`: FlashAttention 2's
-signatures, semantics and return shapes). Beside them, the module-level names FlashAttention's
+The public functions are lanekit's own (:mod:`lanekit.attention.api` and
+:mod:`lanekit.attention.api_kvcache`: FlashAttention 2's signatures, semantics and return shapes). Beside them, the module-level names FlashAttention's
 own tests and libraries built on its entry points (ring attention, say) import:
 ``_flash_attn_forward`` and ``_flash_attn_varlen_forward`` (forward only, FlashAttention's argument
 order and 4-tuple result), ``_flash_attn_backward`` and ``_flash_attn_varlen_backward`` (the
@@ -15,10 +15,11 @@ import torch
 
 from lanekit.attention import op as _lanes
 from lanekit.attention import tuning
-from lanekit.attention.api import _alibi, _capturing, _cu_seqlens, _cu_seqlens_values, _options
+from lanekit.attention.api_checks import _alibi, _capturing, _cu_seqlens, _cu_seqlens_values, _options
 from lanekit.attention.api import (flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func,
                                   flash_attn_varlen_func, flash_attn_varlen_kvpacked_func,
-                                  flash_attn_varlen_qkvpacked_func, flash_attn_with_kvcache)
+                                  flash_attn_varlen_qkvpacked_func)
+from lanekit.attention.api_kvcache import flash_attn_with_kvcache
 from lanekit.runtime.tuning import lookup
 from lanekit.runtime.validate import ArgumentError, argument_errors, int_in, lane_for, shape, tensor
 
