@@ -205,14 +205,18 @@ def test_v_descale_scales_the_output_and_out_dtype_picks_its_format(device):
     q, k, v = qkv(1, 9, 20, 2, 1, 32, device, dtype=torch.float32, seed=16)
     q8, k8, v8 = (codes(t, torch.float8_e4m3fn) for t in (q, k, v))
     one = torch.ones(1, 1, device=device)
-    base = lanekit.flash_attn_func(q8, k8, v8, q_descale=one, k_descale=one, v_descale=one,
-                                   out_dtype=torch.float32, lane="triton")
-    four = lanekit.flash_attn_func(q8, k8, v8, q_descale=one, k_descale=one, v_descale=4 * one,
-                                   out_dtype=torch.float32, lane="triton")
-    assert base.dtype == torch.float32
+    with poisoned_outputs():
+        base = lanekit.flash_attn_func(q8, k8, v8, q_descale=one, k_descale=one, v_descale=one,
+                                       out_dtype=torch.float32, lane="triton")
+        four = lanekit.flash_attn_func(q8, k8, v8, q_descale=one, k_descale=one, v_descale=4 * one,
+                                       out_dtype=torch.float32, lane="triton")
+        half = lanekit.flash_attn_func(q8, k8, v8, out_dtype=torch.float16, lane="triton")   # descales default to 1
+    assert base.dtype == torch.float32 and half.dtype == torch.float16
+    expected, _ = ref.flash_attn_quantized(q8, k8, v8, softmax_scale=32 ** -0.5, q_descale=one, k_descale=one,
+                                           v_descale=one)
+    assert_close(base, expected, ATTENTION_FP8)
+    assert_close(half, expected, ATTENTION_FP8)
     assert torch.equal(four, 4 * base)   # a power of two: exact
-    half = lanekit.flash_attn_func(q8, k8, v8, out_dtype=torch.float16, lane="triton")   # descales default to 1
-    assert half.dtype == torch.float16
     assert_close(half, base.double(), ATTENTION_FWD, dtype=torch.float16)
 
 
