@@ -297,50 +297,49 @@ def _fp8_inputs(device):
     return tuple(codes(t, torch.float8_e4m3fn) for t in (q, k, v))
 
 
-@pytest.mark.parametrize("case", [
-    "grad", "dropout", "descale shape", "descale dtype", "descale on bf16", "out_dtype int8", "out_dtype on bf16",
-    "sinks shape", "sinks dtype", "mixed dtypes", "kvcache append", "kvcache per-token scales",
-])
+BAD_FP8 = {   # case: (error, the message's start)
+    "grad": (ValueError, "sinks: fp8 and int8 attention is forward only"),
+    "dropout": (ValueError, r"dropout_p: expected 0\.0 with torch\.float8_e4m3fn inputs"),
+    "descale shape": (ValueError, r"q_descale: expected 2 dimensions, got shape \(2,\)"),
+    "descale dtype": (TypeError, r"k_descale: expected dtype in \['torch\.float32'\], got torch\.float16"),
+    "descale on bf16": (ValueError, r"v_descale: expected None for torch\.bfloat16 inputs"),
+    "out_dtype int8": (ValueError, r"out_dtype: expected one of .* or None, got torch\.int8"),
+    "out_dtype on bf16": (ValueError, r"out_dtype: expected None or q's dtype \(torch\.bfloat16\)"),
+    "sinks shape": (ValueError, r"sinks: expected shape \(2,\) \(one logit per query head\), got \(3,\)"),
+    "sinks dtype": (TypeError, r"sinks: expected dtype in \['torch\.float32'\], got torch\.float16"),
+    "mixed dtypes": (TypeError, r"v: expected the dtype of q \(torch\.float8_e4m3fn\), got torch\.float8_e5m2"),
+    "kvcache append": (ValueError, r"k: expected None with a torch\.float8_e4m3fn q"),
+    "kvcache per-token scales": (ValueError, r"k_cache_scale: expected None with a torch\.float8_e4m3fn q"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_FP8))
 def test_bad_fp8_and_sinks_input_raises_a_clear_error(device, case):
     q, k, v = _fp8_inputs(device)
     one = torch.ones(1, 1, device=device)
-    call, match, err = None, None, ValueError
-    if case == "grad":   # a learned sink in grad mode: fp8 attention has no backward
-        call = lambda: lanekit.flash_attn_func(q, k, v, sinks=torch.zeros(2, device=device).requires_grad_())  # noqa: E731
-        match = "forward only"
-    elif case == "dropout":
-        call, match = (lambda: lanekit.flash_attn_func(q, k, v, dropout_p=0.1)), "dropout_p"
-    elif case == "descale shape":
-        call, match = (lambda: lanekit.flash_attn_func(q, k, v, q_descale=torch.ones(2, device=device))), "q_descale"
-    elif case == "descale dtype":
-        call, match, err = (lambda: lanekit.flash_attn_func(q, k, v, k_descale=one.half())), "k_descale", TypeError
-    elif case == "descale on bf16":
-        qb, kb, vb = (t.float().bfloat16() for t in (q, k, v))
-        call, match = (lambda: lanekit.flash_attn_func(qb, kb, vb, v_descale=one)), "v_descale"
-    elif case == "out_dtype int8":
-        call, match = (lambda: lanekit.flash_attn_func(q, k, v, out_dtype=torch.int8)), "out_dtype"
-    elif case == "out_dtype on bf16":
-        qb, kb, vb = (t.float().bfloat16() for t in (q, k, v))
-        call, match = (lambda: lanekit.flash_attn_func(qb, kb, vb, out_dtype=torch.float32)), "out_dtype"
-    elif case == "sinks shape":
-        call, match = (lambda: lanekit.flash_attn_func(q, k, v, sinks=torch.zeros(3, device=device))), "sinks"
-    elif case == "sinks dtype":
-        call, match, err = (lambda: lanekit.flash_attn_func(q, k, v, sinks=torch.zeros(2, device=device).half())), "sinks", TypeError
-    elif case == "mixed dtypes":
-        call, match, err = (lambda: lanekit.flash_attn_func(q, k, v.float().to(torch.float8_e5m2))), "v", TypeError
-    elif case == "kvcache append":
-        kc = torch.zeros(1, 10, 1, 16, device=device).to(q.dtype)
-        call = lambda: lanekit.flash_attn_with_kvcache(q, kc, kc.clone(), k=k[:, :1], v=v[:, :1], cache_seqlens=3)  # noqa: E731
-        match = "k: expected None"
-    elif case == "kvcache per-token scales":
-        kc = torch.zeros(1, 10, 1, 16, device=device).to(q.dtype)
-        sc = torch.ones(1, 10, 1, device=device)
-        call = lambda: lanekit.flash_attn_with_kvcache(q, kc, kc.clone(), cache_seqlens=3, k_cache_scale=sc,  # noqa: E731
-                                                       v_cache_scale=sc)
-        match = "k_cache_scale"
-    with poisoned_outputs():
-        with pytest.raises(err, match=match):
-            call()
+    qb, kb, vb = (t.float().bfloat16() for t in (q, k, v))
+    kc = torch.zeros(1, 10, 1, 16, device=device).to(q.dtype)
+    calls = {
+        # a learned sink in grad mode: fp8 attention has no backward
+        "grad": lambda: lanekit.flash_attn_func(q, k, v, sinks=torch.zeros(2, device=device).requires_grad_()),
+        "dropout": lambda: lanekit.flash_attn_func(q, k, v, dropout_p=0.1),
+        "descale shape": lambda: lanekit.flash_attn_func(q, k, v, q_descale=torch.ones(2, device=device)),
+        "descale dtype": lambda: lanekit.flash_attn_func(q, k, v, k_descale=one.half()),
+        "descale on bf16": lambda: lanekit.flash_attn_func(qb, kb, vb, v_descale=one),
+        "out_dtype int8": lambda: lanekit.flash_attn_func(q, k, v, out_dtype=torch.int8),
+        "out_dtype on bf16": lambda: lanekit.flash_attn_func(qb, kb, vb, out_dtype=torch.float32),
+        "sinks shape": lambda: lanekit.flash_attn_func(q, k, v, sinks=torch.zeros(3, device=device)),
+        "sinks dtype": lambda: lanekit.flash_attn_func(q, k, v, sinks=torch.zeros(2, device=device).half()),
+        "mixed dtypes": lambda: lanekit.flash_attn_func(q, k, v.float().to(torch.float8_e5m2)),
+        "kvcache append": lambda: lanekit.flash_attn_with_kvcache(q, kc, kc.clone(), k=k[:, :1], v=v[:, :1],
+                                                                  cache_seqlens=3),
+        "kvcache per-token scales": lambda: lanekit.flash_attn_with_kvcache(
+            q, kc, kc.clone(), cache_seqlens=3, k_cache_scale=torch.ones(1, 10, 1, device=device),
+            v_cache_scale=torch.ones(1, 10, 1, device=device)),
+    }
+    err, message = BAD_FP8[case]
+    with pytest.raises(err, match=f"^{message}"):
+        calls[case]()
 
 
 def test_packed_functions_pass_sinks_and_descales_through(device):
