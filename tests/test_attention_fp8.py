@@ -43,11 +43,14 @@ def descales(B, Hkv, device, seed):
 
 def test_sinks_of_minus_infinity_add_nothing(device):
     q, k, v = qkv(1, 20, 33, 2, 1, 64, device)
-    plain, plain_lse, _ = lanekit.flash_attn_func(q, k, v, causal=True, return_attn_probs=True, lane="triton")
     sinks = torch.full((2,), float("-inf"), device=device)
     with poisoned_outputs():
+        plain, plain_lse, _ = lanekit.flash_attn_func(q, k, v, causal=True, return_attn_probs=True, lane="triton")
         out, lse, _ = lanekit.flash_attn_func(q, k, v, causal=True, return_attn_probs=True, sinks=sinks, lane="triton")
     assert torch.equal(out, plain) and torch.equal(lse, plain_lse)
+    ref_out, ref_lse = ref.flash_attn(*map(upcast, (q, k, v)), softmax_scale=64 ** -0.5, window_size=(-1, 0))
+    assert_close(out, ref_out, ATTENTION_FWD)
+    assert_close(lse, ref_lse, "lse")
 
 
 def test_a_row_that_sees_no_key_gives_zero_and_the_sink_as_lse(device):
@@ -69,7 +72,8 @@ def test_the_sink_takes_its_share_of_every_row(device):
     q = torch.zeros(1, 1, 1, 16, dtype=torch.float32, device=device)
     k = torch.zeros(1, 1, 1, 16, dtype=torch.float32, device=device)
     v = torch.ones(1, 1, 1, 16, dtype=torch.float32, device=device)
-    out = lanekit.flash_attn_func(q, k, v, sinks=torch.tensor([0.0], device=device), lane="triton")
+    with poisoned_outputs():
+        out = lanekit.flash_attn_func(q, k, v, sinks=torch.tensor([0.0], device=device), lane="triton")
     assert torch.allclose(out, torch.full_like(out, 0.5))
 
 
@@ -81,10 +85,10 @@ def test_sink_gradient_matches_the_float64_oracles_autograd(device, with_lse_gra
     with poisoned_outputs():
         out, lse, _ = lanekit.flash_attn_func(*leaves[:3], causal=True, return_attn_probs=True, sinks=leaves[3],
                                               lane="triton")
-    dout = randn(*out.shape, dtype=out.dtype, device=device, generator=gen(5))
-    dlse = randn(*lse.shape, dtype=torch.float32, device=device, generator=gen(6))
-    loss = (out.float() * dout.float()).sum() + ((lse * dlse).sum() if with_lse_grad else 0)
-    grads = torch.autograd.grad(loss, leaves)
+        dout = randn(*out.shape, dtype=out.dtype, device=device, generator=gen(5))
+        dlse = randn(*lse.shape, dtype=torch.float32, device=device, generator=gen(6))
+        loss = (out.float() * dout.float()).sum() + ((lse * dlse).sum() if with_lse_grad else 0)
+        grads = torch.autograd.grad(loss, leaves)
     r = [upcast(t).requires_grad_() for t in (q, k, v, sinks)]
     r_out, r_lse = ref.flash_attn(*r[:3], softmax_scale=64 ** -0.5, window_size=(-1, 0), sinks=r[3])
     r_loss = (r_out * upcast(dout)).sum() + ((r_lse * upcast(dlse)).sum() if with_lse_grad else 0)
@@ -118,8 +122,8 @@ def test_varlen_sink_gradient_matches_the_oracle(device):
     leaves = [t.clone().requires_grad_() for t in (q, k, v, sinks)]
     with poisoned_outputs():
         out = lanekit.flash_attn_varlen_func(*leaves[:3], cu, cu, 21, 21, causal=True, sinks=leaves[3], lane="triton")
-    dout = randn(*out.shape, dtype=out.dtype, device=device, generator=g)
-    grads = torch.autograd.grad(out, leaves, dout)
+        dout = randn(*out.shape, dtype=out.dtype, device=device, generator=g)
+        grads = torch.autograd.grad(out, leaves, dout)
     expected = ref.flash_attn_varlen_backward(*map(upcast, (dout, q, k, v)), cu_seqlens_q=cu.cpu(),
                                               cu_seqlens_k=cu.cpu(), max_seqlen_q=21, max_seqlen_k=21,
                                               softmax_scale=32 ** -0.5, window_size=(-1, 0), sinks=upcast(sinks))
@@ -172,8 +176,9 @@ def test_p_is_rounded_to_vs_fp8_format_before_p_v(device, dtype):
               for shape in ((1, 16, 2, 64), (1, 16, 1, 64)))
     v8 = codes(randn(1, 16, 1, 64, dtype=torch.float32, device=device, generator=g), dtype)
     one = torch.ones(1, 1, device=device)
-    out = lanekit.flash_attn_func(q8, k8, v8, softmax_scale=0.125, q_descale=one, k_descale=one, v_descale=one / 8,
-                                  lane="triton")
+    with poisoned_outputs():
+        out = lanekit.flash_attn_func(q8, k8, v8, softmax_scale=0.125, q_descale=one, k_descale=one,
+                                      v_descale=one / 8, lane="triton")
     kw = dict(softmax_scale=0.125, q_descale=upcast(one), k_descale=upcast(one), v_descale=upcast(one) / 8)
     rounded, _ = ref.flash_attn(*map(upcast, (q8, k8, v8)), p_dtype=dtype, **kw)
     unrounded, _ = ref.flash_attn(*map(upcast, (q8, k8, v8)), **kw)
@@ -191,8 +196,9 @@ def test_descales_multiply_the_product_and_never_the_bias_or_alibi(device, dtype
     bias = randn(17, 40, dtype=torch.float32, device=device, generator=gen(15), scale=4.0)
     slopes = torch.tensor([0.3, 0.7], device=device)
     kw = dict(k_descale=kd, v_descale=vd, attn_bias=bias, alibi_slopes=slopes, causal=True, softcap=8.0)
-    a = lanekit.flash_attn_func(q8, k8, v8, q_descale=qd, softmax_scale=0.1, lane="triton", **kw)
-    b = lanekit.flash_attn_func(q8, k8, v8, q_descale=qd * 2, softmax_scale=0.05, lane="triton", **kw)
+    with poisoned_outputs():
+        a = lanekit.flash_attn_func(q8, k8, v8, q_descale=qd, softmax_scale=0.1, lane="triton", **kw)
+        b = lanekit.flash_attn_func(q8, k8, v8, q_descale=qd * 2, softmax_scale=0.05, lane="triton", **kw)
     expected, _ = ref.flash_attn_quantized(q8, k8, v8, softmax_scale=0.1, q_descale=qd, k_descale=kd, v_descale=vd,
                                            attn_bias=bias[None, None], alibi_slopes=slopes, window_size=(-1, 0),
                                            softcap=8.0)
@@ -205,14 +211,18 @@ def test_v_descale_scales_the_output_and_out_dtype_picks_its_format(device):
     q, k, v = qkv(1, 9, 20, 2, 1, 32, device, dtype=torch.float32, seed=16)
     q8, k8, v8 = (codes(t, torch.float8_e4m3fn) for t in (q, k, v))
     one = torch.ones(1, 1, device=device)
-    base = lanekit.flash_attn_func(q8, k8, v8, q_descale=one, k_descale=one, v_descale=one,
-                                   out_dtype=torch.float32, lane="triton")
-    four = lanekit.flash_attn_func(q8, k8, v8, q_descale=one, k_descale=one, v_descale=4 * one,
-                                   out_dtype=torch.float32, lane="triton")
-    assert base.dtype == torch.float32
+    with poisoned_outputs():
+        base = lanekit.flash_attn_func(q8, k8, v8, q_descale=one, k_descale=one, v_descale=one,
+                                       out_dtype=torch.float32, lane="triton")
+        four = lanekit.flash_attn_func(q8, k8, v8, q_descale=one, k_descale=one, v_descale=4 * one,
+                                       out_dtype=torch.float32, lane="triton")
+        half = lanekit.flash_attn_func(q8, k8, v8, out_dtype=torch.float16, lane="triton")   # descales default to 1
+    assert base.dtype == torch.float32 and half.dtype == torch.float16
+    expected, _ = ref.flash_attn_quantized(q8, k8, v8, softmax_scale=32 ** -0.5, q_descale=one, k_descale=one,
+                                           v_descale=one)
+    assert_close(base, expected, ATTENTION_FP8)
+    assert_close(half, expected, ATTENTION_FP8)
     assert torch.equal(four, 4 * base)   # a power of two: exact
-    half = lanekit.flash_attn_func(q8, k8, v8, out_dtype=torch.float16, lane="triton")   # descales default to 1
-    assert half.dtype == torch.float16
     assert_close(half, base.double(), ATTENTION_FWD, dtype=torch.float16)
 
 
@@ -280,8 +290,9 @@ def test_quantized_kvcache_with_per_token_scales_still_takes_a_16_bit_q(device):
     kc, ks = quantize_kv(randn(1, 30, 1, 64, dtype=torch.float32, device=device, generator=g), torch.float8_e4m3fn)
     vc, vs = quantize_kv(randn(1, 30, 1, 64, dtype=torch.float32, device=device, generator=g), torch.float8_e4m3fn)
     sinks = torch.tensor([1.0, -1.0], device=device)
-    out = lanekit.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=30, k_cache_scale=ks, v_cache_scale=vs,
-                                         sinks=sinks, lane="triton")
+    with poisoned_outputs():
+        out = lanekit.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=30, k_cache_scale=ks, v_cache_scale=vs,
+                                             sinks=sinks, lane="triton")
     expected, _, _, _ = ref.flash_attn_with_kvcache(upcast(q), kc, vc, cache_seqlens=torch.tensor([30]),
                                                     k_cache_scale=ks, v_cache_scale=vs, softmax_scale=0.125,
                                                     sinks=upcast(sinks))
@@ -293,50 +304,49 @@ def _fp8_inputs(device):
     return tuple(codes(t, torch.float8_e4m3fn) for t in (q, k, v))
 
 
-@pytest.mark.parametrize("case", [
-    "grad", "dropout", "descale shape", "descale dtype", "descale on bf16", "out_dtype int8", "out_dtype on bf16",
-    "sinks shape", "sinks dtype", "mixed dtypes", "kvcache append", "kvcache per-token scales",
-])
+BAD_FP8 = {   # case: (error, the message's start)
+    "grad": (ValueError, "sinks: fp8 and int8 attention is forward only"),
+    "dropout": (ValueError, r"dropout_p: expected 0\.0 with torch\.float8_e4m3fn inputs"),
+    "descale shape": (ValueError, r"q_descale: expected 2 dimensions, got shape \(2,\)"),
+    "descale dtype": (TypeError, r"k_descale: expected dtype in \['torch\.float32'\], got torch\.float16"),
+    "descale on bf16": (ValueError, r"v_descale: expected None for torch\.bfloat16 inputs"),
+    "out_dtype int8": (ValueError, r"out_dtype: expected one of .* or None, got torch\.int8"),
+    "out_dtype on bf16": (ValueError, r"out_dtype: expected None or q's dtype \(torch\.bfloat16\)"),
+    "sinks shape": (ValueError, r"sinks: expected shape \(2,\) \(one logit per query head\), got \(3,\)"),
+    "sinks dtype": (TypeError, r"sinks: expected dtype in \['torch\.float32'\], got torch\.float16"),
+    "mixed dtypes": (TypeError, r"v: expected the dtype of q \(torch\.float8_e4m3fn\), got torch\.float8_e5m2"),
+    "kvcache append": (ValueError, r"k: expected None with a torch\.float8_e4m3fn q"),
+    "kvcache per-token scales": (ValueError, r"k_cache_scale: expected None with a torch\.float8_e4m3fn q"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_FP8))
 def test_bad_fp8_and_sinks_input_raises_a_clear_error(device, case):
     q, k, v = _fp8_inputs(device)
     one = torch.ones(1, 1, device=device)
-    call, match, err = None, None, ValueError
-    if case == "grad":   # a learned sink in grad mode: fp8 attention has no backward
-        call = lambda: lanekit.flash_attn_func(q, k, v, sinks=torch.zeros(2, device=device).requires_grad_())  # noqa: E731
-        match = "forward only"
-    elif case == "dropout":
-        call, match = (lambda: lanekit.flash_attn_func(q, k, v, dropout_p=0.1)), "dropout_p"
-    elif case == "descale shape":
-        call, match = (lambda: lanekit.flash_attn_func(q, k, v, q_descale=torch.ones(2, device=device))), "q_descale"
-    elif case == "descale dtype":
-        call, match, err = (lambda: lanekit.flash_attn_func(q, k, v, k_descale=one.half())), "k_descale", TypeError
-    elif case == "descale on bf16":
-        qb, kb, vb = (t.float().bfloat16() for t in (q, k, v))
-        call, match = (lambda: lanekit.flash_attn_func(qb, kb, vb, v_descale=one)), "v_descale"
-    elif case == "out_dtype int8":
-        call, match = (lambda: lanekit.flash_attn_func(q, k, v, out_dtype=torch.int8)), "out_dtype"
-    elif case == "out_dtype on bf16":
-        qb, kb, vb = (t.float().bfloat16() for t in (q, k, v))
-        call, match = (lambda: lanekit.flash_attn_func(qb, kb, vb, out_dtype=torch.float32)), "out_dtype"
-    elif case == "sinks shape":
-        call, match = (lambda: lanekit.flash_attn_func(q, k, v, sinks=torch.zeros(3, device=device))), "sinks"
-    elif case == "sinks dtype":
-        call, match, err = (lambda: lanekit.flash_attn_func(q, k, v, sinks=torch.zeros(2, device=device).half())), "sinks", TypeError
-    elif case == "mixed dtypes":
-        call, match, err = (lambda: lanekit.flash_attn_func(q, k, v.float().to(torch.float8_e5m2))), "v", TypeError
-    elif case == "kvcache append":
-        kc = torch.zeros(1, 10, 1, 16, device=device).to(q.dtype)
-        call = lambda: lanekit.flash_attn_with_kvcache(q, kc, kc.clone(), k=k[:, :1], v=v[:, :1], cache_seqlens=3)  # noqa: E731
-        match = "k: expected None"
-    elif case == "kvcache per-token scales":
-        kc = torch.zeros(1, 10, 1, 16, device=device).to(q.dtype)
-        sc = torch.ones(1, 10, 1, device=device)
-        call = lambda: lanekit.flash_attn_with_kvcache(q, kc, kc.clone(), cache_seqlens=3, k_cache_scale=sc,  # noqa: E731
-                                                       v_cache_scale=sc)
-        match = "k_cache_scale"
-    with poisoned_outputs():
-        with pytest.raises(err, match=match):
-            call()
+    qb, kb, vb = (t.float().bfloat16() for t in (q, k, v))
+    kc = torch.zeros(1, 10, 1, 16, device=device).to(q.dtype)
+    calls = {
+        # a learned sink in grad mode: fp8 attention has no backward
+        "grad": lambda: lanekit.flash_attn_func(q, k, v, sinks=torch.zeros(2, device=device).requires_grad_()),
+        "dropout": lambda: lanekit.flash_attn_func(q, k, v, dropout_p=0.1),
+        "descale shape": lambda: lanekit.flash_attn_func(q, k, v, q_descale=torch.ones(2, device=device)),
+        "descale dtype": lambda: lanekit.flash_attn_func(q, k, v, k_descale=one.half()),
+        "descale on bf16": lambda: lanekit.flash_attn_func(qb, kb, vb, v_descale=one),
+        "out_dtype int8": lambda: lanekit.flash_attn_func(q, k, v, out_dtype=torch.int8),
+        "out_dtype on bf16": lambda: lanekit.flash_attn_func(qb, kb, vb, out_dtype=torch.float32),
+        "sinks shape": lambda: lanekit.flash_attn_func(q, k, v, sinks=torch.zeros(3, device=device)),
+        "sinks dtype": lambda: lanekit.flash_attn_func(q, k, v, sinks=torch.zeros(2, device=device).half()),
+        "mixed dtypes": lambda: lanekit.flash_attn_func(q, k, v.float().to(torch.float8_e5m2)),
+        "kvcache append": lambda: lanekit.flash_attn_with_kvcache(q, kc, kc.clone(), k=k[:, :1], v=v[:, :1],
+                                                                  cache_seqlens=3),
+        "kvcache per-token scales": lambda: lanekit.flash_attn_with_kvcache(
+            q, kc, kc.clone(), cache_seqlens=3, k_cache_scale=torch.ones(1, 10, 1, device=device),
+            v_cache_scale=torch.ones(1, 10, 1, device=device)),
+    }
+    err, message = BAD_FP8[case]
+    with pytest.raises(err, match=f"^{message}"):
+        calls[case]()
 
 
 def test_packed_functions_pass_sinks_and_descales_through(device):
@@ -344,17 +354,19 @@ def test_packed_functions_pass_sinks_and_descales_through(device):
     qkv = randn(2, 11, 3, 2, 32, dtype=torch.bfloat16, device=device, generator=g)
     sinks = randn(2, dtype=torch.float32, device=device, generator=g)
     q, k, v = qkv.unbind(2)
-    expected = lanekit.flash_attn_func(q, k, v, causal=True, sinks=sinks, lane="triton")
-    assert torch.equal(lanekit.flash_attn_qkvpacked_func(qkv, causal=True, sinks=sinks, lane="triton"), expected)
     cu = torch.tensor([0, 11, 22], dtype=torch.int32, device=device)
-    packed = lanekit.flash_attn_varlen_qkvpacked_func(qkv.flatten(0, 1), cu, 11, causal=True, sinks=sinks,
-                                                      lane="triton")
+    with poisoned_outputs():
+        expected = lanekit.flash_attn_func(q, k, v, causal=True, sinks=sinks, lane="triton")
+        assert torch.equal(lanekit.flash_attn_qkvpacked_func(qkv, causal=True, sinks=sinks, lane="triton"), expected)
+        packed = lanekit.flash_attn_varlen_qkvpacked_func(qkv.flatten(0, 1), cu, 11, causal=True, sinks=sinks,
+                                                          lane="triton")
     assert_close(packed, ref.flash_attn(*map(upcast, (q, k, v)), softmax_scale=32 ** -0.5, window_size=(-1, 0),
                                         sinks=upcast(sinks))[0].flatten(0, 1), ATTENTION_FWD)
     q8, kv8 = codes(q.flatten(0, 1), torch.int8), codes(qkv[:, :, 1:].flatten(0, 1), torch.int8)
     qd, kd, vd = descales(2, 2, device, 24)
-    out = lanekit.flash_attn_varlen_kvpacked_func(q8, kv8, cu, cu, 11, 11, q_descale=qd, k_descale=kd,
-                                                  v_descale=vd, lane="triton")
+    with poisoned_outputs():
+        out = lanekit.flash_attn_varlen_kvpacked_func(q8, kv8, cu, cu, 11, 11, q_descale=qd, k_descale=kd,
+                                                      v_descale=vd, lane="triton")
     expected8, _ = ref.flash_attn_varlen_quantized(q8, kv8[:, 0], kv8[:, 1], cu_seqlens_q=cu.cpu(),
                                                    cu_seqlens_k=cu.cpu(), max_seqlen_q=11, max_seqlen_k=11,
                                                    softmax_scale=32 ** -0.5, q_descale=qd, k_descale=kd,

@@ -8,6 +8,7 @@ import torch
 import lanekit
 from lanekit.attention.registry import ATTENTION_FWD
 from lanekit.attention.registry_mla import mla_case
+from lanekit.reference import attention as attention_ref
 from lanekit.reference import mla as ref
 from lanekit.runtime import errors
 from lanekit.testing import assert_close, poisoned_outputs, upcast
@@ -74,11 +75,17 @@ def test_causal_multi_token_is_bottom_right_aligned(device, lane):
     assert torch.isfinite(lse[0, :, 2:]).all()
 
 
-def test_causal_at_one_query_is_not_causal(device):
+@pytest.mark.parametrize("lane", LANES)
+def test_causal_at_one_query_is_not_causal(device, lane):
+    # the one query row is the last: bottom-right aligned, it sees every key
     kw = mla_case("test causal Sq1", device, H=4, D=80, Dv=64, page_size=16, seqlens=(30, 7)).kwargs
-    a = call(kw, "triton", causal=True)
-    b = call(kw, "triton", causal=False)
+    assert not kw["causal"]
+    a = call(kw, lane, causal=True)
+    b = call(kw, lane, causal=False)
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    want_out, want_lse = oracle(kw)
+    assert_close(a[0], want_out, ATTENTION_FWD)
+    assert_close(a[1], want_lse, "lse")
 
 
 @pytest.mark.parametrize("codes", [torch.int8, torch.float8_e4m3fn, torch.float8_e5m2])
@@ -99,9 +106,9 @@ def test_caches_quantized_by_quantize_kv(device, codes):
 def test_quantized_cache_is_close_to_the_values_it_codes(device):
     # e4m3 codes of a bf16 cache give attention close to the bf16 cache's (the codes' rounding only)
     kw = mla_case("test e4m3 vs bf16", device, H=4, D=80, Dv=64, page_size=8, seqlens=(60, 25)).kwargs
-    exact, _ = call(kw, "triton")
+    exact, _ = check(kw, "triton")
     codes, scale = lanekit.kv_cache.quantize_kv(kw["k_cache"].float().nan_to_num(), torch.float8_e4m3fn)
-    coded, _ = call(dict(kw, k_cache=codes, k_cache_scale=scale), "triton")
+    coded, _ = check(dict(kw, k_cache=codes, k_cache_scale=scale), "triton")
     assert (coded.float() - exact.float()).abs().max() < 0.1
 
 
@@ -112,23 +119,23 @@ def test_gqa_cache_heads_and_strided_query(device):
 
 
 def test_without_rope_it_is_flash_attn_with_kvcache_mqa(device):
-    # D = Dv: MLA is multi-query attention with V = K, which flash_attn_with_kvcache computes by other code
+    # D = Dv: MLA is multi-query attention with V = K: the kernel against flash_attn_with_kvcache's
+    # float64 oracle (other code than MLA's own oracle)
     kw = mla_case("test vs kvcache", device, H=4, D=64, Dv=64, page_size=16, seqlens=(37, 5)).kwargs
     out, lse = call(kw, "triton")
     cache = kw["k_cache"].nan_to_num()
-    want, want_lse = lanekit.flash_attn_with_kvcache(kw["q"], cache, cache, cache_seqlens=kw["cache_seqlens"],
-                                                     block_table=kw["block_table"].clamp(max=cache.shape[0] - 1),
-                                                     softmax_scale=kw["softmax_scale"], return_softmax_lse=True,
-                                                     lane="triton")
-    assert_close(out, upcast(want), ATTENTION_FWD)
-    assert_close(lse, upcast(want_lse), "lse")
+    want, want_lse, _, _ = attention_ref.flash_attn_with_kvcache(
+        upcast(kw["q"]), upcast(cache), upcast(cache), cache_seqlens=kw["cache_seqlens"],
+        block_table=kw["block_table"].clamp(max=cache.shape[0] - 1), softmax_scale=kw["softmax_scale"])
+    assert_close(out, want, ATTENTION_FWD)
+    assert_close(lse, want_lse, "lse")
 
 
 def test_metadata_is_filled_once_and_reused(device):
     kw = mla_case("test metadata", device, H=4, D=80, Dv=64, page_size=8, seqlens=(30, 12)).kwargs
     meta, second = lanekit.get_mla_metadata(kw["cache_seqlens"], 4, 1)
     assert second is None and meta.max_seqlen_k == 30 and meta.num_splits is None
-    first = call(kw, "triton", tile_scheduler_metadata=meta, num_splits=None)
+    first = check(kw, "triton", tile_scheduler_metadata=meta, num_splits=None)
     assert meta.num_splits is not None and meta.config is not None
     chosen = meta.num_splits
     again = call(kw, "triton", tile_scheduler_metadata=meta, num_splits=None)
@@ -204,8 +211,8 @@ def test_check_indices_eagerly_raises_at_the_call(device, monkeypatch):
     errors.check_errors()                              # nothing launched, nothing recorded
 
 
-@pytest.mark.skipif(ON_GPU, reason="the reference lane checks index values where they live on the host")
 def test_reference_lane_checks_index_values():
+    # host tensors: the reference lane reads their values, on a machine with a GPU or without
     kw = _bad_index_case("cpu")
     lens = torch.tensor([10_000, 1], dtype=torch.int32)
     with pytest.raises(ValueError, match="^cache_seqlens: expected at most"):
@@ -372,8 +379,9 @@ def test_works_under_torch_compile_fullgraph(device):
     # inductor compiles everything around the custom op
     compiled = torch.compile(step, fullgraph=True, backend="inductor" if ON_GPU else "aot_eager")
     args = (kw["q"], kw["k_cache"], kw["block_table"], kw["cache_seqlens"])
-    ours = compiled(*args)
-    eager = step(*args)
+    with poisoned_outputs():
+        ours = compiled(*args)
+        eager = step(*args)
     assert torch.equal(ours[1], eager[1])
     assert_close(ours[0], eager[0].double(), "eltwise", dtype=torch.float32)
 
