@@ -193,12 +193,20 @@ MATRIX_ALLOWANCES[("_scaled_mm_kernel", "sm90")] = (r"\bmma\.sync\.aligned\.\S+"
 INT8_MIN_BLOCK_K = 32
 
 
-def w4a8_config(device: torch.device, M: int, group_size: int) -> GemmConfig:
-    """The 8-bit row for M, its K step the largest power of two <= group_size (group_size is a
-    multiple of 32) and no wider than the row's."""
-    cfg = INTERPRETER if device.type != "cuda" and compiling() is None else arch_row(GEMM, device)[
-        max(k for k in arch_row(GEMM, device) if k <= max(M, 1))]
-    block_k = min(cfg.block_k, 1 << (group_size.bit_length() - 1))
+# Mode 2's correction keeps the row sums of the activation codes live beside the int32 partial
+# sum: sm90's decode row (64 x 64 x 128, 4 warps) spilled 40 bytes with it, 16 with a K step of
+# 64 (lanekit export 2026-12-07, group 128); 32 does not
+W4A8_CORRECTION_BLOCK_K: dict[str, int] = {"generic": 128, "sm90": 32}
+
+
+def w4a8_config(device: torch.device, M: int, group_size: int, correction: bool = False) -> GemmConfig:
+    """The 8-bit row for M, its K step the largest power of two dividing group_size (a multiple
+    of 32), no wider than the row's (with mode 2's correction: than W4A8_CORRECTION_BLOCK_K)."""
+    cfg = gemm_config(device, M)
+    widest = cfg.block_k
+    if correction and cfg is not INTERPRETER:
+        widest = min(widest, arch_row(W4A8_CORRECTION_BLOCK_K, device))
+    block_k = min(widest, 1 << (group_size.bit_length() - 1))
     while group_size % block_k:
         block_k //= 2
     return dataclasses.replace(cfg, block_k=max(block_k, INT8_MIN_BLOCK_K), imprecise_acc=0)

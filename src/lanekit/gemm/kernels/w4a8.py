@@ -7,8 +7,9 @@ IMMA (mma.sync / wgmma s8) on sm80 / sm90, mfma i8 on gfx942 and wmma iu8 on gfx
   (``scaled_mm.quant_rows``), W (N, K) from ``lanekit.quant.quantize_w4a8``: codes two to a byte
   (element 2i of a row in the low nibble), W[n, k] = channel[n] * rel[n, g] * (code - 8)
   (+ correction[n, g] in mode 2), g = k // group_size. Each group of K is a run of K steps whose
-  int32 partial sum (exact) is scaled once by the group's fp32 scale; mode 2 adds the group's
-  correction times the int32 sum of the row's activation codes over the group.
+  int32 partial sum (exact) is scaled once by the group's fp32 scale (channel * rel); mode 2 adds
+  the group's correction times the int32 sum of the row's activation codes over the group; the
+  token's scale multiplies the whole sum.
 - ``_int4_mm_kernel``: C = (A @ B) * scale_a * scale_b + bias, A (M, K) and B (K, N) signed int4
   (two's complement nibbles, -8..7) packed two to a byte along K, summed exactly in int32.
 
@@ -77,8 +78,8 @@ def _w4a8_linear_kernel(XQ, XS, W, S, CH, CORR, BIAS, Y, M, N, K, group_size, nu
     m_mask = offs_m < M
     n_mask = offs_n < N
     shift = ((offs_k % 2) * 4).to(tl.int32)                                          # element 2i: low nibble
+    ch = tl.load(CH + offs_n, mask=n_mask, other=0.0)                                 # [BLOCK_N]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    corr = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for g in range(0, num_groups):
         start = g * group_size
         end = start + group_size
@@ -98,16 +99,12 @@ def _w4a8_linear_kernel(XQ, XS, W, S, CH, CORR, BIAS, Y, M, N, K, group_size, nu
             if HAS_CORR:
                 xsum += tl.sum(a.to(tl.int32), axis=1)
         rel = _load_scale(S, offs_n * stride_sn + g * stride_sg, n_mask, SCALE_E4M3)   # [BLOCK_N]
-        acc += part.to(tl.float32) * rel[None, :]                                    # the group's scale, once
-        if HAS_CORR:
+        acc += part.to(tl.float32) * (ch * rel)[None, :]                              # the group's scale, once
+        if HAS_CORR:        # one accumulator: a second [BLOCK_M, BLOCK_N] one spilled on sm90
             c = tl.load(CORR + offs_n * stride_cn + g * stride_cg, mask=n_mask, other=0.0)
-            corr += xsum.to(tl.float32)[:, None] * c[None, :]
-    ch = tl.load(CH + offs_n, mask=n_mask, other=0.0)
+            acc += xsum.to(tl.float32)[:, None] * c[None, :]
     xs = tl.load(XS + offs_m, mask=m_mask, other=0.0)
-    out = acc * ch[None, :]
-    if HAS_CORR:
-        out += corr
-    out = out * xs[:, None]
+    out = acc * xs[:, None]
     if HAS_BIAS:
         out += tl.load(BIAS + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     tl.store(Y + offs_m[:, None] * stride_ym + offs_n[None, :] * stride_yn, out.to(Y.dtype.element_ty),
@@ -129,7 +126,7 @@ def w4a8_linear_fwd(x_codes, x_scale, qweight, scales, channel_scale, correction
         if bias is not None:
             out += bias.to(out_dtype)
         return out
-    cfg = tuning.w4a8_config(x_codes.device, M, group_size)
+    cfg = tuning.w4a8_config(x_codes.device, M, group_size, correction=correction is not None)
     e4m3 = scales.dtype == torch.float8_e4m3fn
     s = scales.view(torch.uint8) if e4m3 else scales
     c = correction if correction is not None else channel_scale.reshape(N, 1)
