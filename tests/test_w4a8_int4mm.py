@@ -371,3 +371,20 @@ def test_quantize_linears_w4a8_refuses_k_not_a_multiple_of_32_before_any_swap():
     with pytest.raises(ValueError, match="w4a8"):
         quantize_linears(model, "w4a8")
     assert isinstance(model[0], nn.Linear) and isinstance(model[1], nn.Linear)
+
+
+@pytest.mark.parametrize("lane", LANES)
+def test_every_e4m3_scale_byte_decodes_exactly(lane):
+    """The kernel decodes e4m3 scales from their bits (no fp8 type on sm80 or gfx942): every byte,
+    subnormals and negatives included, gives torch's value; 0x7F and 0xFF give NaN."""
+    bits = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    scales = bits.view(E4M3).reshape(256, 1)
+    qweight = torch.full((256, 16), 0x88, dtype=torch.uint8)
+    qweight[:, 0] = 0x89                          # element 0: code 9, weight 1 * scale
+    x = torch.zeros(1, 32)
+    x[0, 0] = 127.0                               # its int8 code 127, scale 1
+    y = gemm.w4a8_linear(x, qweight, scales, torch.ones(256), group_size=32, lane=lane)
+    want = scales.float().reshape(1, 256) * 127
+    nan = torch.isnan(want)
+    assert nan.sum() == 2 and torch.isnan(y[nan]).all()
+    assert torch.equal(y[~nan], want[~nan])
