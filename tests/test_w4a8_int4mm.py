@@ -388,3 +388,19 @@ def test_every_e4m3_scale_byte_decodes_exactly(lane):
     nan = torch.isnan(want)
     assert nan.sum() == 2 and torch.isnan(y[nan]).all()
     assert torch.equal(y[~nan], want[~nan])
+
+
+@pytest.mark.parametrize("lane", LANES)
+def test_strided_scales_correction_and_bias_are_read_through_their_strides(lane):
+    kw = _w4a8(2, 5, 64, 24, 32, "strided")
+    want = ref.w4a8_linear(**{k: upcast(v) for k, v in kw.items()})
+    wide = lambda t: torch.stack([t, torch.full_like(t, 100)], -1).select(-1, 0)     # every other element
+    strided = {**kw, "channel_scale": wide(kw["channel_scale"]), "bias": wide(kw["bias"]),
+               "scales": wide(kw["scales"]), "correction": wide(kw["correction"])}
+    assert not strided["channel_scale"].is_contiguous() and not strided["bias"].is_contiguous()
+    assert_close(gemm.w4a8_linear(**strided, lane=lane), want, greg.GEMM)
+    m = greg.int4_case("strided", "cpu", M=5, K=64, N=24, bias=True).kwargs
+    sb = torch.stack([m["scale_b"], m["scale_b"]], -1).select(-1, 0)
+    bias = torch.stack([m["bias"], m["bias"] * 0 + 1e4], -1).select(-1, 0)
+    y = gemm.int4_mm(m["a"], m["b"], m["scale_a"], sb, bias=bias, lane=lane)
+    assert_close(y, ref.int4_mm(**{k: upcast(v) for k, v in m.items()}), greg.GEMM)

@@ -65,7 +65,7 @@ def _signed_nibbles(byte, shift):
 @triton.jit
 def _w4a8_linear_kernel(XQ, XS, W, S, CH, CORR, BIAS, Y, M, N, K, group_size, num_groups,
                         stride_xm, stride_xk, stride_wn, stride_wk, stride_sn, stride_sg,
-                        stride_cn, stride_cg, stride_ym, stride_yn,
+                        stride_cn, stride_cg, stride_ch, stride_bias, stride_ym, stride_yn,
                         SCALE_E4M3: tl.constexpr, HAS_CORR: tl.constexpr, HAS_BIAS: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         GROUP_M: tl.constexpr):
@@ -78,7 +78,7 @@ def _w4a8_linear_kernel(XQ, XS, W, S, CH, CORR, BIAS, Y, M, N, K, group_size, nu
     m_mask = offs_m < M
     n_mask = offs_n < N
     shift = ((offs_k % 2) * 4).to(tl.int32)                                          # element 2i: low nibble
-    ch = tl.load(CH + offs_n, mask=n_mask, other=0.0)                                 # [BLOCK_N]
+    ch = tl.load(CH + offs_n * stride_ch, mask=n_mask, other=0.0)                    # [BLOCK_N]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for g in range(0, num_groups):
         start = g * group_size
@@ -106,7 +106,7 @@ def _w4a8_linear_kernel(XQ, XS, W, S, CH, CORR, BIAS, Y, M, N, K, group_size, nu
     xs = tl.load(XS + offs_m, mask=m_mask, other=0.0)
     out = acc * xs[:, None]
     if HAS_BIAS:
-        out += tl.load(BIAS + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        out += tl.load(BIAS + offs_n * stride_bias, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     tl.store(Y + offs_m[:, None] * stride_ym + offs_n[None, :] * stride_yn, out.to(Y.dtype.element_ty),
              mask=m_mask[:, None] & n_mask[None, :])
 
@@ -134,7 +134,8 @@ def w4a8_linear_fwd(x_codes, x_scale, qweight, scales, channel_scale, correction
     launch(_w4a8_linear_kernel, grid,
            x_codes, x_scale, qweight, s, channel_scale, c, bias if bias is not None else channel_scale, out,
            M, N, K, group_size, K // group_size, *x_codes.stride(), *qweight.stride(), *s.stride(),
-           *c.stride(), *out.stride(), SCALE_E4M3=e4m3, HAS_CORR=correction is not None,
+           *c.stride(), channel_scale.stride(0), bias.stride(0) if bias is not None else 0, *out.stride(),
+           SCALE_E4M3=e4m3, HAS_CORR=correction is not None,
            HAS_BIAS=bias is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
            GROUP_M=cfg.group_m, **cfg.options())
     return out
@@ -142,7 +143,8 @@ def w4a8_linear_fwd(x_codes, x_scale, qweight, scales, channel_scale, correction
 
 @triton.jit
 def _int4_mm_kernel(A, B, SA, SB, BIAS, C, M, N, K,
-                    stride_am, stride_ak, stride_bk, stride_bn, stride_sa, stride_sb, stride_cm, stride_cn,
+                    stride_am, stride_ak, stride_bk, stride_bn, stride_sa, stride_sb, stride_bias, stride_cm,
+                    stride_cn,
                     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)
@@ -168,7 +170,7 @@ def _int4_mm_kernel(A, B, SA, SB, BIAS, C, M, N, K,
     sb = tl.load(SB + offs_n * stride_sb, mask=n_mask, other=0.0)
     out = acc.to(tl.float32) * sa[:, None] * sb[None, :]
     if HAS_BIAS:
-        out += tl.load(BIAS + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        out += tl.load(BIAS + offs_n * stride_bias, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     tl.store(C + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn, out.to(C.dtype.element_ty),
              mask=m_mask[:, None] & n_mask[None, :])
 
@@ -190,7 +192,8 @@ def int4_mm_fwd(a, b, scale_a, scale_b, bias, out_dtype):
     grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n),)
     launch(_int4_mm_kernel, grid,
            a, b, scale_a, scale_b, bias if bias is not None else scale_b, out, M, N, K, *a.stride(),
-           *b.stride(), scale_a.stride(0), scale_b.stride(0), *out.stride(), HAS_BIAS=bias is not None,
+           *b.stride(), scale_a.stride(0), scale_b.stride(0), bias.stride(0) if bias is not None else 0,
+           *out.stride(), HAS_BIAS=bias is not None,
            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
            **cfg.options())
     return out
