@@ -1,6 +1,7 @@
 """4-bit weight-only linears (issue 33, part A): lanekit.gemm.w4a16_linear (AWQ, GPTQ, GPTQ with
 act-order) and mxfp4_linear beside bf16 F.linear, the dequantize-then-bf16 pipeline in PyTorch,
-and our own 8-bit w8a16_linear at the same shape.
+and our own 8-bit w8a16_linear at the same shape; and the int4 GEMMs on the int8 dot (w4a8_linear,
+int4_mm) beside bf16, the dequantize pipeline and our 8-bit kernels (family ``gemm4_int``).
 
 Shapes: the linears of Llama-3-8B (qkv 4096 -> 6144, o 4096 -> 4096, gate_up 4096 -> 28672, down
 14336 -> 4096) and Qwen3-32B (qkv 5120 -> 10240, o 8192 -> 5120, gate_up 5120 -> 51200, down
@@ -158,7 +159,122 @@ def smoke(device="cpu") -> list[str]:
     return lines
 
 
+# ---- int4 on the int8 dot: w4a8_linear (int4 weights, int8 activations) and int4_mm ----
+# Peers in the same run: w4a8 beside bf16 F.linear, dequantize-then-bf16 in PyTorch and our
+# w8a8_linear; int4_mm beside our fp8 scaled_mm (rowwise e4m3) and int8_mm at the same shape, and
+# bf16 F.linear. Bar (issue 33): int4_mm at M >= 1024 >= 1.0x our fp8 scaled_mm. Family
+# ``gemm4_int`` (TFLOP/s from CUDA graphs); ``smoke_int`` runs it at tiny shapes on the CPU.
+
+INT_OPS = ("w4a8", "int4_mm")
+
+
+def int_cases(quick: bool = False, *, ms=None, kns=None):
+    ms = ms or (QUICK_MS if quick else MS)
+    kns = kns or (QUICK_KNS if quick else KNS)
+    for op in INT_OPS:
+        for K, N in kns:
+            for M in ms:
+                yield dict(op=op, M=M, K=K, N=N)
+
+
+def int_bytes_moved(c) -> float:
+    """w4a8: the packed weight, e4m3 group scales (one byte per 128 of K) and fp32 channel scales,
+    x and y in bf16; int4_mm: both packed operands, fp32 scales, y in bf16."""
+    M, K, N = c["M"], c["K"], c["N"]
+    if c["op"] == "w4a8":
+        return K * N / 2 + (K // GROUP) * N + 4 * N + 2.0 * M * (K + N)
+    return (M + N) * K / 2 + 4 * (M + N) + 2.0 * M * N
+
+
+def make_int_inputs(c, device="cuda"):
+    """(x, lanekit's kwargs): w4a8 a weight of std K^-1/2 quantized by quantize_w4a8 (mode 1, e4m3
+    scales); int4_mm every byte value at random, b the transpose of an (N, K/2) weight, rowwise
+    scales of K^-1/2 / 8 so that outputs are O(1)."""
+    from lanekit.quant import quantize_w4a8
+
+    g = torch.Generator().manual_seed(zlib.crc32(name(c).encode()))
+    M, K, N = c["M"], c["K"], c["N"]
+    if c["op"] == "w4a8":
+        x = torch.randn(M, K, generator=g).to(BF16).to(device)
+        w = (torch.randn(N, K, generator=g) / K ** 0.5).to(device)
+        qweight, scales, channel, _ = quantize_w4a8(w, 1, GROUP)
+        return x, dict(x=x, qweight=qweight, scales=scales, channel_scale=channel, group_size=GROUP)
+    a = torch.randint(0, 256, (M, K // 2), generator=g, dtype=torch.uint8).to(device)
+    b = torch.randint(0, 256, (N, K // 2), generator=g, dtype=torch.uint8).to(device).t()
+    sa = torch.full((M, 1), 1.0 / (8 * K ** 0.5), device=device)
+    sb = torch.full((1, N), 1.0 / 8, device=device)
+    return a, dict(a=a, b=b, scale_a=sa, scale_b=sb)
+
+
+def _int_lanekit(c, kw):
+    fn = lk.w4a8_linear if c["op"] == "w4a8" else lk.int4_mm
+    return lambda: fn(**kw)
+
+
+def check_int(c, x, kw) -> str | None:
+    """None when lanekit's output is within the gemm tolerance of the float64 oracle."""
+    up = {k: (v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() and v.dtype.itemsize > 1
+              else v) for k, v in kw.items()}
+    want = ref.w4a8_linear(**up) if c["op"] == "w4a8" else ref.int4_mm(**up)
+    got = compare(_int_lanekit(c, kw)(), want, greg.GEMM)
+    return None if got.ok else got.detail
+
+
+def _dequantize_w4a8(kw):
+    """The PyTorch pipeline without a kernel: unpack the codes, dequantize to bf16 (N, K)."""
+    from lanekit.reference.numerics import unpack_int4
+
+    codes = unpack_int4(kw["qweight"], 1).to(BF16) - 8
+    s = (kw["channel_scale"][:, None] * kw["scales"].float()).to(BF16)
+    return codes * s.repeat_interleave(kw["group_size"], 1)
+
+
+def int_runners(c, x, kw) -> dict:
+    """lanekit and its peers for the case: name -> a no-argument callable."""
+    M, N, K = c["M"], c["N"], c["K"]
+    dev = x.device
+    w_bf16 = torch.randn(N, K, device=dev).to(BF16)
+    w8 = torch.randint(-128, 128, (N, K), dtype=torch.int8, device=dev)
+    s8 = torch.full((N,), 1.0 / (127 * K ** 0.5), device=dev)
+    if c["op"] == "w4a8":
+        return {
+            "lanekit": _int_lanekit(c, kw),
+            "bf16 F.linear": lambda: F.linear(x, w_bf16),
+            "dequantize + bf16 F.linear": lambda: F.linear(x, _dequantize_w4a8(kw)),
+            "lanekit w8a8": lambda: lk.w8a8_linear(x, w8, s8),
+        }
+    a8 = torch.randint(-128, 128, (M, K), dtype=torch.int8, device=dev)
+    a_fp8, w_fp8 = a8.to(torch.float8_e4m3fn), w8.to(torch.float8_e4m3fn)
+    x16 = torch.randn(M, K, device=dev).to(BF16)
+    return {
+        "lanekit": _int_lanekit(c, kw),
+        "lanekit fp8 scaled_mm": lambda: lk.scaled_mm(a_fp8, w_fp8.t(), kw["scale_a"], kw["scale_b"]),
+        "lanekit int8_mm": lambda: lk.int8_mm(a8, w8.t(), kw["scale_a"], kw["scale_b"]),
+        "bf16 F.linear": lambda: F.linear(x16, w_bf16),
+    }
+
+
+INT_GRAPHS = SimpleNamespace(UNIT="TFLOP/s", CUDA_GRAPHS=True, cases=int_cases, name=name, flops=flops,
+                             bytes_moved=int_bytes_moved, make_inputs=make_int_inputs, check=check_int,
+                             runners=int_runners)
+FAMILIES["gemm4_int"] = INT_GRAPHS
+
+
+def smoke_int(device="cpu") -> list[str]:
+    """w4a8 and int4_mm at tiny shapes: inputs, the check, and each peer once on ``device``."""
+    lines = []
+    for c in int_cases(ms=TINY_MS, kns=TINY_KNS):
+        x, kw = make_int_inputs(c, device)
+        error = check_int(c, x, kw)
+        ran = []
+        for peer, fn in int_runners(c, x, kw).items():
+            fn()
+            ran.append(peer)
+        lines.append(f"{name(c)}: {'ok' if error is None else error}, peers {', '.join(ran)}")
+    return lines
+
+
 if __name__ == "__main__":
-    for line in smoke():
+    for line in smoke() + smoke_int():
         print(line)
     sys.exit(0)

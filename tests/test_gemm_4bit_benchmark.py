@@ -22,3 +22,18 @@ def test_gemm_4bit_families_are_registered_and_grouped():
     # packed weight 8 MiB, fp16 scales and 4-bit zeros per 128 of K, x and y
     assert gemm_4bit.bytes_moved(c) == 4096 * 4096 / 2 + 32 * 4096 * 2.5 + 2 * (4096 + 4096)
     assert gemm_4bit.flops(c) == 2.0 * 4096 * 4096
+
+
+def test_int4_benchmark_ops_run_and_check_on_the_cpu():
+    lines = gemm_4bit.smoke_int(device="cpu")
+    assert len(lines) == len(gemm_4bit.INT_OPS) * len(gemm_4bit.TINY_MS) * len(gemm_4bit.TINY_KNS)
+    w4a8 = [line for line in lines if line.startswith("w4a8 ")]
+    int4 = [line for line in lines if line.startswith("int4_mm ")]
+    assert w4a8 and all(": ok, peers lanekit, bf16 F.linear, dequantize + bf16 F.linear, lanekit w8a8" in line
+                        for line in w4a8), lines
+    assert int4 and all(": ok, peers lanekit, lanekit fp8 scaled_mm, lanekit int8_mm, bf16 F.linear" in line
+                        for line in int4), lines
+    c = dict(op="int4_mm", M=1024, K=4096, N=4096)
+    # both packed operands, the fp32 scales, y in bf16
+    assert gemm_4bit.int_bytes_moved(c) == (1024 + 4096) * 4096 / 2 + 4 * (1024 + 4096) + 2.0 * 1024 * 4096
+    assert "gemm4_int" in gemm_4bit.FAMILIES

@@ -437,3 +437,124 @@ def mxfp4_linear(x: torch.Tensor, w_fp4: torch.Tensor, w_scale_e8m0: torch.Tenso
     _bias_n(bias, N, x)
     fn = _op.mxfp4_linear_triton if _lane(x, lane) == "triton" else _op.mxfp4_linear_reference
     return fn(x=x, w_fp4=w_fp4, w_scale=w_scale_e8m0, bias=bias)
+
+
+# ---- int4 x int8 (W4A8) and int4 x int4: the int8 dot ----
+
+W4A8_MIN_GROUP = 32     # the int8 MMA's K: a group is a whole number of K steps
+INT4_ATOM = 32          # int4_mm: K a multiple of this
+
+
+def w4a8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, channel_scale: torch.Tensor,
+                correction: torch.Tensor | None = None, group_size: int = 128,
+                bias: torch.Tensor | None = None, *, lane: str | None = None) -> torch.Tensor:
+    """y = x @ W.T + bias with 4-bit weights and 8-bit activations: the tensors of
+    :func:`lanekit.quant.quantize_w4a8` (any of its modes), x quantized to int8 per token on the
+    device, the int4 codes unpacked to int8 in registers and multiplied on the int8 dot.
+
+    Arguments:
+        x: (..., K) bfloat16, float16 or float32, any strides. Its rows are quantized as
+            :func:`w8a8_linear` quantizes them (vLLM's ``scaled_int8_quant``: scale = amax / 127,
+            0 for an all-zero row, codes round half to even, clamped to [-128, 127]).
+        qweight: (N, K / 2) uint8, the weight's codes (0..15) two to a byte along K, element 2i of a
+            row in the low nibble (``lanekit.quant.pack_int4(codes, 1, dtype=torch.uint8)``).
+        scales: (N, K / group_size) float32, bfloat16, float16 or float8_e4m3fn: each group's
+            scale (mode 0: absolute; modes 1 and 2: relative to channel_scale).
+        channel_scale: (N,) float32, each output channel's scale (mode 0: ones).
+        correction: (N, K / group_size) float32 or None: mode 2's per-group offset.
+        group_size: rows of K per scale: a multiple of 32 dividing K, or -1 (one group of K).
+        bias: (N,) in x's dtype or float32, or None.
+        lane: "triton" or "reference"; default triton for CUDA/ROCm tensors, reference otherwise.
+
+    Returns:
+        y: (..., N) in x's dtype: W[n, k] = channel_scale[n] * scales[n, g] * (code - 8)
+        (+ correction[n, g]), g = k // group_size. Each group's int32 sum of code products (exact)
+        times the group's scale in fp32, the correction times the group's int32 sum of x's codes,
+        then the channel and token scales, bias added in fp32, rounded once.
+
+    Raises:
+        TypeError for a wrong type or dtype; ValueError for a wrong rank, shape or device, or a
+        group_size that is not a multiple of 32 dividing K (never padded).
+
+    The int8 dot: IMMA (mma.sync / wgmma s8) on sm80 / sm90, mfma i8 on gfx942, wmma iu8 on
+    gfx1151 / gfx1201 (Hopper and AMD have no int4 tensor cores).
+
+    Source: the two-level scales (a per-channel fp32 scale times a per-group scale stored in fp8
+    e4m3) and mode 2's correction follow Comfy-Org's comfy-kitchen W4A8 (``w4a8_int8_linear``,
+    ``quantize_w4a8_int8_weight``, without its Hadamard rotation and codebook); QServe's W4A8
+    (progressive group quantization) for the int4 codes on the int8 dot; docs/semantics.md, "W4A8".
+    """
+    _v.tensor("x", x, dtypes=ACT_DTYPES)
+    if x.dim() < 1:
+        raise ValueError(f"x: expected (..., K), got shape {tuple(x.shape)}")
+    K = x.shape[-1]
+    _v.tensor("qweight", qweight, dtypes=(torch.uint8,), ndim=2, like=x, like_name="x")
+    if K % 2 or qweight.shape[1] * 2 != K:
+        raise ValueError(f"qweight: expected (N, K / 2) with K = {K} (x's last dim), two codes a byte, "
+                         f"got {tuple(qweight.shape)}")
+    N = qweight.shape[0]
+    group = _group_size(group_size, K)
+    if group % W4A8_MIN_GROUP and K:
+        raise ValueError(f"group_size: expected a multiple of {W4A8_MIN_GROUP} (the int8 MMA's K), got {group}")
+    G = K // group if group else 0
+    _v.tensor("scales", scales, dtypes=SCALE_DTYPES + (torch.float8_e4m3fn,), ndim=2, like=x, like_name="x")
+    _v.shape("scales", scales, (N, G), "N, K / group_size")
+    _v.tensor("channel_scale", channel_scale, dtypes=(torch.float32,), ndim=1, like=x, like_name="x")
+    _v.shape("channel_scale", channel_scale, (N,), "N")
+    if correction is not None:
+        _v.tensor("correction", correction, dtypes=(torch.float32,), ndim=2, like=x, like_name="x")
+        _v.shape("correction", correction, (N, G), "N, K / group_size")
+    _bias_n(bias, N, x)
+    fn = _op.w4a8_linear_triton if _lane(x, lane) == "triton" else _op.w4a8_linear_reference
+    return fn(x=x, qweight=qweight, scales=scales, channel_scale=channel_scale, correction=correction,
+              group_size=group or W4A8_MIN_GROUP, bias=bias)
+
+
+def int4_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
+            out_dtype: torch.dtype | None = None, bias: torch.Tensor | None = None, *,
+            lane: str | None = None) -> torch.Tensor:
+    """(A @ B) * scale_a * scale_b + bias for signed int4 operands packed two to a byte, summed
+    exactly in int32 (``int8_mm``'s contract at 4 bits; CUTLASS's ``int4b_t`` values).
+
+    Arguments:
+        a: (M, K / 2) int8 or uint8: A (M, K) packed along K, element 2i of a row in the low
+            nibble (``lanekit.quant.pack_int4(A & 0xF, 1, dtype=torch.uint8)``).
+        b: (K / 2, N) int8 or uint8: B (K, N) packed along K, element 2i of a column in the low
+            nibble; any strides (b = w.t() of a weight w (N, K / 2) packed along its rows is taken).
+            Each nibble is a two's complement int4: codes 8..15 are -8..-1.
+        scale_a: float32, one element (per tensor) or (M, 1) (per row).
+        scale_b: float32, one element (per tensor) or (1, N) (per column).
+        out_dtype: bfloat16 (None: the default), float16 or float32.
+        bias: (N,) in out_dtype or float32, or None.
+        lane: "triton" or "reference"; default triton for CUDA/ROCm tensors, reference otherwise.
+
+    Returns:
+        (M, N) in out_dtype: the int32 sum (exact while K < 2^25) converted to fp32, times the
+        scales, plus bias, rounded once.
+
+    Raises:
+        TypeError for a wrong dtype; ValueError for K = 2 * a.shape[1] not a multiple of 32, or a
+        wrong rank, shape or device.
+
+    Neither Hopper nor AMD has int4 tensor cores: the nibbles are unpacked to int8 in registers
+    and multiplied by the int8 dot, IMMA (mma.sync / wgmma s8) on sm80 / sm90, mfma i8 on gfx942,
+    wmma iu8 on gfx1151 / gfx1201; it reads half the bytes of int8_mm at the same speed of math.
+
+    Source: vLLM's ``cutlass_scaled_mm`` (the scales), CUTLASS's int4b_t (two's complement
+    nibbles); the low-nibble-first order of lanekit.quant.pack_int4.
+    """
+    out_dtype = torch.bfloat16 if out_dtype is None else out_dtype
+    _out_dtype(out_dtype)
+    _v.tensor("a", a, dtypes=(torch.int8, torch.uint8), ndim=2)
+    _v.tensor("b", b, dtypes=(torch.int8, torch.uint8), ndim=2, like=a, like_name="a")
+    K = 2 * a.shape[1]
+    if K % INT4_ATOM:
+        raise ValueError(f"a: expected K = 2 * a.shape[1] a multiple of {INT4_ATOM} (two int4 codes a byte), "
+                         f"got a {tuple(a.shape)}, K = {K}")
+    if b.shape[0] != a.shape[1]:
+        raise ValueError(f"b: expected shape ({a.shape[1]}, N) (K / 2 packed rows, as a {tuple(a.shape)}), "
+                         f"got {tuple(b.shape)}")
+    _check_scales(a, b, scale_a, scale_b, block_ok=False)
+    _bias(bias, b.shape[1], a, out_dtype)
+    fn = _op.int4_mm_triton if _lane(a, lane) == "triton" else _op.int4_mm_reference
+    return fn(a=a, b=b, scale_a=scale_a, scale_b=scale_b, bias=bias, out_dtype=out_dtype)

@@ -180,3 +180,49 @@ def mxfp4_linear_triton(*, x, w_fp4, w_scale, bias=None):
 
 def mxfp4_linear_reference(*, x, w_fp4, w_scale, bias=None):
     return _round(ref.mxfp4_linear(x, w_fp4, w_scale, bias), x.dtype)
+
+
+# ---- W4A8 and int4 x int4 (the int8 dot) ----
+
+@_custom_op("lanekit::w4a8_linear")
+def _w4a8_op(x_codes: Tensor, x_scale: Tensor, qweight: Tensor, scales: Tensor, channel_scale: Tensor,
+             correction: Tensor | None, bias: Tensor | None, group_size: int, out_dtype: torch.dtype) -> Tensor:
+    return _kernels().w4a8_linear_fwd(x_codes, x_scale, qweight, scales, channel_scale, correction, bias,
+                                      group_size, out_dtype)
+
+
+@_w4a8_op.register_fake
+def _(x_codes, x_scale, qweight, scales, channel_scale, correction, bias, group_size, out_dtype):
+    return x_codes.new_empty((x_codes.shape[0], qweight.shape[0]), dtype=out_dtype)
+
+
+@_custom_op("lanekit::int4_mm")
+def _int4_mm_op(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor, bias: Tensor | None,
+                out_dtype: torch.dtype) -> Tensor:
+    return _kernels().int4_mm_fwd(a, b, scale_a, scale_b, bias, out_dtype)
+
+
+@_int4_mm_op.register_fake
+def _(a, b, scale_a, scale_b, bias, out_dtype):
+    return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
+
+
+def w4a8_linear_triton(*, x, qweight, scales, channel_scale, correction=None, group_size=128, bias=None):
+    lead, K = x.shape[:-1], x.shape[-1]
+    codes, s = _call(_quant_rows_op, _rows(x), torch.int8, max(K, 1), None)
+    y = _call(_w4a8_op, codes, s.reshape(-1), qweight, scales, channel_scale, correction, bias, group_size,
+              x.dtype)
+    return y.reshape(*lead, qweight.shape[0])
+
+
+def w4a8_linear_reference(*, x, qweight, scales, channel_scale, correction=None, group_size=128, bias=None):
+    return _round(ref.w4a8_linear(x, qweight, scales, channel_scale, correction, group_size, bias), x.dtype)
+
+
+def int4_mm_triton(*, a, b, scale_a, scale_b, bias=None, out_dtype=torch.bfloat16):
+    return _call(_int4_mm_op, a, b, _vector(scale_a, a.shape[0], 1), _vector(scale_b, b.shape[1], 0), bias,
+                 out_dtype)
+
+
+def int4_mm_reference(*, a, b, scale_a, scale_b, bias=None, out_dtype=torch.bfloat16):
+    return _round(ref.int4_mm(a, b, scale_a, scale_b, bias, out_dtype), out_dtype)

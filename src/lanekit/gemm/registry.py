@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from lanekit.reference.numerics import pack_int4
+from lanekit.reference.numerics import pack_int4, quantize_w4a8
 from lanekit.runtime.registry import Op, Sample, register
 from lanekit.testing import Tolerance, generator, noncontiguous, randn
 
@@ -297,3 +297,85 @@ _register("w4a16_linear", _w4a16_samples,
           "AWQ/GPTQ int4 weights (group scales, zeros, act-order g_idx) dequantized in the K loop, 16-bit x")
 _register("mxfp4_linear", _mxfp4_samples,
           "OCP MXFP4 weights (e2m1, an e8m0 scale per 32 along K; gpt-oss's layout), 16-bit x")
+
+
+# ---- W4A8 and int4 x int4 (the int8 dot) ----
+
+def w4a8_case(name, device, *, lead, K, N, group=32, mode=1, scale_dtype=torch.float8_e4m3fn,
+              dtype=torch.bfloat16, bias=False, zero_row=False, last_group_largest=False,
+              strided=False) -> Sample:
+    """A weight (N, K) drawn at std 0.02 and quantized by reference.numerics.quantize_w4a8.
+    last_group_largest: each row's last group 8 times the others (its scale the largest);
+    zero_row: row 0 all zero (its scales 0: no NaN may come of it)."""
+    g = generator(name)
+    x = _x(g, (*lead, K), dtype, device, strided=strided)
+    w = torch.randn(N, K, generator=g) * 0.02
+    if mode == 2 and K:
+        w += torch.randn(N, 1, generator=g) * 0.01          # off-centre rows: the zero point matters
+    if last_group_largest and K:
+        w[:, -group:] *= 8
+    if zero_row and K:
+        w[0] = 0
+    qweight, scales, channel, correction = quantize_w4a8(w, mode, group, scale_dtype)
+    kw = dict(x=x, qweight=qweight.to(device), scales=scales.to(device), channel_scale=channel.to(device),
+              correction=None if correction is None else correction.to(device), group_size=group, bias=None)
+    if bias:
+        kw["bias"] = randn(N, dtype=dtype, device=device, generator=g)
+    return Sample(name, kw)
+
+
+def _w4a8_samples(device):
+    yield w4a8_case("M1 K32 N24 mode 1 e4m3 (decode, one atom)", device, lead=(1,), K=32, N=24)
+    yield w4a8_case("M17 K128 N40 mode 2 e4m3 g32 bias, the last group's scale the largest", device,
+                    lead=(17,), K=128, N=40, mode=2, bias=True, last_group_largest=True)
+    yield w4a8_case("(3, 5) K64 N72 mode 0 fp16 scales, row 0 all zero", device, lead=(3, 5), K=64, N=72,
+                    mode=0, scale_dtype=torch.float16, dtype=torch.float16, zero_row=True)
+    yield w4a8_case("M9 K96 N33 mode 1 bf16 scales, x non-contiguous", device, lead=(9,), K=96, N=33,
+                    scale_dtype=torch.bfloat16, strided=True)
+    yield w4a8_case("M17 K256 N40 mode 2 g128 fp32 x, row 0 all zero", device, lead=(17,), K=256, N=40,
+                    group=128, mode=2, dtype=torch.float32, zero_row=True)
+    yield w4a8_case("M70 K64 N72 mode 1 g64 fp32 scales bias (the prefill row)", device, lead=(70,), K=64,
+                    N=72, group=64, scale_dtype=torch.float32, bias=True)
+    yield w4a8_case("K0 bias", device, lead=(3,), K=0, N=16, bias=True)
+    yield w4a8_case("M0", device, lead=(0,), K=64, N=16)
+
+
+def int4_case(name, device, *, M, K, N, scales="row", bias=False, out_dtype=torch.bfloat16, layout="weight",
+              a_strided=False, dtype=torch.uint8) -> Sample:
+    """Packed signed int4 operands (every byte value drawn: all nibbles -8..7): a (M, K/2);
+    b (K/2, N) as the transpose of an (N, K/2) weight ("weight"), row-major ("row") or every other
+    row of a wider buffer ("strided")."""
+    g = generator(name)
+    a = torch.randint(0, 256, (M, K // 2), generator=g, dtype=torch.uint8).view(dtype).to(device)
+    if a_strided:
+        a = noncontiguous(a)
+    if layout == "weight":
+        b = torch.randint(0, 256, (N, K // 2), generator=g, dtype=torch.uint8).view(dtype).to(device).t()
+    else:
+        b = torch.randint(0, 256, (K // 2, N), generator=g, dtype=torch.uint8).view(dtype).to(device)
+        b = noncontiguous(b) if layout == "strided" else b
+    sa, sb = (_scales(g, (), device), _scales(g, (1,), device)) if scales == "tensor" else \
+        (_scales(g, (M, 1), device), _scales(g, (1, N), device))
+    kw = dict(a=a, b=b, scale_a=sa, scale_b=sb, bias=None, out_dtype=out_dtype)
+    if bias:
+        kw["bias"] = randn(N, dtype=out_dtype, device=device, generator=g)
+    return Sample(name, kw)
+
+
+def _int4_mm_samples(device):
+    yield int4_case("M1 K32 N24 per tensor (decode, one atom)", device, M=1, K=32, N=24, scales="tensor")
+    yield int4_case("M17 K64 N40 rowwise fp16 bias", device, M=17, K=64, N=40, bias=True,
+                    out_dtype=torch.float16)
+    yield int4_case("M9 K96 N33 rowwise fp32, int8 bytes, b row-major", device, M=9, K=96, N=33,
+                    out_dtype=torch.float32, layout="row", dtype=torch.int8)
+    yield int4_case("M13 K160 N21 a and b non-contiguous", device, M=13, K=160, N=21, layout="strided",
+                    a_strided=True)
+    yield int4_case("M70 K128 N72 (the prefill row)", device, M=70, K=128, N=72)
+    yield int4_case("K0 bias", device, M=3, K=0, N=5, bias=True)
+    yield int4_case("M0", device, M=0, K=32, N=8)
+
+
+_register("w4a8_linear", _w4a8_samples,
+          "int4 weights (quantize_w4a8's modes: group scales, fp8 e4m3 relative scales, mode 2's correction), "
+          "int8 activations per token, on the int8 dot")
+_register("int4_mm", _int4_mm_samples, "signed int4 x int4 unpacked to int8, summed exactly in int32, then scaled")

@@ -183,3 +183,36 @@ _FP8_SM90 = (
     "widened to fp16, exactly), not wgmma; int8 and W8A16 take wgmma; imprecise_acc = block_k "
     "gives wgmma e4m3 (docs/tuning/gemm.md), not yet measured for accuracy")
 MATRIX_ALLOWANCES[("_scaled_mm_kernel", "sm90")] = (r"\bmma\.sync\.aligned\.\S+", _FP8_SM90)
+
+
+# ---- int4 x int8 (w4a8_linear) and int4 x int4 (int4_mm): the int8 dot ----
+# The 4-bit codes are unpacked to int8 in registers and multiplied on the int8 tensor cores, so the
+# rows of the 8-bit table (GEMM) serve, with a K step of at least 32 (the int8 MMA's K) and, for
+# w4a8_linear, at most a group (a run of K steps never straddles two groups). None is measured on
+# a GPU yet (docs/tuning/gemm.md).
+INT8_MIN_BLOCK_K = 32
+
+
+# Mode 2's correction keeps the row sums of the activation codes live beside the int32 partial
+# sum: sm90's decode row (64 x 64 x 128, 4 warps) spilled 40 bytes with it, 16 with a K step of
+# 64 (lanekit export 2026-12-07, group 128); 32 does not
+W4A8_CORRECTION_BLOCK_K: dict[str, int] = {"generic": 128, "sm90": 32}
+
+
+def w4a8_config(device: torch.device, M: int, group_size: int, correction: bool = False) -> GemmConfig:
+    """The 8-bit row for M, its K step the largest power of two dividing group_size (a multiple
+    of 32), no wider than the row's (with mode 2's correction: than W4A8_CORRECTION_BLOCK_K)."""
+    cfg = gemm_config(device, M)
+    widest = cfg.block_k
+    if correction and cfg is not INTERPRETER:
+        widest = min(widest, arch_row(W4A8_CORRECTION_BLOCK_K, device))
+    block_k = min(widest, 1 << (group_size.bit_length() - 1))
+    while group_size % block_k:
+        block_k //= 2
+    return dataclasses.replace(cfg, block_k=max(block_k, INT8_MIN_BLOCK_K), imprecise_acc=0)
+
+
+def int4_mm_config(device: torch.device, M: int) -> GemmConfig:
+    """The 8-bit row for M (K steps of at least 32: K is a multiple of 32)."""
+    cfg = gemm_config(device, M)
+    return dataclasses.replace(cfg, block_k=max(cfg.block_k, INT8_MIN_BLOCK_K), imprecise_acc=0)

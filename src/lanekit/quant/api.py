@@ -455,3 +455,85 @@ def unpack_int4(packed: torch.Tensor, dim: int = -1, order: str = "sequential") 
     _tensor("packed", packed, dtypes=tuple(_numerics.PACK))
     d = _int4_args(packed, "packed", dim, order, packed.dtype)
     return _numerics.unpack_int4(packed, d, order)
+
+
+# ---- W4A8 weights: 4-bit codes with group scales (a load-time helper, plain PyTorch) ----
+
+__all__ += ["quantize_w4a8"]
+
+_W4A8_MIN_GROUP = 32
+
+
+def quantize_w4a8(w: torch.Tensor, mode: int = 1, group_size: int = 128,
+                  scale_dtype: torch.dtype = torch.float8_e4m3fn):
+    """Quantize a linear's weight w (N, K) to 4-bit codes with group scales, for
+    :func:`lanekit.gemm.w4a8_linear` (8-bit activations).
+
+    Modes (each group: ``group_size`` consecutive elements of a row along K):
+
+    - 0: symmetric abs-max, one level: the group's scale amax / 7 stored in ``scale_dtype``
+      (absolute scales: float32, bfloat16 or float16; e4m3 is refused, its normal range starts
+      at 2^-6, above typical weight scales); channel_scale all ones.
+    - 1: symmetric abs-max, two levels: span = amax / 7; channel_scale = the row's largest span
+      / 448 (fp32); the group's scale stored relative to it (span / channel_scale, at most 448)
+      in ``scale_dtype``, default float8_e4m3fn.
+    - 2: asymmetric, two levels as mode 1 with span = (max - min) / 15 over the group's own
+      values (the range is not widened to include 0, so a group lying below 0, a more negative
+      peak included, keeps its own range), codes 0..15 from min, and a correction (fp32) so that
+      W = scale * (code - 8) + correction.
+
+    Symmetric scales are amax / 7 whichever sign the peak has: a negative peak gets code -7, not
+    -8, and a more negative peak never widens the scale past amax / 7. The codes (and mode 2's
+    correction) are chosen from the stored scale, rounded to ``scale_dtype`` and multiplied by
+    channel_scale in fp32 (e), not from the fp32 span: code = clamp(round(w / e), -8, 7) + 8, or
+    clamp(round((w - min) / e), 0, 15) with correction = min + 8 e. A group (or row) whose
+    scale is 0 (all zero; mode 2: constant) gets code 8 (mode 2: 0, the correction being the
+    constant), never NaN. Every step is one correctly rounded fp32 operation, round half to even.
+
+    Arguments:
+        w: (N, K) float32, bfloat16 or float16, finite, any device.
+        mode: 0, 1 or 2.
+        group_size: a multiple of 32 dividing K, or -1 (one group of all K).
+        scale_dtype: torch.float8_e4m3fn (default), float16, bfloat16 or float32.
+
+    Returns:
+        qweight: (N, K / 2) uint8, codes two a byte, element 2i of a row in the low nibble
+            (``pack_int4(codes, 1, dtype=torch.uint8)``).
+        scales: (N, K / group_size) in scale_dtype.
+        channel_scale: (N,) float32.
+        correction: (N, K / group_size) float32 for mode 2, else None.
+        Dequantized: W[n, k] = channel_scale[n] * scales[n, k // group_size] * (code - 8)
+        (+ correction[n, k // group_size]).
+
+    Raises:
+        TypeError: w not a float tensor of those dtypes; scale_dtype or mode of a wrong type.
+        ValueError: w not 2-d, or holding a NaN or inf (read on the host: a load-time helper);
+            an unknown mode; group_size not a multiple of 32 dividing K; mode 0 with e4m3.
+
+    Source: the two-level scales (per-channel fp32 times a per-group fp8 e4m3 scale) and the
+    asymmetric mode with (max - min) / 15 and a correction term follow Comfy-Org's comfy-kitchen
+    W4A8 (``quantize_w4a8_int8_weight``, without its rotation and codebook); comfy-kitchen chooses
+    the codes from the fp32 scale, lanekit from the stored one (issue 33). docs/semantics.md, "W4A8".
+    """
+    _tensor("w", w, dtypes=(torch.float32, torch.bfloat16, torch.float16), ndim=2)
+    if not _v_is_int(mode) or isinstance(mode, bool):
+        raise TypeError(f"mode: expected an int (0, 1 or 2), got {type(mode).__name__}")
+    if int(mode) not in _numerics.W4A8_MODES:
+        raise ValueError(f"mode: expected 0, 1 or 2, got {mode}")
+    if scale_dtype not in _numerics.W4A8_SCALE_DTYPES:
+        raise TypeError(f"scale_dtype: expected one of {[str(d) for d in _numerics.W4A8_SCALE_DTYPES]}, "
+                        f"got {scale_dtype}")
+    if int(mode) == 0 and scale_dtype == torch.float8_e4m3fn:
+        raise ValueError("scale_dtype: expected float32, bfloat16 or float16 with mode 0 (absolute group "
+                         "scales fall below e4m3's normal range), got torch.float8_e4m3fn; mode 1 stores "
+                         "e4m3 scales relative to a per-channel scale")
+    K = w.shape[1]
+    if not _v_is_int(group_size):
+        raise TypeError(f"group_size: expected an int, got {type(group_size).__name__}")
+    group = K if int(group_size) == -1 else int(group_size)
+    if group < 1 or group % _W4A8_MIN_GROUP or K % group:
+        raise ValueError(f"group_size: expected a multiple of {_W4A8_MIN_GROUP} dividing K = {K} (or -1), "
+                         f"got {group_size}")
+    if w.numel() and not bool(torch.isfinite(w).all()):
+        raise ValueError("w: expected finite values, got a NaN or inf")
+    return _numerics.quantize_w4a8(w, int(mode), group, scale_dtype)

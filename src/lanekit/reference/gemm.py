@@ -188,3 +188,41 @@ def mxfp4_linear(x, w_fp4, w_scale, bias=None):
     w = mxfp4_weight(w_fp4, w_scale)
     y = _finish(x.reshape(lead.numel(), K).to(torch.float64) @ w.t(), bias, x.dtype)
     return y.reshape(*lead, w.shape[0])
+
+
+# ---- W4A8 and int4 x int4 (the int8 dot) ----
+
+def w4a8_weight(qweight, scales, channel_scale, correction, group_size) -> torch.Tensor:
+    """The weight W (N, K) of :func:`lanekit.quant.quantize_w4a8`'s tensors, float64 (exact):
+    W[n, k] = channel[n] * scales[n, g] * (code[n, k] - 8) (+ correction[n, g]), g = k // group_size,
+    codes two to a byte along K (element 2i in the low nibble)."""
+    codes = unpack_int4(qweight, dim=1).to(torch.float64) - 8
+    s = channel_scale.to(torch.float64).reshape(-1, 1) * scales.to(torch.float64)
+    w = codes * s.repeat_interleave(group_size, 1)
+    if correction is not None:
+        w = w + correction.to(torch.float64).repeat_interleave(group_size, 1)
+    return w
+
+
+def w4a8_linear(x, qweight, scales, channel_scale, correction=None, group_size=128, bias=None):
+    """x (..., K) quantized to int8 per token (:func:`quantize_int8_rows`, vLLM's
+    ``scaled_int8_quant``), times W.T (:func:`w4a8_weight`), plus bias."""
+    lead, K = x.shape[:-1], x.shape[-1]
+    codes, s = quantize_int8_rows(x.reshape(lead.numel(), K))
+    xq = codes.to(torch.float64) * s.to(torch.float64).reshape(-1, 1)
+    w = w4a8_weight(qweight, scales, channel_scale, correction, group_size)
+    y = _finish(xq @ w.t(), bias, x.dtype)
+    return y.reshape(*lead, w.shape[0])
+
+
+def int4_values(packed: torch.Tensor, dim: int) -> torch.Tensor:
+    """Signed int4 values (-8..7, two's complement nibbles) of int8 or uint8 ``packed``, two a byte
+    along ``dim`` (element 2i in the low nibble), as int8."""
+    codes = unpack_int4(packed.view(torch.uint8), dim=dim).to(torch.int16)
+    return torch.where(codes >= 8, codes - 16, codes).to(torch.int8)
+
+
+def int4_mm(a, b, scale_a, scale_b, bias=None, out_dtype=torch.bfloat16):
+    """(A @ B) * scale_a * scale_b + bias for A (M, K) = int4_values(a, 1), B (K, N) =
+    int4_values(b, 0); scales per tensor or rowwise as :func:`int8_mm` takes them."""
+    return scaled_mm(int4_values(a, 1), int4_values(b, 0), scale_a, scale_b, bias, out_dtype, "row")

@@ -140,3 +140,61 @@ def e2m1(codes: torch.Tensor, dtype: torch.dtype = torch.float64) -> torch.Tenso
     """The values of e2m1 codes (integers 0..15), exactly, in ``dtype``."""
     table = torch.tensor(E2M1_VALUES, dtype=dtype, device=codes.device)
     return table[codes.to(torch.int64)]
+
+
+# ---- W4A8 weights (lanekit.quant.quantize_w4a8): 4-bit codes with group scales, three modes ----
+
+W4A8_MODES = (0, 1, 2)
+W4A8_SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn)
+# Modes 1 and 2 store each group's scale relative to its row's channel scale, the largest at this
+# value: e4m3's largest finite number, so a relative scale uses e4m3's whole range (and fits the
+# 16-bit dtypes too).
+W4A8_REL_MAX = 448.0
+
+
+def quantize_w4a8(w: torch.Tensor, mode: int, group_size: int, scale_dtype: torch.dtype):
+    """W4A8 weight quantization of w (N, K) in groups of ``group_size`` along K (docs/semantics.md,
+    "W4A8"). Every step is one correctly rounded fp32 operation:
+
+    - span: mode 0 and 1 amax / 7 (symmetric abs-max, whichever sign the peak has); mode 2
+      (max - min) / 15 over the group's own values (the range is not widened to include 0);
+    - mode 0: channel = 1 and the stored scale = span in scale_dtype; modes 1 and 2: channel =
+      max(span of the row) / 448 (fp32) and the stored scale = span / channel in scale_dtype (0
+      where channel is 0);
+    - the applied scale e = channel * float(stored) (fp32): the codes and the correction come
+      from it, not from span; modes 0 and 1: code = clamp(round(w / e), -8, 7) + 8; mode 2:
+      code = clamp(round((w - min) / e), 0, 15), correction = min + 8 e (fp32); e = 0 gives
+      code 8 (modes 0, 1) or 0 (mode 2, where the group is constant and the correction is it).
+
+    Dequantized: W[n, k] = channel[n] * stored[n, g] * (code - 8) (+ correction[n, g]).
+    Returns (qweight uint8 (N, K/2), two codes a byte, element 2i in the low nibble;
+    scales (N, K/G) scale_dtype; channel (N,) fp32; correction (N, K/G) fp32 or None)."""
+    w = w.to(torch.float32)
+    N, K = w.shape
+    wg = w.reshape(N, K // group_size, group_size)
+    lo = wg.amin(-1) if K else wg.new_zeros(N, 0)
+    if mode == 2:
+        span = (wg.amax(-1) - lo) / torch.full_like(lo, 15.0)
+    else:
+        span = wg.abs().amax(-1) / torch.full_like(lo, 7.0) if K else wg.new_zeros(N, 0)
+    if mode == 0:
+        channel = torch.ones(N, dtype=torch.float32, device=w.device)
+        stored = span.to(scale_dtype)
+    else:
+        top = span.amax(-1) if K else w.new_zeros(N)
+        channel = top / torch.full_like(top, W4A8_REL_MAX)
+        safe = torch.where(channel > 0, channel, torch.ones_like(channel))
+        stored = torch.where(channel[:, None] > 0, span / safe[:, None], torch.zeros_like(span)).to(scale_dtype)
+    e = channel[:, None] * stored.to(torch.float32)                        # the scale the codes see
+    live = (e > 0)[..., None]
+    safe_e = torch.where(e > 0, e, torch.ones_like(e))[..., None]
+    correction = None
+    if mode == 2:
+        u = torch.round((wg - lo[..., None]) / safe_e).clamp(0, 15)
+        codes = torch.where(live, u, torch.zeros_like(u))
+        correction = (lo + e * 8).contiguous()              # 8 e: exact
+    else:
+        q = torch.round(wg / safe_e).clamp(-8, 7)
+        codes = torch.where(live, q, torch.zeros_like(q)) + 8
+    qweight = pack_int4(codes.reshape(N, K).to(torch.int64), 1, dtype=torch.uint8)
+    return qweight, stored.contiguous(), channel.contiguous(), correction
