@@ -1,7 +1,9 @@
 """The GEMM family's kernels: ``scaled_mm`` (the 8-bit scaled GEMM and the per-row quantize
-pass) and ``weight_only`` (4-bit weights dequantized in the K loop: AWQ/GPTQ int4, MXFP4)."""
+pass), ``weight_only`` (4-bit weights dequantized in the K loop: AWQ/GPTQ int4, MXFP4) and
+``svdquant`` (SVDQuant's W4A4 GEMM with its low-rank branch)."""
 
 from lanekit.gemm.kernels.scaled_mm import quant_rows, scaled_mm_fwd
+from lanekit.gemm.kernels.svdquant import svdquant_w4a4_fwd
 from lanekit.gemm.kernels.weight_only import mxfp4_linear_fwd, w4a16_linear_fwd
 
-__all__ = ["scaled_mm_fwd", "quant_rows", "w4a16_linear_fwd", "mxfp4_linear_fwd"]
+__all__ = ["scaled_mm_fwd", "quant_rows", "w4a16_linear_fwd", "mxfp4_linear_fwd", "svdquant_w4a4_fwd"]
