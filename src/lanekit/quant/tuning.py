@@ -40,7 +40,12 @@ class W4A4ActConfig:
 # A streaming pass that also runs a [16, 64] x [64, BLOCK_R] dot per group: 16 rows keep M = 1..16
 # decode batches in one program row; up to 64 low-rank columns a program (rank 128: two programs
 # per row block, each re-reading x; the first also quantizes). Not swept on a GPU.
-W4A4_ACT: dict[str, W4A4ActConfig] = {"generic": W4A4ActConfig(16, 64, 4)}
+W4A4_ACT: dict[str, W4A4ActConfig] = {
+    "generic": W4A4ActConfig(16, 64, 4),
+    # H100/H200: 64 rows, wgmma's least M (16 rows lowered the down projection to mma.sync,
+    # lanekit export 2026-12-07)
+    "sm90": W4A4ActConfig(64, 64, 4),
+}
 
 
 def w4a4_act_config(device, R: int) -> W4A4ActConfig:

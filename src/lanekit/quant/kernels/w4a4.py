@@ -29,7 +29,7 @@ if triton_interpreted():
     fix_interpreter()
 
 GROUP = 64          # SVDQuant's int4 group along K (nunchaku: 64)
-INT8 = 1            # common.numerics.quantize's QUANT: round half to even, NaN -> 0
+INT8 = tl.constexpr(1)   # common.numerics.quantize's QUANT: round half to even, NaN -> 0
 
 
 @triton.jit
