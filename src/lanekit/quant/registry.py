@@ -262,10 +262,10 @@ def _w4a4_samples(device):
             s = (torch.rand(C, generator=generator(name, "smooth ")) * 1.5 + 0.5)
             s = s.to(dtype if smooth == "x" else torch.float32).to(device)
         yield Sample(name, dict(x=x.to(device), smooth=s, dtype=dtype))
-    # group 0 of each row: max 7 (scale exactly 1) and every k + 0.5 in [-7.5, 7.5]; group 1 all zero
+    # group 0 of each row: max 7 (scale exactly 1) and every k + 0.5 in [-6.5, 6.5]; group 1 all zero
     ties = torch.zeros(2, 128)
-    ties[:, :16] = torch.arange(-7.5, 8.5)
-    ties[:, 16] = 7.0
+    ties[:, :14] = torch.arange(-6.5, 7.0)
+    ties[0, 14] = 7.0
     ties[1, 20] = -7.0
     yield Sample("w4a4 ties k + 0.5 on a scale of 1, a zero group", dict(x=ties.to(torch.bfloat16).to(device),
                                                                           smooth=None, dtype=torch.bfloat16))
