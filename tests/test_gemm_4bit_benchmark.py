@@ -22,3 +22,14 @@ def test_gemm_4bit_families_are_registered_and_grouped():
     # packed weight 8 MiB, fp16 scales and 4-bit zeros per 128 of K, x and y
     assert gemm_4bit.bytes_moved(c) == 4096 * 4096 / 2 + 32 * 4096 * 2.5 + 2 * (4096 + 4096)
     assert gemm_4bit.flops(c) == 2.0 * 4096 * 4096
+
+
+def test_the_svdquant_benchmark_family_runs_and_checks_on_the_cpu():
+    lines = gemm_4bit.svdq_smoke(device="cpu")
+    assert len(lines) == len(gemm_4bit.SVDQ_OPS) * len(gemm_4bit.TINY_MS) * len(gemm_4bit.TINY_KNS)
+    peers = "peers lanekit, bf16 F.linear, dequantize + bf16 F.linear + low rank, lanekit fp8 scaled_mm"
+    assert all(": ok, " + peers in line for line in lines), lines
+    assert "gemm4_svdquant" in run.GROUPS["gemm_4bit"] and "gemm4_svdquant" in run.FAMILIES
+    c = dict(op="svdquant rank32", M=1024, K=4096, N=4096)
+    assert gemm_4bit.svdq_flops(c) == 2.0 * 1024 * 4096 * 4096 + 2.0 * 1024 * 8192 * 32
+    assert {d["M"] for d in gemm_4bit.svdq_cases()} >= {1, 1024}
