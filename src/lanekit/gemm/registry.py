@@ -344,6 +344,8 @@ def _svdquant_samples(device):
                         R=48, smooth="fp32", strided=True)
     yield svdquant_case("M70 K128 N72 rank32 smooth fp32 bias (the prefill row)", device, lead=(70,), K=128,
                         N=72, R=32, smooth="x", bias="fp32")
+    yield svdquant_case("M17 K128 N40 rank128 smooth (two low-rank column blocks in the activation pass)", device,
+                        lead=(17,), K=128, N=40, R=128, smooth="x")
     yield svdquant_case("M5 K128 N16 rank0 (no low-rank branch)", device, lead=(5,), K=128, N=16, R=0)
     yield svdquant_case("K0 rank16 bias", device, lead=(3,), K=0, N=16, R=16, bias="x")
     yield svdquant_case("M0", device, lead=(0,), K=64, N=16, R=16)

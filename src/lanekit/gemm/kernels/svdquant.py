@@ -57,7 +57,8 @@ def _svdquant_w4a4_kernel(QA, AS, QW, WS, LA, UP, BIAS, Y, M, N, K, R,
     m_mask = offs_m < M
     n_mask = offs_n < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for g in range(0, K // GROUP):
+    for g32 in range(0, K // GROUP):
+        g = tl.cast(g32, tl.int64)
         kb = g * (GROUP // 2) + offs_b
         pa = tl.load(QA + offs_m[:, None] * stride_qam + kb[None, :] * stride_qak,
                      mask=m_mask[:, None], other=0).to(tl.int32)                        # [BLOCK_M, GROUP / 2]

@@ -48,7 +48,8 @@ def _w4a4_act_kernel(X, SMOOTH, DOWN, QA, AS, LA, M, K, R,
     r_mask = offs_r < R
     dtype = X.dtype.element_ty
     h = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    for k0 in range(0, K, GROUP):
+    for k32 in range(0, K, GROUP):
+        k0 = tl.cast(k32, tl.int64)
         k = k0 + offs_k
         x = tl.load(X + offs_m[:, None] * stride_xm + k[None, :] * stride_xk,
                     mask=m_mask[:, None], other=0.0)                                   # [BLOCK_M, GROUP]
