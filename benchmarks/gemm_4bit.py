@@ -145,6 +145,101 @@ EAGER = SimpleNamespace(UNIT="TFLOP/s", CUDA_GRAPHS=False, cases=cases,
 FAMILIES = {"gemm4_graphs": GRAPHS, "gemm4_bandwidth": BANDWIDTH, "gemm4_eager": EAGER}
 
 
+
+# ---- SVDQuant W4A4 (lanekit.gemm.svdquant_w4a4_linear): its own family, its own peers ----
+# Bar (issue 33): >= 1.0x our fp8 scaled_mm (rowwise e4m3, the same M, K, N) at M >= 1024. Peers:
+# bf16 F.linear, the PyTorch pipeline (the int4 weight dequantized to bf16, x unquantized, plus the
+# low-rank branch) and lanekit.gemm.scaled_mm. The low-rank branch at rank 32 (nunchaku's default).
+SVDQ_OPS = ("svdquant rank32",)
+SVDQ_RANK = 32
+
+
+def svdq_cases(quick: bool = False, *, ms=None, kns=None):
+    ms = ms or (QUICK_MS if quick else MS)
+    kns = kns or (QUICK_KNS if quick else KNS)
+    for op in SVDQ_OPS:
+        for K, N in kns:
+            for M in ms:
+                yield dict(op=op, M=M, K=K, N=N)
+
+
+def svdq_flops(c) -> float:
+    return 2.0 * c["M"] * c["N"] * c["K"] + 2.0 * c["M"] * (c["K"] + c["N"]) * SVDQ_RANK
+
+
+def svdq_bytes_moved(c) -> float:
+    """The packed weight and its bf16 scales per 64, lora_down and lora_up in bf16, x and y in bf16,
+    and the activation pass's codes, scales and h written and read back."""
+    M, K, N = c["M"], c["K"], c["N"]
+    weight = K * N / 2 + (K // 64) * N * 2 + (K + N) * SVDQ_RANK * 2
+    act = 2 * (M * K / 2 + (K // 64) * M * 2 + M * SVDQ_RANK * 4)
+    return weight + act + 2.0 * M * (K + N)
+
+
+def svdq_make_inputs(c, device="cuda"):
+    """(x bf16 (M, K), lanekit's kwargs): W ~ N(0, 1/K) quantized by the oracle's rule, x ~ N(0, 1),
+    smooth in [0.5, 2], lora factors ~ N(0, 1/K) and N(0, 1/R): outputs O(1)."""
+    from lanekit.reference.quant import quantize_w4a4_wgt
+
+    g = torch.Generator().manual_seed(zlib.crc32(name(c).encode()))
+    M, K, N = c["M"], c["K"], c["N"]
+    x = torch.randn(M, K, generator=g).to(BF16).to(device)
+    qweight, wscales = quantize_w4a4_wgt((torch.randn(N, K, generator=g) / K ** 0.5).to(BF16))
+    kw = dict(x=x, qweight=qweight.to(device), wscales=wscales.to(device),
+              lora_down=(torch.randn(K, SVDQ_RANK, generator=g) / K ** 0.5).to(BF16).to(device),
+              lora_up=(torch.randn(N, SVDQ_RANK, generator=g) / SVDQ_RANK ** 0.5).to(BF16).to(device),
+              smooth=(torch.rand(K, generator=g) * 1.5 + 0.5).to(BF16).to(device))
+    return x, kw
+
+
+def svdq_check(c, x, kw) -> str | None:
+    up = {k: (v.double() if v.is_floating_point() else v) for k, v in kw.items()}
+    got = compare(lk.svdquant_w4a4_linear(**kw), ref.svdquant_w4a4_linear(**up, dtype=BF16), greg.GEMM)
+    return None if got.ok else got.detail
+
+
+def svdq_runners(c, x, kw) -> dict:
+    from lanekit.reference.quant import dequantize_w4a4
+
+    N, K = c["N"], c["K"]
+    w_bf16 = torch.randn(N, K, device=x.device).to(BF16)
+    a8 = torch.randn(c["M"], K, device=x.device).to(torch.float8_e4m3fn)
+    b8 = torch.randn(N, K, device=x.device).to(torch.float8_e4m3fn).t()
+    sa = torch.full((c["M"], 1), 1.0 / K ** 0.5, device=x.device)
+    sb = torch.full((1, N), 1.0, device=x.device)
+    down, up_ = kw["lora_down"], kw["lora_up"]
+
+    def pytorch():
+        w = dequantize_w4a4(kw["qweight"], kw["wscales"]).to(BF16)
+        return F.linear(x, w) + (x @ down) @ up_.t()
+
+    return {
+        "lanekit": lambda: lk.svdquant_w4a4_linear(**kw),
+        "bf16 F.linear": lambda: F.linear(x, w_bf16),
+        "dequantize + bf16 F.linear + low rank": pytorch,
+        "lanekit fp8 scaled_mm": lambda: lk.scaled_mm(a8, b8, sa, sb, out_dtype=BF16),
+    }
+
+
+SVDQUANT = SimpleNamespace(UNIT="TFLOP/s", CUDA_GRAPHS=True, cases=svdq_cases, name=name, flops=svdq_flops,
+                           bytes_moved=svdq_bytes_moved, make_inputs=svdq_make_inputs, check=svdq_check,
+                           runners=svdq_runners)
+FAMILIES["gemm4_svdquant"] = SVDQUANT
+
+
+def svdq_smoke(device="cpu") -> list[str]:
+    """The SVDQuant family at tiny shapes: inputs, the check, and each peer once on ``device``."""
+    lines = []
+    for c in svdq_cases(ms=TINY_MS, kns=TINY_KNS):
+        x, kw = svdq_make_inputs(c, device)
+        error = svdq_check(c, x, kw)
+        ran = []
+        for peer, fn in svdq_runners(c, x, kw).items():
+            fn()
+            ran.append(peer)
+        lines.append(f"{name(c)}: {'ok' if error is None else error}, peers {', '.join(ran)}")
+    return lines
+
 def smoke(device="cpu") -> list[str]:
     """Every op at tiny shapes: inputs, the check, and each peer once on ``device``."""
     lines = []
@@ -275,6 +370,6 @@ def smoke_int(device="cpu") -> list[str]:
 
 
 if __name__ == "__main__":
-    for line in smoke() + smoke_int():
+    for line in smoke() + smoke_int() + svdq_smoke():
         print(line)
     sys.exit(0)

@@ -37,3 +37,14 @@ def test_int4_benchmark_ops_run_and_check_on_the_cpu():
     # both packed operands, the fp32 scales, y in bf16
     assert gemm_4bit.int_bytes_moved(c) == (1024 + 4096) * 4096 / 2 + 4 * (1024 + 4096) + 2.0 * 1024 * 4096
     assert "gemm4_int" in gemm_4bit.FAMILIES
+
+
+def test_the_svdquant_benchmark_family_runs_and_checks_on_the_cpu():
+    lines = gemm_4bit.svdq_smoke(device="cpu")
+    assert len(lines) == len(gemm_4bit.SVDQ_OPS) * len(gemm_4bit.TINY_MS) * len(gemm_4bit.TINY_KNS)
+    peers = "peers lanekit, bf16 F.linear, dequantize + bf16 F.linear + low rank, lanekit fp8 scaled_mm"
+    assert all(": ok, " + peers in line for line in lines), lines
+    assert "gemm4_svdquant" in run.GROUPS["gemm_4bit"] and "gemm4_svdquant" in run.FAMILIES
+    c = dict(op="svdquant rank32", M=1024, K=4096, N=4096)
+    assert gemm_4bit.svdq_flops(c) == 2.0 * 1024 * 4096 * 4096 + 2.0 * 1024 * 8192 * 32
+    assert {d["M"] for d in gemm_4bit.svdq_cases()} >= {1, 1024}

@@ -558,3 +558,89 @@ def int4_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: to
     _bias(bias, b.shape[1], a, out_dtype)
     fn = _op.int4_mm_triton if _lane(a, lane) == "triton" else _op.int4_mm_reference
     return fn(a=a, b=b, scale_a=scale_a, scale_b=scale_b, bias=bias, out_dtype=out_dtype)
+
+
+# ---- SVDQuant W4A4 with its low-rank branch ----
+
+W4A4_GROUP = 64
+W4A4_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def svdquant_w4a4_linear(x: torch.Tensor, qweight: torch.Tensor, wscales: torch.Tensor,
+                         lora_down: torch.Tensor, lora_up: torch.Tensor, smooth: torch.Tensor | None = None,
+                         bias: torch.Tensor | None = None, *, lane: str | None = None) -> torch.Tensor:
+    """SVDQuant's linear: 4-bit activations times 4-bit weights, plus a 16-bit low-rank branch,
+    y = Q4(x / smooth) @ Q4(W).T + (x @ lora_down) @ lora_up.T + bias.
+
+    Q4 is signed int4 per group of 64 along K with one 16-bit scale per row and group
+    (``lanekit.quant.quantize_w4a4_act``, ``quantize_w4a4_wgt``): codes are round half to even of
+    v / s where s = max |v| / 7 is the scale already rounded to its stored dtype; the linear
+    reads the stored scales as they are and does not round them again. The activation is
+    quantized on the device by a pass before the GEMM that also computes h = x @ lora_down (fp32
+    sums); the low-rank branch takes x unsmoothed (as nunchaku: its lora_down has the smoothing
+    folded in).
+
+    Runs on: no GPU that Triton targets multiplies int4 in its tensor cores (Hopper has no int4
+    MMA; AMD's CDNA 3 and RDNA have none that Triton reaches), so the nibbles are unpacked in
+    registers to int8 and multiplied by the int8 tensor-core path, summed exactly in int32 per
+    group of 64: wgmma s8 on sm90, mma.sync s8 on sm80, mfma i8 on gfx942, wmma iu8 on gfx1201
+    and gfx1151. Each group's int32 sum times its two scales is added in fp32; the low-rank branch
+    is two 16-bit tl.dot in the epilogue (h split into its 16-bit value and remainder); bias; one
+    rounding to x's dtype.
+
+    Arguments:
+        x: (..., K) bfloat16 or float16, K a multiple of 64, any strides.
+        qweight: int8 (N, K / 2): W's signed int4 codes, two a byte, element 2i of a row in the
+            low nibble (4-bit two's complement), as ``lanekit.quant.quantize_w4a4_wgt`` returns
+            them. nunchaku's checkpoints hold the same shape and dtype in a tile-permuted order for
+            its MMA fragments: not read here (unpermute them first).
+        wscales: (K / 64, N) bfloat16 or float16: W's scale per group of 64 along K and output
+            channel (nunchaku's layout). A scale of 0 (an all-zero group) gives 0, never NaN.
+        lora_down: (K, R) in x's dtype: the low-rank down projection (nunchaku's ``proj_down``).
+        lora_up: (N, R) in x's dtype: the up projection (nunchaku's ``proj_up``). R >= 0 (0: no
+            branch); nunchaku's ranks are multiples of 16 (16 to 128), any R is taken here.
+        smooth: None, or (K,) in x's dtype or float32: SVDQuant's smoothing factor; x / smooth
+            (divided in fp32, rounded to x's dtype) is what is quantized.
+        bias: (N,) in x's dtype or float32, or None.
+        lane: "triton" or "reference"; default triton for GPU tensors, reference otherwise.
+
+    Returns:
+        y: (..., N) in x's dtype: the exact int4 products summed in int32 per group, times the
+        group's two scales in fp32, plus the low-rank branch summed in fp32, plus bias, rounded
+        once.
+
+    Raises:
+        TypeError for a wrong type or dtype (lora_down or lora_up not in x's dtype included);
+        ValueError for K not a multiple of 64, or a wrong rank, shape or device.
+
+    Sources: Li et al., "SVDQuant: Absorbing Outliers by Low-Rank Components for 4-Bit Diffusion
+    Models" (ICLR 2025); MIT Han lab's nunchaku (``SVDQW4A4Linear``, ``svdq_gemm_w4a4_cuda``,
+    ``quantize_w4a4_act_fuse_lora``); docs/semantics.md, "SVDQuant W4A4".
+    """
+    _v.tensor("x", x, dtypes=W4A4_DTYPES)
+    if x.dim() < 1:
+        raise ValueError(f"x: expected (..., K), got shape {tuple(x.shape)}")
+    K = x.shape[-1]
+    if K % W4A4_GROUP:
+        raise ValueError(f"x: expected K (the last dim) a multiple of {W4A4_GROUP} (SVDQuant's int4 group), "
+                         f"got K = {K}")
+    _v.tensor("qweight", qweight, dtypes=(torch.int8,), ndim=2, like=x, like_name="x")
+    if qweight.shape[1] * 2 != K:
+        raise ValueError(f"qweight: expected (N, K / 2) with K = {K} (x's last dim; two int4 codes a byte), "
+                         f"got {tuple(qweight.shape)}")
+    N = qweight.shape[0]
+    _v.tensor("wscales", wscales, dtypes=W4A4_DTYPES, ndim=2, like=x, like_name="x")
+    _v.shape("wscales", wscales, (K // W4A4_GROUP, N), "K / 64, N")
+    _v.tensor("lora_down", lora_down, dtypes=(x.dtype,), ndim=2, like=x, like_name="x")
+    if lora_down.shape[0] != K:
+        raise ValueError(f"lora_down: expected (K, R) with K = {K} (x's last dim), got {tuple(lora_down.shape)}")
+    R = lora_down.shape[1]
+    _v.tensor("lora_up", lora_up, dtypes=(x.dtype,), ndim=2, like=x, like_name="x")
+    _v.shape("lora_up", lora_up, (N, R), "N, R: R = lora_down's columns")
+    if smooth is not None:
+        _v.tensor("smooth", smooth, dtypes=(x.dtype, torch.float32), ndim=1, like=x, like_name="x")
+        _v.shape("smooth", smooth, (K,), "K: one factor per column of x")
+    _bias_n(bias, N, x)
+    fn = _op.svdquant_w4a4_linear_triton if _lane(x, lane) == "triton" else _op.svdquant_w4a4_linear_reference
+    return fn(x=x, qweight=qweight, wscales=wscales, lora_down=lora_down, lora_up=lora_up, smooth=smooth,
+              bias=bias, dtype=x.dtype)

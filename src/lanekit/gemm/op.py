@@ -226,3 +226,37 @@ def int4_mm_triton(*, a, b, scale_a, scale_b, bias=None, out_dtype=torch.bfloat1
 
 def int4_mm_reference(*, a, b, scale_a, scale_b, bias=None, out_dtype=torch.bfloat16):
     return _round(ref.int4_mm(a, b, scale_a, scale_b, bias, out_dtype), out_dtype)
+
+
+# ---- SVDQuant W4A4 with its low-rank branch ----
+
+@_custom_op("lanekit::svdquant_w4a4_gemm")
+def _svdquant_op(qact: Tensor, ascales: Tensor, lora_act: Tensor, qweight: Tensor, wscales: Tensor,
+                 lora_up: Tensor, bias: Tensor | None, out_dtype: torch.dtype) -> Tensor:
+    return _kernels().svdquant_w4a4_fwd(qact, ascales, lora_act, qweight, wscales, lora_up, bias, out_dtype)
+
+
+@_svdquant_op.register_fake
+def _(qact, ascales, lora_act, qweight, wscales, lora_up, bias, out_dtype):
+    return qact.new_empty((qact.shape[0], qweight.shape[0]), dtype=out_dtype)
+
+
+def svdquant_w4a4_linear_triton(*, x, qweight, wscales, lora_down, lora_up, smooth=None, bias=None,
+                                dtype=None):
+    from lanekit.quant import op as qop      # the activation pass (the quant family's kernel)
+
+    lead, K = x.shape[:-1], x.shape[-1]
+    N = qweight.shape[0]
+    x2 = _rows(x)
+    if K == 0 or x2.shape[0] == 0:           # the empty sum, or no rows: nothing to launch
+        return _round(ref.svdquant_w4a4_linear(x, qweight, wscales, lora_down, lora_up, smooth, bias), x.dtype)
+    R = lora_down.shape[1]
+    qact, ascales, h = qop.quantize_w4a4_act_fuse_lora(x2, smooth, lora_down if R else None)
+    y = _call(_svdquant_op, qact, ascales, h, qweight, wscales, lora_up, bias, x.dtype)
+    return y.reshape(*lead, N)
+
+
+def svdquant_w4a4_linear_reference(*, x, qweight, wscales, lora_down, lora_up, smooth=None, bias=None,
+                                   dtype=None):
+    return _round(ref.svdquant_w4a4_linear(x, qweight, wscales, lora_down, lora_up, smooth, bias,
+                                           dtype or x.dtype), x.dtype)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from lanekit.reference.numerics import pack_int4, quantize_w4a8
+from lanekit.reference.quant import quantize_w4a4_wgt
 from lanekit.runtime.registry import Op, Sample, register
 from lanekit.testing import Tolerance, generator, noncontiguous, randn
 
@@ -379,3 +380,58 @@ _register("w4a8_linear", _w4a8_samples,
           "int4 weights (quantize_w4a8's modes: group scales, fp8 e4m3 relative scales, mode 2's correction), "
           "int8 activations per token, on the int8 dot")
 _register("int4_mm", _int4_mm_samples, "signed int4 x int4 unpacked to int8, summed exactly in int32, then scaled")
+
+
+# ---- SVDQuant W4A4 with its low-rank branch ----
+
+def svdquant_case(name, device, *, lead, K, N, R, dtype=torch.bfloat16, smooth=None, bias=None,
+                  last_group_largest=False, zero_row=False, zero_token=False, strided=False) -> Sample:
+    """W (N, K) drawn at random and quantized by the oracle's quantize_w4a4_wgt (codes in [-7, 7]),
+    x, lora_down (K, R) and lora_up (N, R) at random. smooth: None, "x" (x's dtype) or "fp32",
+    factors in [0.5, 2]; bias: None, "x" or "fp32". last_group_largest: the last group's weight
+    scales 8 times what they were (above every other group's); zero_row: output channel 0 all
+    zero codes with scale 0 (no NaN may come of it); zero_token: x's first token all zero (its
+    activation scales 0)."""
+    g = generator(name)
+    x = _x(g, (*lead, K), dtype, "cpu")
+    if zero_token:
+        x.reshape(-1, K)[0] = 0
+    qweight, wscales = quantize_w4a4_wgt(randn(N, K, dtype=dtype, device="cpu", generator=g))
+    if last_group_largest and K:
+        wscales[-1] = wscales.max(0).values * 8
+    if zero_row:
+        qweight[0] = 0
+        wscales[:, 0] = 0
+    kw = dict(x=noncontiguous(x.to(device)) if strided else x.to(device), qweight=qweight.to(device),
+              wscales=wscales.to(device),
+              lora_down=randn(K, R, dtype=dtype, device=device, generator=g, scale=0.1),
+              lora_up=randn(N, R, dtype=dtype, device=device, generator=g, scale=0.1),
+              smooth=None, bias=None, dtype=dtype)
+    if smooth:
+        s = torch.rand(K, generator=g) * 1.5 + 0.5
+        kw["smooth"] = s.to(dtype if smooth == "x" else torch.float32).to(device)
+    if bias:
+        kw["bias"] = randn(N, dtype=dtype if bias == "x" else torch.float32, device=device, generator=g)
+    return Sample(name, kw)
+
+
+def _svdquant_samples(device):
+    yield svdquant_case("M1 K64 N40 rank16 (decode, one group)", device, lead=(1,), K=64, N=40, R=16)
+    yield svdquant_case("M17 K256 N72 rank32 fp16 smooth bias, the last group's scale the largest", device,
+                        lead=(17,), K=256, N=72, R=32, dtype=torch.float16, smooth="x", bias="x",
+                        last_group_largest=True)
+    yield svdquant_case("(3, 5) K128 N24 rank16, weight row 0 zero with scale 0, token 0 zero", device,
+                        lead=(3, 5), K=128, N=24, R=16, zero_row=True, zero_token=True)
+    yield svdquant_case("M9 K192 N33 rank48 fp32 smooth, x non-contiguous", device, lead=(9,), K=192, N=33,
+                        R=48, smooth="fp32", strided=True)
+    yield svdquant_case("M70 K128 N72 rank32 smooth fp32 bias (the prefill row)", device, lead=(70,), K=128,
+                        N=72, R=32, smooth="x", bias="fp32")
+    yield svdquant_case("M17 K128 N40 rank128 smooth (two low-rank column blocks in the activation pass)", device,
+                        lead=(17,), K=128, N=40, R=128, smooth="x")
+    yield svdquant_case("M5 K128 N16 rank0 (no low-rank branch)", device, lead=(5,), K=128, N=16, R=0)
+    yield svdquant_case("K0 rank16 bias", device, lead=(3,), K=0, N=16, R=16, bias="x")
+    yield svdquant_case("M0", device, lead=(0,), K=64, N=16, R=16)
+
+
+_register("svdquant_w4a4_linear", _svdquant_samples,
+          "SVDQuant W4A4: int4 x int4 per group of 64 (int8 dot, int32 sums), 16-bit scales, a low-rank branch")

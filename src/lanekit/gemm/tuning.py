@@ -216,3 +216,53 @@ def int4_mm_config(device: torch.device, M: int) -> GemmConfig:
     """The 8-bit row for M (K steps of at least 32: K is a multiple of 32)."""
     cfg = gemm_config(device, M)
     return dataclasses.replace(cfg, block_k=max(cfg.block_k, INT8_MIN_BLOCK_K), imprecise_acc=0)
+
+
+# ---- SVDQuant W4A4 (svdquant_w4a4_linear) ----
+# A K step is one group of 64 (one activation and one weight scale per step); the int4 codes are
+# unpacked to int8 in registers, so a stage holds 32 bytes of packed codes per row of M and of N.
+# None is measured on a GPU yet (docs/tuning/gemm.md); where each row comes from is said on it.
+SVDQUANT: dict[str, dict[int, GemmConfig]] = {
+    "generic": {
+        1: GemmConfig(16, 64, 64, 8, 4, 2),
+        64: GemmConfig(64, 64, 64, 8, 4, 2),
+    },
+    # H100/H200: int8 wgmma takes 64 rows (m64nNk32); prefill 128 x 128 over 8 warps (two
+    # warpgroups), 4 stages of 8 KiB of packed codes
+    "sm90": {
+        1: GemmConfig(64, 64, 64, 8, 4, 3),
+        64: GemmConfig(64, 128, 64, 8, 4, 4),
+        256: GemmConfig(128, 128, 64, 8, 8, 4),
+    },
+    # A100: mma.sync m16n8k32 s8, so 16 rows at decode
+    "sm80": {
+        1: GemmConfig(16, 64, 64, 8, 4, 3),
+        64: GemmConfig(64, 128, 64, 8, 4, 3),
+        256: GemmConfig(128, 128, 64, 8, 8, 3),
+    },
+    # MI300 (wave64, 64 KiB LDS): mfma i8 16 x 16 tiles at decode, 2 stages
+    "gfx942": {
+        1: GemmConfig(16, 64, 64, 8, 4, 2),
+        64: GemmConfig(64, 128, 64, 8, 4, 2),
+        256: GemmConfig(128, 128, 64, 8, 8, 2),
+    },
+    # RDNA 4 (and gfx1151 by alias; wave32, 64 KiB LDS): wmma iu8 16 x 16 tiles, 4 warps
+    "gfx1201": {
+        1: GemmConfig(16, 64, 64, 8, 4, 2),
+        64: GemmConfig(64, 64, 64, 8, 4, 2),
+    },
+}
+# Columns of the low-rank branch per epilogue step (tl.dot's K); rank 16 takes one step
+SVDQUANT_BLOCK_R = 32
+
+
+def svdquant_config(device: torch.device, M: int) -> GemmConfig:
+    if device.type != "cuda" and compiling() is None:
+        return dataclasses.replace(INTERPRETER, block_k=64)
+    rows = arch_row(SVDQUANT, device)
+    return rows[max(k for k in rows if k <= max(M, 1))]
+
+
+def svdquant_block_r(R: int) -> int:
+    """The low-rank step: at least 16 (tl.dot's least K), at most SVDQUANT_BLOCK_R."""
+    return max(16, min(SVDQUANT_BLOCK_R, 1 << max(R - 1, 0).bit_length()))

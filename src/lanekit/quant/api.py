@@ -19,7 +19,8 @@ from lanekit.runtime.validate import lane_for as _lane_for
 from lanekit.runtime.validate import shape as _shape
 from lanekit.runtime.validate import tensor as _tensor
 
-__all__ = ["quantize_fp8", "quantize_int8", "dequantize_fp8", "dequantize_int8", "pack_int4", "unpack_int4"]
+__all__ = ["quantize_fp8", "quantize_int8", "dequantize_fp8", "dequantize_int8", "pack_int4", "unpack_int4",
+           "quantize_w4a4_act", "quantize_w4a4_wgt"]
 
 _X_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -537,3 +538,87 @@ def quantize_w4a8(w: torch.Tensor, mode: int = 1, group_size: int = 128,
     if w.numel() and not bool(torch.isfinite(w).all()):
         raise ValueError("w: expected finite values, got a NaN or inf")
     return _numerics.quantize_w4a8(w, int(mode), group, scale_dtype)
+
+
+# ---- SVDQuant W4A4: signed int4 codes per group of 64 along K (lanekit.gemm.svdquant_w4a4_linear) ----
+
+W4A4_GROUP = 64
+_W4A4_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def _w4a4_rows(name, t):
+    _tensor(name, t, dtypes=_W4A4_DTYPES, ndim=2)
+    if t.shape[1] % W4A4_GROUP:
+        raise ValueError(f"{name}: expected K (the last dim) a multiple of {W4A4_GROUP} (SVDQuant's int4 "
+                         f"group), got shape {tuple(t.shape)}")
+
+
+def _w4a4(x, smooth, lane):
+    fn = getattr(_lanes, f"quantize_w4a4_act_{_lane_for(x, lane, 'x')}")
+    return fn(x=x, smooth=smooth, dtype=x.dtype)
+
+
+def quantize_w4a4_act(x: torch.Tensor, smooth: torch.Tensor | None = None, *, lane: str | None = None):
+    """SVDQuant's 4-bit activations: the rows of x, smoothed, to signed int4 codes per group of 64
+    columns with a 16-bit scale each (nunchaku's ``quantize_w4a4_act``; the pass that
+    ``lanekit.gemm.svdquant_w4a4_linear`` runs before its GEMM, there fused with x @ lora_down).
+
+    Every step is one correctly rounded operation, so the Triton lane's codes and scales equal the
+    oracle's (``lanekit.reference.quant.quantize_w4a4_act``) bit for bit:
+
+    - xs = x / smooth, divided in fp32 and rounded to x's dtype (nunchaku divides in 16 bits);
+    - per row and group of 64: s = max |xs| / 7 in fp32, rounded to x's dtype: the stored scale;
+    - codes = round half to even of xs / s **with the stored (rounded) s** (nunchaku takes the fp32
+      scale's reciprocal here), clamped to [-8, 7]. An all-zero group (or one whose scale
+      underflows to 0) gets scale 0 and codes 0; a group holding a NaN or inf gets scale NaN and
+      codes 0 (docs/semantics.md, "Non-finite values").
+
+    Arguments:
+        x: (M, K) bfloat16 or float16, K a multiple of 64, any strides.
+        smooth: None, or (K,) in x's dtype or float32: SVDQuant's per-channel smoothing factor,
+            x is divided by it (nunchaku's ``smooth_factor``).
+        lane: "triton" or "reference"; default triton for GPU tensors, reference otherwise.
+
+    Returns:
+        (codes, ascales): codes int8 (M, K / 2), two signed int4 codes a byte, element 2i in the
+        low nibble (4-bit two's complement); ascales (K / 64, M) in x's dtype (nunchaku's layout:
+        group first). Dequantized: codes * ascales.T repeated over each group.
+
+    Raises:
+        TypeError for a wrong type or dtype; ValueError for a wrong rank, K not a multiple of 64,
+        a smooth of the wrong shape or device.
+
+    Sources: Li et al., "SVDQuant: Absorbing Outliers by Low-Rank Components for 4-Bit Diffusion
+    Models" (ICLR 2025); MIT Han lab's nunchaku (``quantize_w4a4_act``, ``SVDQW4A4Linear``);
+    docs/semantics.md, "SVDQuant W4A4".
+    """
+    _w4a4_rows("x", x)
+    if smooth is not None:
+        _tensor("smooth", smooth, dtypes=(x.dtype, torch.float32), ndim=1, like=x, like_name="x")
+        _shape("smooth", smooth, (x.shape[1],), "K: one factor per column of x")
+    return _w4a4(x, smooth, lane)
+
+
+def quantize_w4a4_wgt(w: torch.Tensor, *, lane: str | None = None):
+    """SVDQuant's 4-bit weight: the rows of a linear's weight w (N, K) to signed int4 codes per group
+    of 64 along K with a 16-bit scale each, by the rule of :func:`quantize_w4a4_act` without
+    smoothing (nunchaku's ``quantize_w4a4_wgt``): s = max |w| / 7 rounded to w's dtype, codes =
+    round half to even of w / s with that stored s, clamped to [-8, 7]; a zero group: s = 0,
+    codes 0. In SVDQuant, w is the residual: the smoothed weight (column k of W times smooth[k])
+    minus its low-rank part (the caller's decomposition: this function quantizes what it gets).
+
+    Arguments:
+        w: (N, K) bfloat16 or float16, K a multiple of 64.
+        lane: "triton" or "reference".
+
+    Returns:
+        (qweight int8 (N, K / 2), element 2i in the low nibble; wscales (K / 64, N) in w's dtype):
+        ``lanekit.gemm.svdquant_w4a4_linear``'s qweight and wscales.
+
+    Raises: TypeError for a wrong type or dtype; ValueError for a wrong rank or K not a multiple
+    of 64.
+
+    Sources: as :func:`quantize_w4a4_act`.
+    """
+    _w4a4_rows("w", w)
+    return _w4a4(w, None, lane)

@@ -180,3 +180,35 @@ def stochastic_round_fp8_triton(*, x, dtype, seed, offset):
 
 def stochastic_round_fp8_reference(*, x, dtype, seed, offset):
     return ref.stochastic_round_fp8(x, dtype, seed, offset)
+
+
+# ---- SVDQuant W4A4: the activation pass (and the weight's, the same rule) ----
+
+@_custom_op("lanekit::quantize_w4a4_act")
+def _w4a4_act_op(x: Tensor, smooth: Tensor | None, lora_down: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+    from lanekit.quant.kernels import w4a4
+
+    return w4a4.quantize_w4a4_act_fwd(x, smooth, lora_down)
+
+
+@_w4a4_act_op.register_fake
+def _(x, smooth, lora_down):
+    M, K = x.shape
+    R = lora_down.shape[1] if lora_down is not None else 0
+    return (x.new_empty((M, K // 2), dtype=torch.int8), x.new_empty((K // 64, M)),
+            x.new_empty((M, R), dtype=torch.float32))
+
+
+def quantize_w4a4_act_fuse_lora(x: Tensor, smooth: Tensor | None, lora_down: Tensor | None):
+    """The Triton pass for x (M, K): (codes int8 (M, K / 2), scales (K / 64, M) in x's dtype,
+    h = x @ lora_down fp32 (M, R)); lanekit.gemm's svdquant_w4a4_linear runs it before its GEMM."""
+    return _call(_w4a4_act_op, x, smooth, lora_down)
+
+
+def quantize_w4a4_act_triton(*, x, smooth=None, dtype=None):
+    codes, scales, _ = quantize_w4a4_act_fuse_lora(x, smooth, None)
+    return codes, scales
+
+
+def quantize_w4a4_act_reference(*, x, smooth=None, dtype=None):
+    return ref.quantize_w4a4_act(x, smooth, dtype or x.dtype)

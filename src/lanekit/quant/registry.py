@@ -239,3 +239,42 @@ register(Op(
     samples=_stochastic_samples, outputs=(("codes", CODES),),
     doc="unbiased stochastic rounding to fp8 from Philox (tl.randint) at offset + row * C + col",
 ))
+
+
+# ---- SVDQuant W4A4's activation pass ----
+
+def _w4a4_samples(device):
+    """x (M, K), K a multiple of 64; smooth in x's dtype or fp32; zero rows and zero groups; values
+    on exact ties of the stored scale (a group whose max is 7: scale 1, x = k + 0.5)."""
+    shapes = [
+        ("13x64 bf16", 13, 64, torch.bfloat16, None, {}),
+        ("17x256 fp16 smooth", 17, 256, torch.float16, "x", {}),
+        ("1x192 bf16 smooth fp32", 1, 192, torch.bfloat16, "fp32", {}),
+        ("4x128 bf16, row 1 zero", 4, 128, torch.bfloat16, None, {"zero_rows": (1,)}),
+        ("9x128 fp16 non-contiguous", 9, 128, torch.float16, None, {"noncontig": True}),
+        ("0x64 bf16", 0, 64, torch.bfloat16, None, {}),
+    ]
+    for tag, R, C, dtype, smooth, opts in shapes:
+        name = f"w4a4 {tag}"
+        x = _x(name, R, C, dtype, **opts)
+        s = None
+        if smooth:
+            s = (torch.rand(C, generator=generator(name, "smooth ")) * 1.5 + 0.5)
+            s = s.to(dtype if smooth == "x" else torch.float32).to(device)
+        yield Sample(name, dict(x=x.to(device), smooth=s, dtype=dtype))
+    # group 0 of each row: max 7 (scale exactly 1) and every k + 0.5 in [-6.5, 6.5]; group 1 all zero
+    ties = torch.zeros(2, 128)
+    ties[:, :14] = torch.arange(-6.5, 7.0)
+    ties[0, 14] = 7.0
+    ties[1, 20] = -7.0
+    yield Sample("w4a4 ties k + 0.5 on a scale of 1, a zero group", dict(x=ties.to(torch.bfloat16).to(device),
+                                                                          smooth=None, dtype=torch.bfloat16))
+
+
+register(Op(
+    name="quantize_w4a4_act", family="quant", oracle="lanekit.reference.quant:quantize_w4a4_act",
+    lanes={"triton": "lanekit.quant.op:quantize_w4a4_act_triton",
+           "reference": "lanekit.quant.op:quantize_w4a4_act_reference"},
+    samples=_w4a4_samples, outputs=(("codes", CODES), ("scale", SCALES)),
+    doc="SVDQuant's activations: signed int4 per 64 columns, scale amax / 7 rounded to x's dtype first",
+))

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from lanekit.reference.numerics import e2m1, finite_amax, quant_scale, quantize_groups, to_codes, unpack_int4
+from lanekit.reference.quant import dequantize_w4a4, quantize_w4a4_act
 
 BLOCK = 128
 MX_GROUP = 32
@@ -226,3 +227,24 @@ def int4_mm(a, b, scale_a, scale_b, bias=None, out_dtype=torch.bfloat16):
     """(A @ B) * scale_a * scale_b + bias for A (M, K) = int4_values(a, 1), B (K, N) =
     int4_values(b, 0); scales per tensor or rowwise as :func:`int8_mm` takes them."""
     return scaled_mm(int4_values(a, 1), int4_values(b, 0), scale_a, scale_b, bias, out_dtype, "row")
+
+
+# ---- SVDQuant W4A4 with its low-rank branch ----
+
+def svdquant_w4a4_linear(x, qweight, wscales, lora_down, lora_up, smooth=None, bias=None, dtype=None):
+    """SVDQuant's linear (Li et al., ICLR 2025; nunchaku's ``SVDQW4A4Linear``), float64:
+    y = Q4(x / smooth) @ Q4(W).T + (x @ lora_down) @ lora_up.T + bias, x (..., K), qweight
+    (N, K / 2) and wscales (K / 64, N) from :func:`reference.quant.quantize_w4a4_wgt`, the
+    activation quantized by :func:`reference.quant.quantize_w4a4_act` in ``dtype`` (x's format);
+    the low-rank branch takes x unsmoothed (nunchaku's ``lora_down`` has the smoothing folded in);
+    lora_down (K, R), lora_up (N, R)."""
+    lead, K = x.shape[:-1], x.shape[-1]
+    N = qweight.shape[0]
+    x2 = x.reshape(lead.numel(), K).to(torch.float64)
+    if K == 0:
+        y = x2.new_zeros(x2.shape[0], N)
+    else:
+        qa, sa = quantize_w4a4_act(x2, smooth, dtype or x.dtype)
+        y = dequantize_w4a4(qa, sa) @ dequantize_w4a4(qweight, wscales).t()
+    y = y + (x2 @ lora_down.to(torch.float64)) @ lora_up.to(torch.float64).t()
+    return _finish(y, bias, x.dtype).reshape(*lead, N)

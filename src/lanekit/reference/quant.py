@@ -188,3 +188,66 @@ def stochastic_round_fp8(x: torch.Tensor, dtype=torch.float8_e4m3fn, seed: int =
     codes = torch.where(torch.signbit(x), -v, v).to(dtype).view(torch.uint8)   # x's sign, -0 included
     nan = torch.full_like(codes, FP8_NAN_CODE)
     return torch.where(torch.isnan(x), nan, codes).view(dtype)   # NaN: the NaN code (+-inf saturate)
+
+
+# ---- SVDQuant's W4A4: signed int4 codes per group of 64 along K, 16-bit scales ----
+# (Li et al., "SVDQuant: Absorbing Outliers by Low-Rank Components for 4-Bit Diffusion Models",
+# ICLR 2025; MIT Han lab's nunchaku: quantize_w4a4_act / quantize_w4a4_wgt. docs/semantics.md,
+# "SVDQuant W4A4".)
+
+W4A4_GROUP = 64
+W4A4_QMAX = 7.0
+
+
+def pack_w4a4(codes: torch.Tensor) -> torch.Tensor:
+    """Signed int4 codes (..., K) in [-8, 7] two to an int8 (..., K / 2): element 2i in the low
+    nibble, 2i + 1 in the high one, each as its 4-bit two's complement."""
+    c = codes.to(torch.int64) & 0xF
+    byte = c[..., 0::2] | (c[..., 1::2] << 4)
+    return torch.where(byte >= 128, byte - 256, byte).to(torch.int8)
+
+
+def unpack_w4a4(packed: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`pack_w4a4`: int8 (..., K / 2) -> signed codes int8 (..., K)."""
+    b = packed.to(torch.int64) & 0xFF
+    nib = torch.stack((b & 0xF, b >> 4), -1).reshape(*b.shape[:-1], b.shape[-1] * 2)
+    return torch.where(nib >= 8, nib - 16, nib).to(torch.int8)
+
+
+def quantize_w4a4_act(x: torch.Tensor, smooth: torch.Tensor | None = None, dtype: torch.dtype | None = None):
+    """SVDQuant's activation quantization of x (M, K), K a multiple of 64, ``dtype`` the 16-bit
+    format (bf16 or fp16) x's values are in (x's own dtype when None; the checks pass float64
+    copies). Every step is one correctly rounded operation:
+
+    - smoothing: xs = x / smooth in fp32, rounded to ``dtype`` (nunchaku divides in 16 bits);
+    - per row and group of 64 columns: s = amax(|xs|) / 7 in fp32, rounded to ``dtype``: the
+      stored scale; NaN for a group holding a NaN or inf (the NaN-visible rule), 0 for an
+      all-zero group;
+    - codes = round half to even of xs / s, with the stored (rounded) s, clamped to [-8, 7];
+      0 where s is 0 or NaN.
+
+    Returns (codes packed by :func:`pack_w4a4`, int8 (M, K / 2); scales (K / 64, M) in ``dtype``,
+    nunchaku's ascales layout)."""
+    dtype = dtype or x.dtype
+    xs = x.to(torch.float64)
+    if smooth is not None:
+        xs = (xs / smooth.to(torch.float64)).to(torch.float32).to(dtype).to(torch.float64)
+    M, K = xs.shape
+    g = xs.reshape(M, K // W4A4_GROUP, W4A4_GROUP)
+    s = quant_scale(finite_amax(g, -1), W4A4_QMAX, 0.0).to(torch.float32).to(dtype)        # (M, G)
+    sd = s.to(torch.float64).unsqueeze(-1)
+    ok = sd > 0                                                                            # not 0, not NaN
+    codes = torch.where(ok, torch.round(g / torch.where(ok, sd, 1.0)).clamp(-8, 7), 0.0)   # ties to even
+    return pack_w4a4(codes.reshape(M, K)), s.t().contiguous()
+
+
+def quantize_w4a4_wgt(w: torch.Tensor, dtype: torch.dtype | None = None):
+    """SVDQuant's weight quantization of w (N, K): :func:`quantize_w4a4_act` without smoothing.
+    Returns (qweight int8 (N, K / 2), wscales (K / 64, N) in ``dtype``)."""
+    return quantize_w4a4_act(w, None, dtype)
+
+
+def dequantize_w4a4(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """Codes (R, K / 2) times their scales (K / 64, R), float64 (R, K)."""
+    s = scales.to(torch.float64).t().repeat_interleave(W4A4_GROUP, 1)
+    return unpack_w4a4(packed).to(torch.float64) * s
