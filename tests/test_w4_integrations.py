@@ -288,3 +288,105 @@ def test_wrong_dtype_format_or_group_size_are_refused():
         load_quantized_linears(_model(), {**gstate, "0.g_idx": gstate["0.g_idx"][:32]}, format="gptq")
     with pytest.raises(ValueError, match="qweight"):
         load_quantized_linears(_model(), {"x.qweight": state["0.qweight"]})
+
+
+# ---- fused_moe with MXFP4 experts (use_mxfp4_w4a16) ----
+
+from lanekit import moe  # noqa: E402
+from lanekit.families import get_op  # noqa: E402
+from lanekit.moe import registry as mreg  # noqa: E402
+from lanekit.reference import moe as mref  # noqa: E402
+from lanekit.testing import upcast  # noqa: E402
+
+
+def _moe_cases():
+    for s in get_op("fused_moe_mxfp4").samples(DEVICE):
+        yield pytest.param(s, id=s.name)
+
+
+@pytest.mark.parametrize("lane", LANES)
+@pytest.mark.parametrize("sample", list(_moe_cases()))
+def test_fused_moe_mxfp4_samples_match_the_oracle(sample, lane):
+    op = get_op("fused_moe_mxfp4")
+    want = op.reference()(**{k: upcast(v) for k, v in sample.kwargs.items()})
+    with poisoned_outputs():
+        out = op.lane(lane)(**sample.kwargs)
+    assert_close(out, want, mreg.FUSED_MOE_MXFP4)
+
+
+def test_mxfp4_expert_weights_decode_in_the_documented_nibble_order():
+    # byte 0x2F: element 0 = 0xF (-6), element 1 = 0x2 (1.0); byte 0x90: 0x0 (0), 0x9 (-0.5)
+    w = torch.zeros(1, 2, 16, dtype=torch.uint8)
+    w[0, 0, 0], w[0, 0, 1] = 0x2F, 0x90
+    scale = torch.tensor([[[128], [127]]], dtype=torch.uint8)          # 2^1, 2^0
+    got = mref.mxfp4_experts(w, scale)
+    assert got[0, 0, :4].tolist() == [-12.0, 2.0, 0.0, -1.0] and got[0, 0, 4:].abs().sum() == 0
+    assert got[0, 1].abs().sum() == 0
+
+
+def _moe_sample(name="M 17, K 96, N 160 (past the tile), a zero weight row, top-2"):
+    return next(s for s in get_op("fused_moe_mxfp4").samples(DEVICE) if s.name == name).kwargs
+
+
+def _public(kw, **over):
+    args = dict(hidden_states=kw["hidden_states"], w1=kw["w1"], w2=kw["w2"], topk_weights=kw["topk_weights"],
+                topk_ids=kw["topk_ids"], activation=kw["activation"], expert_map=kw["expert_map"],
+                apply_router_weight_on_input=kw["apply_router_weight_on_input"], use_mxfp4_w4a16=True,
+                w1_scale=kw["w1_scale"], w2_scale=kw["w2_scale"])
+    args.update(over)
+    return args
+
+
+@pytest.mark.parametrize("lane", LANES)
+def test_fused_moe_public_function_takes_gpt_oss_blocks_and_e8m0_scales(lane):
+    kw = _moe_sample()
+    want = get_op("fused_moe_mxfp4").reference()(**{k: upcast(v) for k, v in kw.items()})
+    E, two_n, half_k = kw["w1"].shape
+    _, K, half_n = kw["w2"].shape
+    e8m0 = getattr(torch, "float8_e8m0fnu", torch.uint8)
+    blocks = dict(w1=kw["w1"].reshape(E, two_n, half_k // 16, 16), w2=kw["w2"].reshape(E, K, half_n // 16, 16),
+                  w1_scale=kw["w1_scale"].view(e8m0), w2_scale=kw["w2_scale"].view(e8m0))
+    for over in ({}, blocks):
+        with poisoned_outputs():
+            out = moe.fused_moe(**_public(kw, **over), lane=lane)
+        assert_close(out, want, mreg.FUSED_MOE_MXFP4)
+
+
+@pytest.mark.parametrize("lane", LANES)
+def test_a_nan_scale_poisons_only_the_tokens_routed_to_its_expert(lane):
+    kw = dict(_moe_sample("expert 2 of 4 gets no token, M 9 top-2"))
+    w1_scale = kw["w1_scale"].clone()
+    w1_scale[1, 0, 0] = 255                                  # e8m0's NaN, expert 1's first gate row
+    out = moe.fused_moe(**_public(kw, w1_scale=w1_scale), lane=lane)
+    routed = (kw["topk_ids"] == 1).any(1)
+    assert routed.any() and (~routed).any()
+    assert out[routed].isnan().all(1).all() and not out[~routed].isnan().any()
+
+
+@pytest.mark.parametrize("over, exc, match", [
+    (dict(use_fp8_w8a8=True), ValueError, "use_fp8_w8a8: expected it unset with use_mxfp4_w4a16"),
+    (dict(block_shape=[128, 128]), ValueError, "block_shape: expected it unset"),
+    (dict(w1_scale=None), ValueError, "w1_scale: expected the e8m0 scales"),
+    (dict(w2_scale="w2s[:, :, :1]"), ValueError, r"w2_scale: expected shape \(4, 96, 5\)"),
+    (dict(w1="w1.float"), TypeError, "w1: expected dtype"),
+    (dict(w1_scale="w1s.float"), TypeError, "w1_scale: expected dtype"),
+    (dict(w2="w2[:, :, :8]"), ValueError, r"w2: expected shape \(4, 96, 80\)"),
+    (dict(hidden_states="x[:, :80]"), ValueError, "hidden_states: expected K a multiple of 32"),
+])
+def test_fused_moe_mxfp4_bad_arguments_are_refused(over, exc, match):
+    kw = _moe_sample()
+    named = {"w2s[:, :, :1]": kw["w2_scale"][:, :, :1], "w1.float": kw["w1"].float(),
+             "w1s.float": kw["w1_scale"].float(), "w2[:, :, :8]": kw["w2"][:, :, :8],
+             "x[:, :80]": kw["hidden_states"][:, :80]}
+    over = {k: named.get(v, v) if isinstance(v, str) else v for k, v in over.items()}
+    with pytest.raises(exc, match=match):
+        moe.fused_moe(**_public(kw, **over), lane="reference")
+
+
+def test_fused_moe_mxfp4_is_inference_only():
+    kw = _moe_sample()
+    x = kw["hidden_states"].clone().requires_grad_(True)
+    with pytest.raises(ValueError, match="hidden_states: expected no requires_grad with MXFP4 experts"):
+        moe.fused_moe(**_public(kw, hidden_states=x), lane="triton")
+    with torch.no_grad():
+        assert moe.fused_moe(**_public(kw, hidden_states=x), lane="reference").shape == x.shape
