@@ -54,5 +54,6 @@ def test_a_wrong_mxfp4_fused_moe_is_caught_by_the_check(monkeypatch):
     inputs = moe.MXFP4.make_inputs(c, device="cpu")
     assert moe.MXFP4.check(c, *inputs) is None
     real = moe.lk.fused_moe
-    monkeypatch.setattr(moe.lk, "fused_moe", lambda *a, **k: real(*a, **k) * 1.01)
+    # 5% off: past the two bf16 steps at max |ref| the tolerance allows (up to 3% of it)
+    monkeypatch.setattr(moe.lk, "fused_moe", lambda *a, **k: real(*a, **k) * 1.05)
     assert moe.MXFP4.check(c, *inputs) is not None
