@@ -390,3 +390,37 @@ def test_fused_moe_mxfp4_is_inference_only():
         moe.fused_moe(**_public(kw, hidden_states=x), lane="triton")
     with torch.no_grad():
         assert moe.fused_moe(**_public(kw, hidden_states=x), lane="reference").shape == x.shape
+
+
+@pytest.mark.parametrize("lane", LANES)
+def test_fused_moe_mxfp4_out_of_range_ids_are_masked_and_reported(lane):
+    import lanekit
+    from lanekit.runtime import errors
+
+    errors.check_errors()
+    kw = dict(_moe_sample("M 1 (decode), K 32 (one scale group), E 8 top-2"))
+    kw.update(hidden_states=torch.cat([kw["hidden_states"]] * 3), topk_weights=torch.cat([kw["topk_weights"]] * 3),
+              topk_ids=torch.tensor([[1, 8], [-3, 2], [5, 99]], dtype=torch.int32, device=DEVICE))
+    with poisoned_outputs():
+        out = moe.fused_moe(**_public(kw), lane=lane)
+    # the oracle with the bad slots' weights zeroed (their ids sent to a valid expert)
+    safe = dict(kw, topk_ids=kw["topk_ids"].clamp(0, 7),
+                topk_weights=torch.where((kw["topk_ids"] >= 0) & (kw["topk_ids"] < 8), kw["topk_weights"], 0.0))
+    want = get_op("fused_moe_mxfp4").reference()(**{k: upcast(v) for k, v in safe.items()})
+    assert not out.isnan().any()
+    assert_close(out, want, mreg.FUSED_MOE_MXFP4)
+    with pytest.raises(ValueError, match="fused_moe: an id of topk_ids outside"):
+        lanekit.check_errors()
+    errors.check_errors()
+
+
+def test_fused_moe_mxfp4_checks_ids_eagerly_when_asked(monkeypatch):
+    from lanekit.runtime import errors
+
+    monkeypatch.setenv("LANEKIT_CHECK_INDICES", "1")
+    errors.check_errors()
+    kw = dict(_moe_sample("M 1 (decode), K 32 (one scale group), E 8 top-2"))
+    kw["topk_ids"] = torch.tensor([[1, 8]], dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match=r"topk_ids: expected ids in \[0, 8\)"):
+        moe.fused_moe(**_public(kw), lane="triton")
+    errors.check_errors()
