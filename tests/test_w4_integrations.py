@@ -281,7 +281,8 @@ def test_wrong_dtype_format_or_group_size_are_refused():
         load_quantized_linears(_model(), {**state, "0.qweight": state["0.qweight"].to(torch.int64)})
     with pytest.raises(ValueError, match="format"):
         load_quantized_linears(_model(), state, format="exl2")
-    with pytest.raises(ValueError, match=r"0\.scales: expected shape \(4, 16\) \(\(K / group_size, N\) with group_size 16\)"):
+    want = r"0\.scales: expected shape \(4, 16\) \(\(K / group_size, N\) with group_size 16\)"
+    with pytest.raises(ValueError, match=want):
         load_quantized_linears(_model(), state, format="awq", group_size=16)
     gstate = _gptq_state(q, z, s, torch.arange(K_) // G_)
     with pytest.raises(ValueError, match=r"0\.g_idx: expected shape \(64,\)"):

@@ -261,12 +261,12 @@ def _key(state_dict, name: str, dtypes, shape, what: str):
         raise TypeError(f"{name}: expected a tensor, got {type(t).__name__}")
     if t.dtype not in dtypes:
         raise TypeError(f"{name}: expected dtype {' or '.join(str(d) for d in dtypes)}, got {t.dtype}")
-    if tuple(t.shape) != tuple(shape):
+    if shape is not None and tuple(t.shape) != tuple(shape):
         raise ValueError(f"{name}: expected shape {tuple(shape)} ({what}), got {tuple(t.shape)}")
     return t
 
 
-def _gptq_v2_zeros(qzeros, qweight, g_idx, K, N, G, name):
+def _gptq_v2_zeros(qzeros, qweight, g_idx, name):
     """GPTQ v2 zeros (z itself) as lanekit's "gptq" layout (z - 1), or, where some z is 0 and so
     has no z - 1 nibble, the whole layer in AWQ's layout (no act-order only)."""
     z = unpack_int4(qzeros, dim=1).to(torch.int64)
@@ -329,15 +329,15 @@ def load_quantized_linears(model: nn.Module, state_dict, format: str = "awq", *,
         if (N if awq else K) % 8:
             raise ValueError(f"{name}.qweight: expected {'N' if awq else 'K'} a multiple of 8, got "
                              f"in_features {K}, out_features {N}")
-        if f"{name}.scales" not in state_dict:
-            _key(state_dict, f"{name}.scales", (), (), "(K / group_size, N)")
-        rows = state_dict[f"{name}.scales"].shape[0] if state_dict[f"{name}.scales"].dim() == 2 else 0
+        given = _key(state_dict, f"{name}.scales", (torch.float16, torch.bfloat16, torch.float32), None,
+                     "(K / group_size, N)")
+        rows = given.shape[0] if given.dim() == 2 else 0
         G = group_size if group_size is not None else (K // rows if rows and K % rows == 0 else 0)
         if G == -1:
             G = K
         if not G or K % G:
             raise ValueError(f"{name}.scales: expected (K / group_size, N) with group_size dividing K = {K}, "
-                             f"got shape {tuple(state_dict[f'{name}.scales'].shape)}"
+                             f"got shape {tuple(given.shape)}"
                              + (f" and group_size {group_size}" if group_size is not None else ""))
         scales = _key(state_dict, f"{name}.scales", (torch.float16, torch.bfloat16, torch.float32),
                       (K // G, N), f"(K / group_size, N) with group_size {G}")
@@ -353,7 +353,7 @@ def load_quantized_linears(model: nn.Module, state_dict, format: str = "awq", *,
                         (N,), "(N,)").detach()
         layout = "awq" if awq else "gptq"
         if format == "gptq_v2":
-            layout, qweight, qzeros, g_idx = _gptq_v2_zeros(qzeros, qweight, g_idx, K, N, G, name)
+            layout, qweight, qzeros, g_idx = _gptq_v2_zeros(qzeros, qweight, g_idx, name)
         if layout == "gptq" and G % 8:
             raise ValueError(f"{name}.scales: expected group_size a multiple of 8 for GPTQ's layout, got {G}")
         device = linear.weight.device
