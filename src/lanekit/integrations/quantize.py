@@ -297,8 +297,9 @@ def load_quantized_linears(model: nn.Module, state_dict, format: str = "awq", *,
       j, storing **z - 1** (AutoGPTQ's ``pack`` subtracts 1 before packing and its kernels add it
       back, so a symmetric checkpoint stores 7 for zero 8); ``scales`` (K/G, N); ``g_idx`` (K,)
       int32, the group of each row of K (act-order when it is not k // G; absent: k // G).
-    - ``format="gptq_v2"`` (``checkpoint_format`` "gptq_v2": AutoGPTQ >= 0.8 and GPTQModel, which
-      converts v1 to v2 in memory by adding 1 to every qzeros nibble): as "gptq" but ``qzeros``
+    - ``format="gptq_v2"`` (``checkpoint_format`` "gptq_v2": AutoGPTQ's late releases, whose
+      ``CHECKPOINT_FORMAT`` has GPTQ_V2 (the first such version not pinned down here), and GPTQModel,
+      which converts v1 to v2 in memory by adding 1 to every qzeros nibble): as "gptq" but ``qzeros``
       storing z itself; converted here to v1 (z - 1), or to AWQ's layout for a layer with a zero
       point 0 (which v1 cannot hold) and no act-order.
     - ``bias`` (N,), optional; else the layer's own bias is kept.
