@@ -8,7 +8,7 @@ drawn at scale K^-1/2 (N^-1/2 for w2) so the activations stay O(1); the routing 
 of ``ROUTING_SETS`` routings (and token batches) in turn, so that at small M consecutive calls read
 different experts and the L2 cache (50 MB) does not serve a decode step's expert weights.
 
-Five families (``python -m benchmarks.run moe`` runs all five):
+Six families (``python -m benchmarks.run moe`` runs all six):
 
 - ``moe_graphs`` (this module, TFLOP/s, CUDA graphs: the GPU's time): ``grouped_mm`` (the MLP's
   first GEMM, (M*topk, K) rows sorted by expert times w1 as (E, K, 2N), the transposed view of the
@@ -29,6 +29,9 @@ Five families (``python -m benchmarks.run moe`` runs all five):
   experts in 128 x 128 blocks (activations quantized on the fly, both passes timed) beside
   lanekit's bf16 fused_moe on the same routing, at Qwen3-30B-A3B and DeepSeek-V3 shapes, M = 256
   and 4096: the issue's bar is 1.6x at M = 4096.
+- ``moe_mxfp4`` (:data:`MXFP4`, TFLOP/s, CUDA graphs): fused_moe with MXFP4 experts
+  (``use_mxfp4_w4a16``, gpt-oss's) beside lanekit's bf16 fused_moe on the same weights dequantized,
+  at gpt-oss-20b's and gpt-oss-120b's shapes (E 32 / 128, top-4, K = N = 2880), M = 1 to 4096.
 
 ``python -m benchmarks.moe`` (no GPU needed) runs every case's inputs, check and peers once at
 tiny shapes on the CPU with lanekit's reference lane, to catch a broken path before the GPU run.
@@ -391,8 +394,81 @@ FP8 = SimpleNamespace(
     UNIT="TFLOP/s", CUDA_GRAPHS=True, cases=_fp8_cases, name=name, flops=flops,
     make_inputs=_fp8_inputs, check=_fp8_check, runners=_fp8_runners)
 
+# -- MXFP4 experts (gpt-oss's) --
+
+MX_MODELS = {
+    "gpt-oss-20b": dict(E=32, topk=4, K=2880, N=2880),
+    "gpt-oss-120b": dict(E=128, topk=4, K=2880, N=2880),
+}
+MX_TINY = {"tiny-mx": dict(E=8, topk=2, K=64, N=32)}     # K and N multiples of 32
+
+
+def _mxfp4_cases(quick: bool = False, shapes=MODELS):
+    models = MX_MODELS if shapes is MODELS else MX_TINY
+    for model in models:
+        for M in (((16, 4096) if quick else TOKENS) if shapes is MODELS else (3, 40)):
+            yield _case("fused_moe mxfp4", model, M, models)
+
+
+def _mxfp4_weight(E, R, C, g, device):
+    """Random MXFP4 expert weights (E, R, C) as gpt-oss stores them (codes two a byte, e8m0 bytes
+    per 32, O(1) rows: scale ~ 1 / (3.3 sqrt(C))) and the same weights dequantized to bf16, expert
+    by expert (the bf16 peer computes the same MLP)."""
+    codes = torch.randint(0, 16, (E, R, C // 2), generator=g, device=device, dtype=torch.uint8)
+    packed = codes | (torch.randint(0, 16, (E, R, C // 2), generator=g, device=device, dtype=torch.uint8) << 4)
+    base = 127 - round(torch.log2(torch.tensor(3.3 * C ** 0.5)).item())
+    scale = torch.randint(base - 2, base + 1, (E, R, C // 32), generator=g, device=device, dtype=torch.uint8)
+    dense = torch.empty(E, R, C, device=device, dtype=BF16)
+    for e in range(E):
+        dense[e] = ref.mxfp4_experts(packed[e:e + 1], scale[e:e + 1], BF16)[0]
+    return packed, scale, dense
+
+
+def _mxfp4_inputs(c, device="cuda"):
+    """Tokens and routings as make_inputs', the experts MXFP4 (and their bf16 dequantization)."""
+    g = torch.Generator(device=device).manual_seed(0)
+    E, K, N, M = c["E"], c["K"], c["N"], c["M"]
+    w1q, w1s, w1 = _mxfp4_weight(E, 2 * N, K, g, device)
+    w2q, w2s, w2 = _mxfp4_weight(E, K, N, g, device)
+    xs = [torch.randn(M, K, generator=g, device=device, dtype=BF16) for _ in range(ROUTING_SETS)]
+    routings = [tuple(t.to(device) for t in _routing_cpu(E, c["topk"], M, i)) for i in range(ROUTING_SETS)]
+    return [xs, w1, w2, routings, (w1q, w1s, w2q, w2s)]
+
+
+def _mxfp4_call(x, quant, topk_weights, topk_ids):
+    w1q, w1s, w2q, w2s = quant
+    return lk.fused_moe(x, w1q, w2q, topk_weights, topk_ids, use_mxfp4_w4a16=True, w1_scale=w1s, w2_scale=w2s)
+
+
+def _mxfp4_check(c, xs, w1, w2, routings, quant) -> str | None:
+    """MXFP4 fused_moe against its oracle (codes and scales dequantized exactly, the intermediate
+    rounded to bf16) on the first tokens."""
+    x, (weights, ids) = xs[0], routings[0]
+    t = slice(0, _check_tokens(ids))
+    out = _mxfp4_call(x, quant, weights, ids)
+    used, local = torch.unique(ids[t].long(), return_inverse=True)
+    w1q, w1s, w2q, w2s = (q[used] for q in quant)
+    expected = ref.fused_moe_mxfp4(x[t].double(), w1q, w2q, weights[t].double(), local.to(torch.int32),
+                                   w1_scale=w1s, w2_scale=w2s, intermediate_dtype=x.dtype)
+    result = compare(out[t], expected, _tolerance("fused_moe_mxfp4"))
+    return None if result.ok else result.detail
+
+
+def _mxfp4_runners(c, xs, w1, w2, routings, quant):
+    return {"lanekit": _cycle(lambda i: _mxfp4_call(xs[i], quant, *routings[i])),
+            "lanekit bf16": _cycle(lambda i: lk.fused_moe(xs[i], w1, w2, *routings[i]))}
+
+
+MXFP4 = SimpleNamespace(
+    __doc__="fused_moe with MXFP4 experts (gpt-oss's: e2m1 codes, an e8m0 scale per 32, bf16 "
+            "activations; use_mxfp4_w4a16) beside lanekit's own bf16 fused_moe on the same "
+            "(dequantized) weights and routing, at gpt-oss-20b's and -120b's shapes; TFLOP/s of "
+            "the MLP's FLOPs, CUDA graphs (see benchmarks.moe).",
+    UNIT="TFLOP/s", CUDA_GRAPHS=True, cases=_mxfp4_cases, name=name, flops=flops,
+    make_inputs=_mxfp4_inputs, check=_mxfp4_check, runners=_mxfp4_runners)
+
 FAMILIES = {"moe_graphs": sys.modules[__name__], "moe_eager": EAGER, "moe_decode": DECODE, "moe_align": ALIGN,
-            "moe_fp8": FP8}
+            "moe_fp8": FP8, "moe_mxfp4": MXFP4}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -17,9 +17,10 @@ def test_every_moe_benchmark_case_runs_and_checks_on_the_cpu():
 def test_moe_families_are_registered_and_grouped():
     assert set(run.GROUPS["moe"]) == set(moe.FAMILIES) <= set(run.FAMILIES)
     names = [m.name(c) for m in moe.FAMILIES.values() for c in m.cases(False)]
-    assert len(names) == len(set(names)) == 24 + 12 + 6 + 1 + 4
+    assert len(names) == len(set(names)) == 24 + 12 + 6 + 1 + 4 + 8
     assert "fused_moe DeepSeek-V3 M=4096" in names and "align+dispatch DeepSeek-V3 M=1" in names
     assert "fused_moe fp8 DeepSeek-V3 M=4096" in names
+    assert "fused_moe mxfp4 gpt-oss-120b M=4096" in names and "fused_moe mxfp4 gpt-oss-20b M=1" in names
 
 
 def test_decode_bytes_count_the_experts_routed():
@@ -46,3 +47,13 @@ def test_pipeline_and_loop_agree_with_the_oracle():
         got = peer(xs[0], w1, w2, weights, ids)
         assert got.dtype == torch.bfloat16
         torch.testing.assert_close(got.double(), expected, rtol=0.03, atol=0.03 * expected.abs().max().item())
+
+
+def test_a_wrong_mxfp4_fused_moe_is_caught_by_the_check(monkeypatch):
+    c = next(moe.MXFP4.cases(False, shapes=moe.TINY))
+    inputs = moe.MXFP4.make_inputs(c, device="cpu")
+    assert moe.MXFP4.check(c, *inputs) is None
+    real = moe.lk.fused_moe
+    # 5% off: past the two bf16 steps at max |ref| the tolerance allows (up to 3% of it)
+    monkeypatch.setattr(moe.lk, "fused_moe", lambda *a, **k: real(*a, **k) * 1.05)
+    assert moe.MXFP4.check(c, *inputs) is not None

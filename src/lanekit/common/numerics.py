@@ -117,3 +117,16 @@ def e2m1_value(code):
     # e = 0: m / 2 (subnormal); else (2 + m) * 2^(e - 2)
     mag = tl.where(e == 0, m * 0.5, (2.0 + m) * tl.where(e == 1, 0.5, tl.where(e == 2, 1.0, 2.0)))
     return tl.where((code & 8) != 0, -mag, mag)
+
+
+@triton.jit
+def e2m1_pairs(byte):
+    """MXFP4 bytes [R, C] (int32 0..255), two e2m1 codes each along R, element 2i in the low
+    nibble (gpt-oss's and OCP MX's packing), as their values [2R, C] in fp32, exactly: row 2i
+    from byte i's low nibble, row 2i + 1 from its high one. The B operand of the MXFP4 GEMMs
+    (lanekit.gemm's mxfp4_linear, lanekit.moe's fused_moe with use_mxfp4_w4a16)."""
+    R: tl.constexpr = byte.shape[0]
+    C: tl.constexpr = byte.shape[1]
+    word = tl.reshape(tl.broadcast_to(byte[:, None, :], (R, 2, C)), (2 * R, C))   # each byte twice
+    shift = (tl.arange(0, 2 * R) % 2) * 4
+    return e2m1_value((word >> shift[:, None]) & 0xF)

@@ -489,6 +489,36 @@ def _check_fused_moe_scales(x, E, N, K, use_fp8_w8a8, per_channel_quant, block_s
         _shape(name, s, (1,), "a static per-tensor scale")
 
 
+
+def _check_routing(hidden_states, E, topk_weights, topk_ids, expert_map, activation,
+                   apply_router_weight_on_input):
+    """fused_moe's routing arguments against x (M, K) and E local experts (metadata only);
+    returns (E_global, apply_router_weight_on_input as a bool)."""
+    M = hidden_states.shape[0]
+    _tensor("topk_ids", topk_ids, dtypes=(torch.int32,), ndim=2, like=hidden_states, like_name="hidden_states")
+    topk = topk_ids.shape[1]
+    if topk_ids.shape[0] != M:
+        raise ValueError(f"topk_ids: expected (M, topk) with M = {M} (hidden_states' rows), got shape {tuple(topk_ids.shape)}")
+    _tensor("topk_weights", topk_weights, dtypes=tuple(dict.fromkeys((torch.float32, hidden_states.dtype))),
+            like=hidden_states, like_name="hidden_states")
+    _shape("topk_weights", topk_weights, tuple(topk_ids.shape), "topk_ids' shape (M, topk)")
+    num_global = E
+    if expert_map is not None:
+        _tensor("expert_map", expert_map, dtypes=(torch.int32,), ndim=1, like=hidden_states, like_name="hidden_states")
+        num_global = expert_map.shape[0]
+        if num_global < E:
+            raise ValueError(f"expert_map: expected (E_global,) with E_global >= E = {E} (w1's local experts), "
+                             f"got shape {tuple(expert_map.shape)}")
+    if not 1 <= topk <= num_global:
+        raise ValueError(f"topk_ids: expected 1 <= topk <= {num_global} (the experts), got topk = {topk}")
+    if activation not in ("silu", "gelu"):
+        raise ValueError(f"activation: expected 'silu' or 'gelu', got {activation!r}")
+    apply_router_weight_on_input = _flag("apply_router_weight_on_input", apply_router_weight_on_input)
+    if apply_router_weight_on_input and topk != 1:
+        raise ValueError(f"apply_router_weight_on_input: expected topk = 1 (as vLLM), got topk = {topk}")
+    return num_global, apply_router_weight_on_input
+
+
 def fused_moe(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
               topk_weights: torch.Tensor, topk_ids: torch.Tensor, activation: str = "silu",
               apply_router_weight_on_input: bool = False, expert_map: torch.Tensor | None = None,
@@ -496,9 +526,10 @@ def fused_moe(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
               per_channel_quant: bool = False, block_shape: list[int] | None = None,
               w1_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
               a1_scale: torch.Tensor | None = None, a2_scale: torch.Tensor | None = None,
-              lane: str | None = None) -> torch.Tensor:
+              use_mxfp4_w4a16: bool = False, lane: str | None = None) -> torch.Tensor:
     """The fused expert MLP of a mixture-of-experts layer (vLLM's ``fused_experts``), unquantized
-    or with quantized experts (the keywords ``use_fp8_w8a8`` ... ``a2_scale``, below).
+    or with quantized experts (the keywords ``use_fp8_w8a8`` ... ``a2_scale`` and
+    ``use_mxfp4_w4a16``, below).
 
     For each token t and slot s, with e = topk_ids[t, s] (through ``expert_map`` when given):
     ``out[t] += topk_weights[t, s] * w2[e] @ (act(w1[e, :N] @ x[t]) * (w1[e, N:] @ x[t]))``.
@@ -541,6 +572,18 @@ def fused_moe(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
         per_channel_quant, block_shape, w1_scale, w2_scale, a1_scale, a2_scale: see above; all
             scales fp32 on x's device. Quantized experts are inference only: inputs that require
             grad are refused. The oracle is ``lanekit.reference.moe.fused_moe_quantized``.
+        use_mxfp4_w4a16: OCP MXFP4 experts with 16-bit activations (gpt-oss's experts; vLLM's
+            ``mxfp4_w4a16_moe_quant_config``, whose weight dtype is "mxfp4" and activations
+            unquantized): w1 uint8 (E, 2N, K/2) and w2 uint8 (E, K, N/2), two e2m1 codes a byte
+            along the reduction (element 2i in the low nibble; gpt-oss's blocks (E, 2N, K/32, 16)
+            and (E, K, N/32, 16) also taken), w1_scale (E, 2N, K/32) and w2_scale (E, K, N/32)
+            uint8 or float8_e8m0fnu e8m0 bytes, 2^(e - 127), 0xFF NaN. K and N multiples of 32. The
+            codes are decoded in the GEMMs' weight loads (exact in bf16/fp16), each 32-wide fp32
+            partial sum times its scale (as ``lanekit.gemm.mxfp4_linear``); the intermediate is
+            rounded to x's dtype. Gate rows then up rows as above (gpt-oss's checkpoints
+            interleave them and add biases and a clamped SwiGLU: not this op). Inference only
+            (inputs that require grad refused). The oracle is
+            ``lanekit.reference.moe.fused_moe_mxfp4`` (dequantize, then the fused_moe oracle).
         lane: "triton" or "reference"; default triton for CUDA/ROCm tensors, reference otherwise.
             fp8 W8A8 on the Triton lane needs e4m3 (sm89+ or AMD); on sm80 it does not compile.
 
@@ -561,6 +604,10 @@ def fused_moe(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
             wrong shape for the scheme; block_shape other than [128, 128], or with W8A16 or
             per_channel_quant; a1/a2_scale given with a dynamic-only scheme or not (1,); inputs
             that require grad.
+        ValueError (MXFP4 experts): use_mxfp4_w4a16 with another scheme or with block_shape,
+            per_channel_quant, a1_scale or a2_scale; K or N not a multiple of 32; a weight or
+            scale of the wrong shape; inputs that require grad. TypeError: weights not uint8,
+            scales not uint8 or float8_e8m0fnu.
         ValueError: wrong ranks; w1 with no expert; w1 and w2 of different E; 2N odd; K of w1 or w2 not x's; N of
             w2 not half of w1's 2N; topk_weights not topk_ids' shape, or M not x's; topk < 1 or
             topk > E_global; expert_map not 1-d or shorter than E; apply_router_weight_on_input
@@ -568,9 +615,14 @@ def fused_moe(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
 
     Source: vLLM's ``fused_experts`` (``vllm.model_executor.layers.fused_moe``) and its
     ``silu_and_mul`` / ``gelu_and_mul``; the oracle is ``lanekit.reference.moe.fused_moe``.
+    MXFP4: OCP Microscaling Formats (MX) v1.0; openai/gpt-oss ``torch/weights.py`` (the packing).
     """
     _tensor("hidden_states", hidden_states, dtypes=_FUSED_DTYPES, ndim=2)
     M, K = hidden_states.shape
+    if _flag("use_mxfp4_w4a16", use_mxfp4_w4a16):
+        return _fused_moe_mxfp4(hidden_states, w1, w2, topk_weights, topk_ids, activation,
+                                apply_router_weight_on_input, expert_map, use_fp8_w8a8, use_int8_w8a16,
+                                per_channel_quant, block_shape, w1_scale, w2_scale, a1_scale, a2_scale, lane)
     use_fp8_w8a8, use_int8_w8a16, per_channel_quant = (
         _flag("use_fp8_w8a8", use_fp8_w8a8), _flag("use_int8_w8a16", use_int8_w8a16),
         _flag("per_channel_quant", per_channel_quant))
@@ -592,27 +644,8 @@ def fused_moe(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
     if w1.shape[2] != K:
         raise ValueError(f"w1: expected (E, 2N, K) with K = {K} (hidden_states'), got shape {tuple(w1.shape)}")
     _shape("w2", w2, (E, K, N), "(E, K, N): E and N of w1, K of hidden_states")
-    _tensor("topk_ids", topk_ids, dtypes=(torch.int32,), ndim=2, like=hidden_states, like_name="hidden_states")
-    topk = topk_ids.shape[1]
-    if topk_ids.shape[0] != M:
-        raise ValueError(f"topk_ids: expected (M, topk) with M = {M} (hidden_states' rows), got shape {tuple(topk_ids.shape)}")
-    _tensor("topk_weights", topk_weights, dtypes=tuple(dict.fromkeys((torch.float32, hidden_states.dtype))),
-            like=hidden_states, like_name="hidden_states")
-    _shape("topk_weights", topk_weights, tuple(topk_ids.shape), "topk_ids' shape (M, topk)")
-    num_global = E
-    if expert_map is not None:
-        _tensor("expert_map", expert_map, dtypes=(torch.int32,), ndim=1, like=hidden_states, like_name="hidden_states")
-        num_global = expert_map.shape[0]
-        if num_global < E:
-            raise ValueError(f"expert_map: expected (E_global,) with E_global >= E = {E} (w1's local experts), "
-                             f"got shape {tuple(expert_map.shape)}")
-    if not 1 <= topk <= num_global:
-        raise ValueError(f"topk_ids: expected 1 <= topk <= {num_global} (the experts), got topk = {topk}")
-    if activation not in ("silu", "gelu"):
-        raise ValueError(f"activation: expected 'silu' or 'gelu', got {activation!r}")
-    apply_router_weight_on_input = _flag("apply_router_weight_on_input", apply_router_weight_on_input)
-    if apply_router_weight_on_input and topk != 1:
-        raise ValueError(f"apply_router_weight_on_input: expected topk = 1 (as vLLM), got topk = {topk}")
+    num_global, apply_router_weight_on_input = _check_routing(
+        hidden_states, E, topk_weights, topk_ids, expert_map, activation, apply_router_weight_on_input)
     if quantized:
         _check_fused_moe_scales(hidden_states, E, N, K, use_fp8_w8a8, per_channel_quant, block_shape,
                                 w1_scale, w2_scale, a1_scale, a2_scale)
@@ -644,3 +677,67 @@ def fused_moe(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
         hidden_states=hidden_states, w1=w1, w2=w2, topk_weights=topk_weights, topk_ids=topk_ids,
         activation=activation, apply_router_weight_on_input=apply_router_weight_on_input,
         expert_map=expert_map)
+
+
+# ---- fused_moe with MXFP4 experts (use_mxfp4_w4a16) ----
+
+MX_GROUP = 32
+
+
+def _mxfp4_expert(name, w, scale_name, scale, E, R, C, x):
+    """An MXFP4 expert weight: w uint8 (E, R, C/2) or gpt-oss's blocks (E, R, C/32, 16), its
+    scales uint8 / float8_e8m0fnu (E, R, C/32); returns both as (E, R, C/2) and (E, R, C/32) uint8."""
+    _tensor(name, w, dtypes=(torch.uint8,), ndim=(3, 4), like=x, like_name="hidden_states")
+    if w.dim() == 4:
+        _shape(name, w, (E, R, C // MX_GROUP, MX_GROUP // 2), "gpt-oss's blocks (E, rows, cols/32, 16)")
+        w = w.reshape(E, R, C // 2)
+    _shape(name, w, (E, R, C // 2), "(E, rows, cols/2): two e2m1 codes a byte")
+    if scale is None:
+        raise ValueError(f"{scale_name}: expected the e8m0 scales (E, rows, cols/32) with use_mxfp4_w4a16, got None")
+    e8m0 = getattr(torch, "float8_e8m0fnu", torch.uint8)
+    _tensor(scale_name, scale, dtypes=tuple(dict.fromkeys((torch.uint8, e8m0))), ndim=3, like=x,
+            like_name="hidden_states")
+    _shape(scale_name, scale, (E, R, C // MX_GROUP), "(E, rows, cols/32): one e8m0 scale per 32")
+    return w, scale if scale.dtype == torch.uint8 else scale.view(torch.uint8)
+
+
+def _fused_moe_mxfp4(x, w1, w2, topk_weights, topk_ids, activation, apply_router_weight_on_input,
+                     expert_map, use_fp8_w8a8, use_int8_w8a16, per_channel_quant, block_shape,
+                     w1_scale, w2_scale, a1_scale, a2_scale, lane):
+    """fused_moe(use_mxfp4_w4a16=True): the checks (metadata only), then the lane."""
+    others = [name for name, v in (("use_fp8_w8a8", _flag("use_fp8_w8a8", use_fp8_w8a8)),
+                                   ("use_int8_w8a16", _flag("use_int8_w8a16", use_int8_w8a16)),
+                                   ("per_channel_quant", _flag("per_channel_quant", per_channel_quant)),
+                                   ("block_shape", block_shape is not None), ("a1_scale", a1_scale is not None),
+                                   ("a2_scale", a2_scale is not None)) if v]
+    if others:
+        raise ValueError(f"{others[0]}: expected it unset with use_mxfp4_w4a16 (16-bit activations, "
+                         f"e8m0 weight scales per 32), got it set")
+    M, K = x.shape
+    _tensor("w1", w1, ndim=(3, 4), like=x, like_name="hidden_states")
+    _tensor("w2", w2, ndim=(3, 4), like=x, like_name="hidden_states")
+    E, two_n = w1.shape[0], w1.shape[1]
+    if E == 0:
+        raise ValueError(f"w1: expected (E, 2N, K/2) with at least one expert (E >= 1), got shape {tuple(w1.shape)}")
+    if K % MX_GROUP:
+        raise ValueError(f"hidden_states: expected K a multiple of {MX_GROUP} with use_mxfp4_w4a16 (one e8m0 "
+                         f"scale per 32 along K), got K = {K}")
+    if two_n % (2 * MX_GROUP):
+        raise ValueError(f"w1: expected (E, 2N, K/2) with N a multiple of {MX_GROUP} (w2's reduction has one "
+                         f"e8m0 scale per 32 of N), got shape {tuple(w1.shape)}")
+    N = two_n // 2
+    w1, w1_scale = _mxfp4_expert("w1", w1, "w1_scale", w1_scale, E, 2 * N, K, x)
+    w2, w2_scale = _mxfp4_expert("w2", w2, "w2_scale", w2_scale, E, K, N, x)
+    num_global, apply_router_weight_on_input = _check_routing(
+        x, E, topk_weights, topk_ids, expert_map, activation, apply_router_weight_on_input)
+    grads = [name for name, t in (("hidden_states", x), ("topk_weights", topk_weights)) if t.requires_grad]
+    if torch.is_grad_enabled() and grads:
+        raise ValueError(f"{grads[0]}: expected no requires_grad with MXFP4 experts (inference only: no "
+                         f"gradient flows through them), got requires_grad=True")
+    chosen = _lane(x, lane, "hidden_states")
+    if _check_indices_eagerly():
+        _check_fused_moe_indices(topk_ids, expert_map, num_global, E)
+    return getattr(_lanes, f"fused_moe_mxfp4_{chosen}")(
+        hidden_states=x, w1=w1, w2=w2, topk_weights=topk_weights, topk_ids=topk_ids,
+        activation=activation, apply_router_weight_on_input=apply_router_weight_on_input,
+        expert_map=expert_map, w1_scale=w1_scale, w2_scale=w2_scale)

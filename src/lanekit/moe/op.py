@@ -586,3 +586,50 @@ def fused_moe_quant_reference(*, hidden_states, intermediate_dtype=None, **kw):
           for k, v in kw.items()}
     return ref.fused_moe(hidden_states.to(torch.float64), **kw,
                          intermediate_dtype=intermediate_dtype or hidden_states.dtype).to(hidden_states.dtype)
+
+
+# -- fused_moe, MXFP4 experts (use_mxfp4_w4a16) --
+
+def _fused_mxfp4_kernels():
+    from lanekit.moe.kernels import fused_mxfp4  # imported on first use: see runtime.lanes
+
+    return fused_mxfp4
+
+
+@_custom_op("lanekit::fused_moe_mxfp4")
+def _fused_moe_mxfp4_op(hidden_states: Tensor, w1: Tensor, w2: Tensor, topk_weights: Tensor,
+                        topk_ids: Tensor, activation: str, apply_router_weight_on_input: bool,
+                        expert_map: Tensor | None, w1_scale: Tensor, w2_scale: Tensor) -> Tensor:
+    from lanekit.runtime.alloc import empty
+
+    out = empty(hidden_states.shape, dtype=hidden_states.dtype, device=hidden_states.device)
+    return _fused_mxfp4_kernels().fused_moe_mxfp4_fwd(
+        hidden_states=hidden_states, w1=w1, w2=w2, topk_weights=topk_weights, topk_ids=topk_ids,
+        activation=activation, apply_router_weight_on_input=apply_router_weight_on_input,
+        expert_map=expert_map, out=out, w1_scale=w1_scale, w2_scale=w2_scale)
+
+
+@_fused_moe_mxfp4_op.register_fake
+def _(hidden_states, w1, w2, topk_weights, topk_ids, activation, apply_router_weight_on_input,
+      expert_map, w1_scale, w2_scale):
+    return hidden_states.new_empty(hidden_states.shape)
+
+
+# Inference only, as the fp8/int8 experts: no autograd is registered; the public function refuses
+# inputs that require grad. Weights (E, 2N, K/2), (E, K, N/2) uint8; scales uint8 e8m0.
+def fused_moe_mxfp4_triton(*, hidden_states, w1, w2, topk_weights, topk_ids, w1_scale, w2_scale,
+                           activation="silu", apply_router_weight_on_input=False, expert_map=None,
+                           intermediate_dtype=None):
+    # intermediate_dtype: the oracle's knob; the kernels round the intermediate to x's dtype
+    return _call(_fused_moe_mxfp4_op, hidden_states, w1, w2, topk_weights, topk_ids, activation,
+                 apply_router_weight_on_input, expert_map, w1_scale, w2_scale)
+
+
+def fused_moe_mxfp4_reference(*, hidden_states, intermediate_dtype=None, **kw):
+    """The oracle in float64 (the e2m1 codes and e8m0 scales exactly), the intermediate rounded to
+    hidden_states' dtype where the kernels round it; the result rounded to that dtype."""
+    kw = _fused_ids(kw["w1"], kw)
+    kw = {k: v.to(torch.float64) if isinstance(v, Tensor) and v.is_floating_point() else v
+          for k, v in kw.items()}
+    return ref.fused_moe_mxfp4(hidden_states.to(torch.float64), **kw,
+                               intermediate_dtype=intermediate_dtype or hidden_states.dtype).to(hidden_states.dtype)

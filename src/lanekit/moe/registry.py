@@ -636,3 +636,76 @@ register(Op(
     doc="fused_moe with quantized experts: fp8 e4m3 W8A8 (per tensor, per token x channel, 128x128 "
         "blocks; activations quantized on the fly) and int8 W8A16 (per-channel)",
 ))
+
+
+# -- fused_moe, MXFP4 experts (use_mxfp4_w4a16: gpt-oss's experts) --
+
+FUSED_MOE_MXFP4 = Tolerance(
+    name="fused_moe_mxfp4",
+    ulps=2.0,
+    reason=(
+        "against the oracle of the same weights (fused_moe_mxfp4: the e2m1 codes times their e8m0 "
+        "scales, exactly, and the x-dtype-rounded intermediate): the kernels differ only by their "
+        "fp32 summation (per 32 of K, then scaled), which can move the intermediate's 16-bit "
+        "rounding by one step in rare cases. Measured 0.50 steps (the output's own rounding; the "
+        "reference lane too) on every registered sample interpreted; two steps as fused_moe's and "
+        "fused_moe_quant's, for the GPU's other summation order"
+    ),
+)
+
+
+def mxfp4_expert_weights(E, R, C, device, g, zero_row=None):
+    """Random MXFP4 expert weights as a checkpoint stores them: codes (E, R, C/2) uint8 (two e2m1
+    codes a byte, element 2i low) and e8m0 bytes (E, R, C/32), sized so that a row times a unit
+    vector is O(1) (e2m1's rms is ~3.3: scale ~ 1 / (3.3 sqrt(C))); every row's last group of 32
+    gets the largest scale (two steps above the others'); ``zero_row`` (expert 0's row): codes 0
+    and scale byte 0 (2^-127, e8m0's smallest: no zero scale exists)."""
+    codes = torch.randint(0, 16, (E, R, C), generator=g)
+    base = 127 - max(1, round(torch.log2(torch.tensor(3.3 * C ** 0.5)).item()))
+    scale = base - torch.randint(0, 3, (E, R, C // 32), generator=g)
+    scale[..., -1] = base + 2
+    if zero_row is not None:
+        codes[0, zero_row] = 0
+        scale[0, zero_row] = 0
+    packed = (codes[..., 0::2] | (codes[..., 1::2] << 4)).to(torch.uint8)
+    return packed.to(device), scale.to(torch.uint8).to(device)
+
+
+def fused_moe_mxfp4_case(name, device, *, zero_row=None, **case) -> Sample:
+    """An MXFP4 ``fused_moe`` sample: :func:`fused_moe_case`'s routing and x, its weights replaced
+    by :func:`mxfp4_expert_weights` (K and N multiples of 32)."""
+    kw = dict(fused_moe_case(name, device, **case).kwargs)
+    g = generator(name, "mxfp4")
+    E, K, N = kw["w1"].shape[0], case["K"], case["N"]
+    w1, s1 = mxfp4_expert_weights(E, 2 * N, K, device, g, zero_row)
+    w2, s2 = mxfp4_expert_weights(E, K, N, device, g, zero_row)
+    kw.update(w1=w1, w2=w2, w1_scale=s1, w2_scale=s2, intermediate_dtype=kw["hidden_states"].dtype)
+    return Sample(name, kw)
+
+
+def _fused_moe_mxfp4_samples(device):
+    yield fused_moe_mxfp4_case("M 1 (decode), K 32 (one scale group), E 8 top-2", device, M=1, K=32,
+                               N=32, E=8, topk=2)
+    yield fused_moe_mxfp4_case("M 17, K 96, N 160 (past the tile), a zero weight row, top-2", device,
+                               M=17, K=96, N=160, E=4, topk=2, zero_row=5)
+    yield fused_moe_mxfp4_case("expert 2 of 4 gets no token, M 9 top-2", device, M=9, K=64, N=32,
+                               E=4, topk=2, idle_expert=2)
+    yield fused_moe_mxfp4_case("expert_map, half remote, M 11 top-3", device, M=11, K=64, N=32, E=4,
+                               topk=3, remote_half=True)
+    yield fused_moe_mxfp4_case("fp16, gelu, M 10 top-2", device, M=10, K=64, N=64, E=4, topk=2,
+                               dtype=torch.float16, activation="gelu")
+    yield fused_moe_mxfp4_case("router weight on the input, top-1, M 7", device, M=7, K=64, N=96,
+                               E=4, topk=1, on_input=True)
+    yield fused_moe_mxfp4_case("M 300 (the prefill tiles), K 128, N 64", device, M=300, K=128, N=64,
+                               E=4, topk=2)
+    yield fused_moe_mxfp4_case("M 0", device, M=0, K=64, N=32, E=4, topk=2)
+
+
+register(Op(
+    name="fused_moe_mxfp4", family="moe", oracle="lanekit.reference.moe:fused_moe_mxfp4",
+    lanes={"triton": "lanekit.moe.op:fused_moe_mxfp4_triton",
+           "reference": "lanekit.moe.op:fused_moe_mxfp4_reference"},
+    samples=_fused_moe_mxfp4_samples, outputs=(("out", FUSED_MOE_MXFP4),),
+    doc="fused_moe with MXFP4 experts (gpt-oss's: e2m1 codes, an e8m0 scale per 32; bf16/fp16 "
+        "activations; vLLM's mxfp4_w4a16), dequantized in the GEMMs' B loads",
+))

@@ -15,10 +15,7 @@ from pathlib import Path
 
 import torch
 
-from lanekit.runtime.tuning import ARCH_ALIASES, arch_id, arch_row, compiling, tile_options
-from lanekit.runtime.tuning import arch_row
-from lanekit.runtime.tuning import block16
-from lanekit.runtime.tuning import tile_options
+from lanekit.runtime.tuning import ARCH_ALIASES, arch_id, arch_row, block16, compiling, tile_options
 
 # ---- routing: topk_softmax, grouped_topk ----
 
@@ -381,4 +378,40 @@ MATRIX_ALLOWANCES: dict[tuple[str, str], tuple[str, str]] = {
 MATRIX_ALLOWANCES.update({
     (kernel, "sm90"): (r"\bmma\.sync\.aligned\.\S+", _FUSED_MOE_SMALL_BLOCKS)
     for kernel in ("_fused_moe_quant_gemm1_kernel", "_fused_moe_quant_gemm2_kernel")
+})
+
+
+# -- fused_moe, MXFP4 experts (use_mxfp4_w4a16) --
+
+# Rows that differ from fused_moe's for the MXFP4 kernels, whose K step is always 32 (one e8m0
+# scale per column a step; block_k1/block_k2 are unread) and whose every step's product is scaled
+# before it is added (a second accumulator-sized tile live). Others take FUSED_MOE's row. Not yet
+# measured on the GPU: gpt-oss's shapes (K = N = 2880, E 32/128, top-4) are the first to sweep.
+FUSED_MOE_MXFP4: dict[str, dict[int, FusedMoeConfig]] = {
+    "sm90": {
+        # decode: fused_moe's row (4 warps) spilled 8 bytes a thread in GEMM2, and with 2 stages
+        # in GEMM1 too (lanekit export, Triton 3.6); 8 warps, as w4a16_linear's rows, do not
+        16: FusedMoeConfig(16, 32, 32, 64, 32, 1, 8, 3, split_k2=2),
+        # prefill: 128 x (64 gate + 64 up) spilled 24 bytes, GEMM2's 128 x 128 192 bytes (the
+        # scaled product beside the accumulator); 128 x (32 + 32) and 128 x 64 do not
+        1 << 62: FusedMoeConfig(128, 32, 32, 64, 32, 8, 8, 3),
+    },
+}
+FUSED_MOE_MXFP4["sm80"] = FUSED_MOE_MXFP4["sm90"]     # as fused_moe: sm90's rows on Ampere
+
+
+def fused_moe_mxfp4_config(device: torch.device, M: int, K: int, N: int) -> FusedMoeConfig:
+    cfg = fused_moe_config(device, M, K, N)
+    rows = FUSED_MOE_MXFP4.get(arch_id(device), {})
+    if rows:
+        own = rows[min((k for k in rows if k >= M), default=max(rows))]
+        if own.block_m == cfg.block_m:    # the same M bucket as fused_moe's row (the align's block)
+            cfg = own
+    return cfg
+
+
+# fused_moe's MXFP4 GEMMs: fused_moe's small-block rows, so mma.sync there as for fused_moe
+MATRIX_ALLOWANCES.update({
+    (kernel, "sm90"): (r"\bmma\.sync\.aligned\.\S+", _FUSED_MOE_SMALL_BLOCKS)
+    for kernel in ("_fused_moe_mxfp4_gemm1_kernel", "_fused_moe_mxfp4_gemm2_kernel")
 })

@@ -350,3 +350,33 @@ def fused_moe_quantized(hidden_states, w1, w2, topk_weights, topk_ids, activatio
         y = a[token, slot] @ w2d[e].t()
         out.index_add_(0, token, y if apply_router_weight_on_input else y * weights[token, slot].unsqueeze(-1))
     return out
+
+
+# -- MXFP4 experts (gpt-oss's; vLLM's mxfp4_w4a16 scheme) --
+
+def mxfp4_experts(w: torch.Tensor, scale: torch.Tensor, dtype=torch.float64) -> torch.Tensor:
+    """Expert weights (E, R, C) of OCP MXFP4 blocks: w (E, R, C/2) uint8, two e2m1 codes a byte
+    along C, element 2i in the low nibble; scale (E, R, C/32) e8m0 bytes, 2^(e - 127), 0xFF NaN
+    (``lanekit.reference.gemm.mxfp4_weight`` per expert)."""
+    from lanekit.reference.gemm import mxfp4_weight
+
+    E, R = w.shape[:2]
+    return mxfp4_weight(w.reshape(E * R, -1), scale.reshape(E * R, -1), dtype).reshape(E, R, -1)
+
+
+def fused_moe_mxfp4(hidden_states, w1, w2, topk_weights, topk_ids, activation="silu",
+                    apply_router_weight_on_input=False, expert_map=None, *, w1_scale, w2_scale,
+                    intermediate_dtype=None):
+    """vLLM's ``fused_experts`` with MXFP4 experts and unquantized activations
+    (``mxfp4_w4a16_moe_quant_config``): w1 (E, 2N, K/2) and w2 (E, K, N/2) e2m1 codes with e8m0
+    scales w1_scale (E, 2N, K/32), w2_scale (E, K, N/32), dequantized exactly
+    (:func:`mxfp4_experts`), then :func:`fused_moe_quantized`'s steps without activation
+    quantization (unit per-channel scales): the intermediate rounded to ``intermediate_dtype``
+    where the kernels round it. Returns (M, K) in hidden_states' dtype."""
+    dt = hidden_states.dtype
+    w1d, w2d = mxfp4_experts(w1, w1_scale, dt), mxfp4_experts(w2, w2_scale, dt)
+    E, two_n, K = w1d.shape
+    return fused_moe_quantized(hidden_states, w1d, w2d, topk_weights, topk_ids, activation,
+                               apply_router_weight_on_input, expert_map,
+                               w1_scale=w1d.new_ones((E, two_n, 1)), w2_scale=w2d.new_ones((E, K, 1)),
+                               intermediate_dtype=intermediate_dtype)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from lanekit.common.numerics import e2m1_value, e8m0_scale
+from lanekit.common.numerics import e2m1_pairs, e8m0_scale
 from lanekit.gemm import tuning
 from lanekit.gemm.kernels.scaled_mm import _swizzle
 from lanekit.runtime import errors
@@ -202,8 +202,7 @@ def _mxfp4_linear_kernel(X, W, S, BIAS, Y, M, N, K, stride_xm, stride_xk, stride
         kb = k0 // 2 + tl.arange(0, BLOCK_K // 2).to(tl.int64)
         byte = tl.load(W + offs_n[None, :] * stride_wn + kb[:, None] * stride_wk,
                        mask=n_mask[None, :], other=0).to(tl.int32)                   # [BLOCK_K / 2, BLOCK_N]
-        code = (_repeat_rows(byte, 2) >> ((offs_k % 2) * 4)[:, None]) & 0xF          # element 2i: low nibble
-        b = e2m1_value(code).to(X.dtype.element_ty)                                   # exact in 16 bits
+        b = e2m1_pairs(byte).to(X.dtype.element_ty)     # [BLOCK_K, BLOCK_N], exact in 16 bits
         e = tl.load(S + offs_n * stride_sn + (k0 // BLOCK_K) * stride_sk, mask=n_mask, other=127)
         acc += tl.dot(a, b) * e8m0_scale(e.to(tl.int32))[None, :]
     if HAS_BIAS:
