@@ -202,8 +202,9 @@ CU = torch.tensor([0, 8], dtype=torch.int32)
 BAD_PACKED = {
     "qkv not 3 in dim 1": (lambda: lanekit.flash_attn_varlen_qkvpacked_func(_zeros(8, 2, 2, 16), CU, 8),
                            r"qkv: expected shape \(total, 3, H, D\)"),
+    # the packed function's own argument names, not those of the unpacked call it makes
     "max_seqlen below a length": (lambda: lanekit.flash_attn_varlen_qkvpacked_func(_zeros(8, 3, 2, 16), CU, 7),
-                                  "max_seqlen"),
+                                  r"^cu_seqlens: expected no sequence longer than its max_seqlen \(7\), got one of 8$"),
     "kv not 2 in dim 1": (lambda: lanekit.flash_attn_varlen_kvpacked_func(_zeros(8, 2, 16), _zeros(8, 3, 2, 16),
                                                                           CU, CU, 8, 8),
                           r"kv: expected shape \(total_k, 2, Hkv, D\)"),
@@ -217,6 +218,14 @@ def test_varlen_packed_functions_reject_bad_shapes_as_value_and_runtime_errors(c
         call()
     with pytest.raises(RuntimeError, match=message):
         call()
+
+
+def test_qkvpacked_type_errors_name_its_own_arguments():
+    qkv = _zeros(8, 3, 2, 16)
+    with pytest.raises(TypeError, match=r"^max_seqlen: expected an int"):
+        lanekit.flash_attn_varlen_qkvpacked_func(qkv, CU, 7.5)
+    with pytest.raises(TypeError, match=r"^cu_seqlens: expected dtype in \['torch.int32'\], got torch.int64$"):
+        lanekit.flash_attn_varlen_qkvpacked_func(qkv, CU.long(), 8)
 
 
 # ---- window_size as any pair of integers ----

@@ -466,12 +466,25 @@ def flash_attn_varlen_qkvpacked_func(
     tensor("qkv", qkv, dtypes=_DTYPES + (torch.float64,) + _QUANT_DTYPES, ndim=4)
     if qkv.shape[1] != 3:
         raise ValueError(f"qkv: expected shape (total, 3, H, D), got {tuple(qkv.shape)}")
-    return flash_attn_varlen_func(
-        qkv[:, 0], qkv[:, 1], qkv[:, 2], cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p,
-        softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs,
-        dropout_seed=dropout_seed, dropout_offset=dropout_offset, lane=lane, sinks=sinks,
-        q_descale=q_descale, k_descale=k_descale, v_descale=v_descale, out_dtype=out_dtype,
-    )
+    try:
+        return flash_attn_varlen_func(
+            qkv[:, 0], qkv[:, 1], qkv[:, 2], cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p,
+            softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs,
+            dropout_seed=dropout_seed, dropout_offset=dropout_offset, lane=lane, sinks=sinks,
+            q_descale=q_descale, k_descale=k_descale, v_descale=v_descale, out_dtype=out_dtype,
+        )
+    except (ValueError, TypeError) as e:   # name this function's arguments, not the unpacked call's
+        raise _renamed(e, {"cu_seqlens_q": "cu_seqlens", "cu_seqlens_k": "cu_seqlens",
+                           "max_seqlen_q": "max_seqlen", "max_seqlen_k": "max_seqlen"}) from None
+
+
+def _renamed(e: Exception, names: dict[str, str]) -> Exception:
+    """``e`` with the argument its message starts with ("name: expected ...") renamed by ``names``,
+    of the same class and traceback; ``e`` itself when it names none of them."""
+    name, sep, rest = str(e.args[0]).partition(": ") if len(e.args) == 1 else ("", "", "")
+    if not sep or name not in names:
+        return e
+    return type(e)(f"{names[name]}: {rest}").with_traceback(e.__traceback__)
 
 
 @argument_errors
