@@ -327,3 +327,17 @@ def test_jobs_below_one_is_a_usage_error(jobs, capsys):
         main(["check", "--jobs", jobs])
     assert exit.value.code == 2
     assert f"expected a whole number of 1 or more, got '{jobs}'" in capsys.readouterr().err
+
+
+def test_samples_checks_each_ops_first_samples_in_one_process_and_in_workers(device, tmp_path, capsys):
+    few = ["quantize_kv", "geglu"]
+    for jobs in ("1", "2"):
+        path = tmp_path / f"first{jobs}.json"
+        assert main(["check", *(a for op in few for a in ("--op", op)), "--samples", "2", "--jobs", jobs,
+                     "--json", str(path)]) == 0
+        printed = capsys.readouterr().out
+        data = json.loads(path.read_text())
+        for r in data["results"]:
+            assert [s["name"] for s in r["samples"]] == [s.name for s in OPS[r["op"]].samples(device)][:2]
+        total = 2 * sum(len(OPS[op].lanes) for op in few)
+        assert f"all lanes passed: {total}/{total} samples passed, each op's first 2 only in" in printed

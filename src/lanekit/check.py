@@ -15,6 +15,8 @@ module only reads it, so that importing lanekit never changes a process's enviro
 from __future__ import annotations
 
 import datetime
+import functools
+import itertools
 import json
 import math
 import multiprocessing
@@ -223,13 +225,15 @@ def check_sample(op: Op, lane: str, sample: Sample) -> SampleResult:
 
 
 def check_lane(op: Op, lane: str, device: str | torch.device,
-               on_sample: Callable[[str, str, str, SampleResult | None], None] | None = None) -> LaneResult:
-    """Every sample of ``op`` on ``lane``. ``on_sample(op, lane, sample, result)`` is called before
-    each sample (result None) and after it."""
+               on_sample: Callable[[str, str, str, SampleResult | None], None] | None = None,
+               samples: int | None = None) -> LaneResult:
+    """Every sample of ``op`` on ``lane`` (its first ``samples`` of them, when given).
+    ``on_sample(op, lane, sample, result)`` is called before each sample (result None) and after it."""
     if lane not in machine_lanes(device):
         return LaneResult(op.name, lane, "not run", note=TRITON_UNAVAILABLE)
+    limit = samples
     try:
-        samples = list(op.samples(str(device)))
+        samples = list(itertools.islice(op.samples(str(device)), limit))
     except Exception as e:  # noqa: BLE001
         return LaneResult(op.name, lane, "failing", note=f"generating samples: {type(e).__name__}: {e}")
     results = []
@@ -263,16 +267,18 @@ def plan(ops: Iterable[str] | None = None, lanes: Iterable[str] | None = None) -
 def run_checks(device: str | torch.device, ops: Iterable[str] | None = None,
                lanes: Iterable[str] | None = None,
                on_sample: Callable[[str, str, str, SampleResult | None], None] | None = None,
-               jobs: int = 1) -> CheckRun:
-    """Check the planned (op, lane) pairs on ``device``; see :func:`plan` and :func:`check_lane`.
+               jobs: int = 1, samples: int | None = None) -> CheckRun:
+    """Check the planned (op, lane) pairs on ``device``; see :func:`plan` and :func:`check_lane`
+    (``samples``: each op's first that many samples only; None: all).
 
     ``jobs`` > 1 checks the pairs in that many worker processes (see :func:`check_in_workers`);
     the results are the same, in the same order."""
     pairs = plan(ops, lanes)
     if jobs > 1 and len(pairs) > 1:
-        results = check_in_workers([(op.name, lane) for op, lane in pairs], device, jobs, on_sample)
+        run_unit = functools.partial(_check_unit, samples=samples) if samples is not None else None
+        results = check_in_workers([(op.name, lane) for op, lane in pairs], device, jobs, on_sample, run_unit)
     else:
-        results = [check_lane(op, lane, device, on_sample) for op, lane in pairs]
+        results = [check_lane(op, lane, device, on_sample, samples) for op, lane in pairs]
     return CheckRun(machine_info(device), results)
 
 
@@ -390,18 +396,18 @@ def _worker(conn, device: str, threads: int, run_unit: Callable) -> None:
         conn.send(("done", index, run_unit(name, lane, device, on_sample)))
 
 
-def _check_unit(name: str, lane: str, device: str, on_sample) -> LaneResult:
-    return check_lane(registry()[name], lane, device, on_sample)
+def _check_unit(name: str, lane: str, device: str, on_sample, samples: int | None = None) -> LaneResult:
+    return check_lane(registry()[name], lane, device, on_sample, samples)
 
 
-def count_samples(device: str | torch.device, pairs: list[tuple[Op, str]]) -> int:
+def count_samples(device: str | torch.device, pairs: list[tuple[Op, str]], samples: int | None = None) -> int:
     """How many samples :func:`run_checks` will run (for a progress bar)."""
     runnable = machine_lanes(device)
     total = 0
     for op, lane in pairs:
         if lane in runnable:
             try:
-                total += sum(1 for _ in op.samples(str(device)))
+                total += sum(1 for _ in itertools.islice(op.samples(str(device)), samples))
             except Exception:  # noqa: BLE001 (check_lane reports it)
                 pass
     return total

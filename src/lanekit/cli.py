@@ -1,6 +1,6 @@
 """``lanekit``: the command line.
 
-    lanekit check [--op NAME ...] [--lane triton|reference ...] [--json PATH] [--jobs N]
+    lanekit check [--op NAME ...] [--lane triton|reference ...] [--json PATH] [--jobs N] [--samples N]
         every registered op on every lane this machine has, against its oracle (lanekit.check)
     lanekit matrix [--check]
         regenerate docs/execution-matrix.md from the registry and docs/checks/*.json
@@ -51,6 +51,9 @@ def _parser() -> argparse.ArgumentParser:
     check.add_argument("--jobs", type=_positive, metavar="N",
                        help="check this many (op, lane) pairs at once, each in a process of its own "
                        "(default: one per CPU when Triton is interpreted, 1 on a GPU)")
+    check.add_argument("--samples", type=_positive, metavar="N",
+                       help="check only each op's first N samples (default: all): a quicker pass, such "
+                       "as CI's second check under the newest Triton")
     check.set_defaults(run=_check)
 
     matrix = sub.add_parser("matrix", help="regenerate docs/execution-matrix.md",
@@ -134,7 +137,7 @@ def _check(args) -> int:
     start = time.perf_counter()
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=Console(stderr=True), transient=True) as progress:
-        task = progress.add_task("checking", total=check.count_samples(device, pairs))
+        task = progress.add_task("checking", total=check.count_samples(device, pairs, args.samples))
 
         def on_sample(op, lane, sample, result):
             if result is None:
@@ -143,7 +146,7 @@ def _check(args) -> int:
                 progress.advance(task)
 
         jobs = args.jobs or check.default_jobs(device)
-        run = check.run_checks(device, args.op, args.lane, on_sample, jobs=jobs)
+        run = check.run_checks(device, args.op, args.lane, on_sample, jobs=jobs, samples=args.samples)
     results = run.results
     elapsed = time.perf_counter() - start
 
@@ -158,7 +161,8 @@ def _check(args) -> int:
     failing = [r for r in results if not r.ok]
     mode = "interpreted on the CPU" if run.machine["interpreted"] else f"native on {run.machine['device']}"
     verdict = f"{len(failing)} of {len(results)} lanes failing" if failing else "all lanes passed"
-    console.print(f"{verdict}: {passed}/{total} samples passed in {elapsed:.1f} s (Triton {mode})",
+    some = f", each op's first {args.samples} only" if args.samples else ""
+    console.print(f"{verdict}: {passed}/{total} samples passed{some} in {elapsed:.1f} s (Triton {mode})",
                   style="red" if failing else "green", markup=False, highlight=False)
     if args.json:
         run.write(args.json)
