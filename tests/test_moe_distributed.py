@@ -1,16 +1,18 @@
-"""Expert parallelism (lanekit.moe.distributed) on the CPU over gloo: worlds of 2 and 4 processes
-(torch.multiprocessing), and of one in this process. The sharded layer's output and gradients
-(x, the local experts' weights, the router weights) against the unsharded float64 oracle
+"""Expert parallelism (lanekit.moe.distributed) on the CPU over gloo: groups of 2 and 4 processes
+(torch.multiprocessing), and a world of one in this process. The sharded layer's output and
+gradients (x, the local experts' weights, the router weights) against the unsharded float64 oracle
 (lanekit.reference.moe) with the project's rule, as tests/test_moe.py holds fused_moe.
 
-Each world is started once (a module fixture): its ranks run every case of that world size and
-save what they computed; each test then checks one case here, against the oracle."""
+One world of 4 processes is started once (a module fixture; starting a process costs seconds):
+the 2-rank cases run on its subgroup of ranks 0 and 1 (a group other than the default one), the
+4-rank cases on the whole world; the ranks save what they computed and each test checks one case
+here, against the oracle."""
 
 from __future__ import annotations
 
 import datetime
+import fcntl
 import os
-import tempfile
 import traceback
 from pathlib import Path
 
@@ -18,6 +20,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+import torch.nn.functional as F
 
 import lanekit
 from lanekit.moe import distributed as ep
@@ -78,18 +81,19 @@ def _experts(received, w1, w2, handle, lane):
                                  lane=lane)
 
 
-def _sharded(name, rank, world):
+def _sharded(name, rank, world, group):
     c, p = _problem(name)
     rows, El = _rows(c, rank), c["E"] // world
     x = p["x"][rows].clone().requires_grad_()
     if c["layer"]:
-        layer = ep.EPMoE.from_full(p["router"], p["w1"], p["w2"], c["topk"], renormalize=True, lane=c["lane"])
+        layer = ep.EPMoE.from_full(p["router"], p["w1"], p["w2"], c["topk"], group, renormalize=True,
+                                   lane=c["lane"])
         out = layer(x)
         out.backward(p["dout"][rows])
         return dict(out=out, dx=x.grad, dw1=layer.w1.grad, dw2=layer.w2.grad, drouter=layer.router.grad)
     weights = p["weights"][rows].clone().requires_grad_()
     w1, w2 = (p[n][rank * El:(rank + 1) * El].clone().requires_grad_() for n in ("w1", "w2"))
-    received, counts, handle = ep.ep_dispatch(x, p["ids"][rows], weights, None, c["E"], lane=c["lane"])
+    received, counts, handle = ep.ep_dispatch(x, p["ids"][rows], weights, group, c["E"], lane=c["lane"])
     if c["lose_a_row"] and rank == 0:
         received = torch.cat([received[:1] * 0, received[1:]])
     out = ep.ep_combine(_experts(received, w1, w2, handle, c["lane"]), handle)
@@ -98,13 +102,13 @@ def _sharded(name, rank, world):
                 received=received.detach(), counts=counts, expert_ids=handle.expert_ids)
 
 
-def _bad_calls(rank, world):
+def _bad_calls(rank, group):
     """Errors that need a world of several ranks: each message, or None where nothing was raised."""
     msgs = {}
     x = torch.zeros(2, 32 if rank == 0 else 16, dtype=torch.bfloat16)
     ids, weights = torch.zeros(2, 1, dtype=torch.int32), torch.ones(2, 1)
-    for what, call in (("E not a multiple of the world", lambda: ep.ep_dispatch(x, ids, weights, None, 3)),
-                       ("K differs between ranks", lambda: ep.ep_dispatch(x, ids, weights, None, 4))):
+    for what, call in (("E not a multiple of the world", lambda: ep.ep_dispatch(x, ids, weights, group, 3)),
+                       ("K differs between ranks", lambda: ep.ep_dispatch(x, ids, weights, group, 4))):
         try:
             call()
             msgs[what] = None
@@ -117,32 +121,42 @@ def _rank_main(rank, world, init, out_dir):
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=60))
     try:
-        for i, name in enumerate(n for n in CASES if CASES[n]["world"] == world):
+        pair = dist.new_group([0, 1])        # every rank takes part in making it
+        for name, c in CASES.items():
+            if rank >= c["world"]:
+                continue
             try:
-                res = {k: v.detach() for k, v in _sharded(name, rank, world).items()}
+                group = pair if c["world"] == 2 else None
+                res = {k: v.detach() for k, v in _sharded(name, rank, c["world"], group).items()}
             except Exception:
                 res = {"error": traceback.format_exc()}
             torch.save(res, Path(out_dir) / f"{name}.{rank}.pt")
-        if world == 2:
-            torch.save(_bad_calls(rank, world), Path(out_dir) / f"errors.{rank}.pt")
+        if rank < 2:
+            torch.save(_bad_calls(rank, pair), Path(out_dir) / f"errors.{rank}.pt")
     finally:
         dist.destroy_process_group()
 
 
-def _run_world(world, tmp_path_factory):
-    out_dir = tmp_path_factory.mktemp(f"ep{world}")
-    mp.spawn(_rank_main, args=(world, f"file://{out_dir / 'store'}", str(out_dir)), nprocs=world, join=True)
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    """The folder where the 4 ranks saved every case's results (rank r's as <case>.<r>.pt). Under
+    pytest-xdist the workers share one run (the session's temporary root, a lock): the ranks are
+    started once per session, not once per worker."""
+    base = tmp_path_factory.getbasetemp()
+    root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    out_dir = root / "moe-ep-ranks"
+    with open(root / "moe-ep-ranks.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (out_dir / "done").exists():
+            out_dir.mkdir(exist_ok=True)
+            mp.spawn(_rank_main, args=(4, f"file://{out_dir / 'store'}", str(out_dir)), nprocs=4, join=True)
+            (out_dir / "done").touch()
     return out_dir
 
 
-@pytest.fixture(scope="module")
-def worlds(tmp_path_factory):
-    return {world: _run_world(world, tmp_path_factory) for world in (2, 4)}
-
-
-def _results(worlds, name):
+def _results(ranks, name):
     c = _spec(name)
-    res = [torch.load(worlds[c["world"]] / f"{name}.{r}.pt") for r in range(c["world"])]
+    res = [torch.load(ranks / f"{name}.{r}.pt") for r in range(c["world"])]
     errors = [r["error"] for r in res if "error" in r]
     assert not errors, errors[0]
     return res
@@ -166,8 +180,8 @@ def _oracle(name):
 
 
 @pytest.mark.parametrize("name", [n for n in CASES if n != LOSSY])
-def test_sharded_output_and_gradients_equal_the_unsharded_oracle(worlds, name):
-    res = _results(worlds, name)
+def test_sharded_output_and_gradients_equal_the_unsharded_oracle(ranks, name):
+    res = _results(ranks, name)
     c, out, grads, ids = _oracle(name)
     El = c["E"] // c["world"]
     for rank, r in enumerate(res):
@@ -185,10 +199,10 @@ def test_sharded_output_and_gradients_equal_the_unsharded_oracle(worlds, name):
 
 
 @pytest.mark.parametrize("name", [n for n in CASES if not _spec(n)["layer"] and n != LOSSY])
-def test_dispatch_delivers_rows_expert_major_then_by_source(worlds, name):
+def test_dispatch_delivers_rows_expert_major_then_by_source(ranks, name):
     """Rank r receives, for each local expert, the rows of every source rank in turn, each source's
     in flat slot order (t * topk + s): exact copies of x."""
-    res = _results(worlds, name)
+    res = _results(ranks, name)
     c, p = _problem(name)
     El = c["E"] // c["world"]
     idle = 0
@@ -206,10 +220,10 @@ def test_dispatch_delivers_rows_expert_major_then_by_source(worlds, name):
     assert idle == (name != "2 ranks, M 0 on rank 1")     # the case's rank that receives nothing
 
 
-def test_a_lost_row_fails_the_checks(worlds):
+def test_a_lost_row_fails_the_checks(ranks):
     """The case whose rank 0 zeroes its first received row (a token's slot lost in transit): the
     same checks as above must fail for it, or they could not catch a dispatch that drops a row."""
-    res = _results(worlds, LOSSY)
+    res = _results(ranks, LOSSY)
     c, out, grads, _ = _oracle(LOSSY)
     assert res[0]["received"].shape[0] > 0
     passed = [compare(r[key], want[_rows(c, rank)], tol).ok for rank, r in enumerate(res)
@@ -217,9 +231,9 @@ def test_a_lost_row_fails_the_checks(worlds):
     assert not all(passed)
 
 
-def test_errors_that_need_several_ranks_are_raised_on_every_rank(worlds):
+def test_errors_that_need_several_ranks_are_raised_on_every_rank(ranks):
     for rank in range(2):
-        msgs = torch.load(worlds[2] / f"errors.{rank}.pt")
+        msgs = torch.load(ranks / f"errors.{rank}.pt")
         assert "num_experts: expected a multiple of the group's size 2" in msgs["E not a multiple of the world"]
         assert "x: expected the same K and dtype on every rank" in msgs["K differs between ranks"]
         assert "[32, 16]" in msgs["K differs between ranks"]
@@ -249,6 +263,19 @@ def test_a_world_of_one_is_the_unsharded_layer(world_of_one):
         assert_close(got, grads[key], FUSED_MOE_BWD)
     out3 = layer(p["x"].view(1, -1, c["K"]))             # (..., K) as a transformers block takes it
     assert out3.shape == (1, sum(c["M"]), c["K"]) and torch.equal(out3[0], out)
+
+
+def test_the_counts_are_grouped_mms_groups(world_of_one):
+    """The received rows are expert-major and counts gives each local expert's rows: grouped_mm +
+    SwiGLU + grouped_mm on them, then ep_combine, is the block (the intermediate rounded once)."""
+    name = "2 ranks, M 0 on rank 1"          # its problem, run whole on one rank
+    c, p = _problem(name)
+    rows, counts, handle = ep.ep_dispatch(p["x"], p["ids"], p["weights"], world_of_one, c["E"])
+    offs, N = counts.cumsum(0).int(), c["N"]
+    h = lanekit.moe.grouped_mm(rows, p["w1"].transpose(1, 2), offs, out_dtype=torch.float32)
+    y = lanekit.moe.grouped_mm((F.silu(h[:, :N]) * h[:, N:]).bfloat16(), p["w2"].transpose(1, 2), offs)
+    _, want, _, _ = _oracle(name)
+    assert_close(ep.ep_combine(y, handle), want, FUSED_MOE)
 
 
 def _call(world_of_one, **changes):
