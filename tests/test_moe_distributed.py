@@ -265,6 +265,19 @@ def test_a_world_of_one_is_the_unsharded_layer(world_of_one):
     assert out3.shape == (1, sum(c["M"]), c["K"]) and torch.equal(out3[0], out)
 
 
+def test_a_layer_whose_experts_receive_nothing_gets_zero_gradients(world_of_one):
+    """No row for this rank's experts (here: no token at all): the weights' gradients are zeros, not
+    None, so that the rank's backward runs its all-to-alls with the others'."""
+    c, p = _problem("2 ranks, layer, M 7 and 4")
+    layer = ep.EPMoE.from_full(p["router"], p["w1"], p["w2"], c["topk"], world_of_one)
+    x = p["x"][:0].clone().requires_grad_()
+    out = layer(x)
+    out.backward(torch.zeros_like(out))
+    assert out.shape == (0, c["K"]) and x.grad.shape == (0, c["K"])
+    for w in (layer.w1, layer.w2, layer.router):
+        assert w.grad is not None and torch.equal(w.grad, torch.zeros_like(w))
+
+
 def test_the_counts_are_grouped_mms_groups(world_of_one):
     """The received rows are expert-major and counts gives each local expert's rows: grouped_mm +
     SwiGLU + grouped_mm on them, then ep_combine, is the block (the intermediate rounded once)."""
