@@ -13,7 +13,7 @@ from lanekit.gemm import registry as greg
 from lanekit.gemm.kernels import quant_rows
 from lanekit.reference import gemm as ref
 from lanekit.reference.numerics import quantize_groups
-from lanekit.testing import CODES, assert_close, generator, poisoned_outputs, upcast
+from lanekit.testing import CODES, assert_close, generator, poisoned_outputs, registered_cases, upcast
 
 OPS = ["scaled_mm", "int8_mm", "mx_mm", "w8a8_linear", "fp8_linear", "w8a16_linear"]
 LANES = ["triton", "reference"]
@@ -23,14 +23,8 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 E4M3 = torch.float8_e4m3fn
 
 
-def _cases():
-    for name in OPS:
-        for s in get_op(name).samples(DEVICE):
-            yield pytest.param(name, s, id=f"{name}: {s.name}")
-
-
 @pytest.mark.parametrize("lane", LANES)
-@pytest.mark.parametrize("name, sample", list(_cases()))
+@pytest.mark.parametrize("name, sample", registered_cases(OPS, DEVICE))
 def test_registered_samples_match_the_oracle(name, sample, lane):
     op = get_op(name)
     refout = op.reference()(**{k: upcast(v) for k, v in sample.kwargs.items()})

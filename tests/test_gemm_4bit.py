@@ -15,21 +15,15 @@ from lanekit.gemm import op as gop
 from lanekit.gemm import registry as greg
 from lanekit.reference import gemm as ref
 from lanekit.runtime import errors
-from lanekit.testing import assert_close, poisoned_outputs, upcast
+from lanekit.testing import assert_close, poisoned_outputs, registered_cases, upcast
 
 OPS = ["w4a16_linear", "mxfp4_linear"]
 LANES = ["triton", "reference"]
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _cases():
-    for name in OPS:
-        for s in get_op(name).samples(DEVICE):
-            yield pytest.param(name, s, id=f"{name}: {s.name}")
-
-
 @pytest.mark.parametrize("lane", LANES)
-@pytest.mark.parametrize("name, sample", list(_cases()))
+@pytest.mark.parametrize("name, sample", registered_cases(OPS, DEVICE))
 def test_registered_samples_match_the_oracle(name, sample, lane):
     op = get_op(name)
     want = op.reference()(**{k: upcast(v) for k, v in sample.kwargs.items()})

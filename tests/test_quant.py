@@ -12,20 +12,15 @@ import lanekit.quant as quant
 from lanekit.families import get_op
 from lanekit.reference import quant as ref
 from lanekit.reference.numerics import QUANT_MAX
-from lanekit.testing import assert_close, assert_same_bits, generator, noncontiguous, poisoned_outputs, randn, upcast
+from lanekit.testing import (assert_close, assert_same_bits, generator, noncontiguous, poisoned_outputs, randn,
+                             registered_cases, upcast)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 OPS = ["quantize_fp8", "quantize_int8", "dequantize_fp8", "dequantize_int8", "silu_and_mul_quant_fp8",
        "hadamard_quantize_int8", "hadamard_dequantize_int8", "stochastic_round_fp8"]
 
 
-def _cases():
-    for name in OPS:
-        for sample in get_op(name).samples(DEVICE):
-            yield pytest.param(name, sample, id=f"{name}: {sample.name}")
-
-
-@pytest.mark.parametrize("name,sample", list(_cases()))
+@pytest.mark.parametrize("name,sample", registered_cases(OPS, DEVICE))
 def test_samples_match_the_oracle(name, sample):
     op = get_op(name)
     expected = op.reference()(**{k: upcast(v) for k, v in sample.kwargs.items()})

@@ -15,21 +15,15 @@ from lanekit.gemm import registry as greg
 from lanekit.quant import registry as qreg
 from lanekit.reference import gemm as rgemm
 from lanekit.reference import quant as rquant
-from lanekit.testing import assert_close, assert_same_bits, poisoned_outputs, upcast
+from lanekit.testing import assert_close, assert_same_bits, poisoned_outputs, registered_cases, upcast
 
 LANES = ["triton", "reference"]
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BF16 = torch.bfloat16
 
 
-def _cases():
-    for name in ("svdquant_w4a4_linear", "quantize_w4a4_act"):
-        for s in get_op(name).samples(DEVICE):
-            yield pytest.param(name, s, id=f"{name}: {s.name}")
-
-
 @pytest.mark.parametrize("lane", LANES)
-@pytest.mark.parametrize("name, sample", list(_cases()))
+@pytest.mark.parametrize("name, sample", registered_cases(["svdquant_w4a4_linear", "quantize_w4a4_act"], DEVICE))
 def test_registered_samples_match_the_oracle(name, sample, lane):
     op = get_op(name)
     want = op.reference()(**{k: upcast(v) for k, v in sample.kwargs.items()})

@@ -19,7 +19,7 @@ from lanekit.gemm import registry as greg
 from lanekit.integrations import quantize_linears
 from lanekit.integrations.quantize import QuantizedLinear
 from lanekit.reference import gemm as ref
-from lanekit.testing import assert_close, poisoned_outputs, upcast
+from lanekit.testing import assert_close, poisoned_outputs, registered_cases, upcast
 
 OPS = ["w4a8_linear", "int4_mm"]
 LANES = ["triton", "reference"]
@@ -27,14 +27,8 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 E4M3 = torch.float8_e4m3fn
 
 
-def _cases():
-    for name in OPS:
-        for s in get_op(name).samples(DEVICE):
-            yield pytest.param(name, s, id=f"{name}: {s.name}")
-
-
 @pytest.mark.parametrize("lane", LANES)
-@pytest.mark.parametrize("name, sample", list(_cases()))
+@pytest.mark.parametrize("name, sample", registered_cases(OPS, DEVICE))
 def test_registered_samples_match_the_oracle(name, sample, lane):
     op = get_op(name)
     want = op.reference()(**{k: upcast(v) for k, v in sample.kwargs.items()})

@@ -229,3 +229,16 @@ def upcast(x):
     if isinstance(x, torch.Tensor) and x.is_floating_point():
         return x.detach().to(torch.float64)
     return x
+
+
+def registered_cases(ops, device: str) -> list:
+    """pytest parameters (op name, sample) for every registered sample of ``ops`` on ``device``,
+    each with the id "name: sample name": for a test file that runs its family's registered
+    samples on each lane. Imports pytest (the test extra) only when called."""
+    import pytest
+
+    from lanekit.families import get_op
+
+    return [pytest.param(name, sample, id=f"{name}: {sample.name}")
+            for name in ops for sample in get_op(name).samples(device)]
+
