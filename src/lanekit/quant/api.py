@@ -431,6 +431,8 @@ def pack_int4(codes: torch.Tensor, dim: int = -1, order: str = "sequential",
 
     Raises: TypeError for a wrong type or dtype; ValueError for a wrong dim, order, size, or a
     value outside 0..15 (read on the host: a sync on a GPU; this runs once, at load).
+
+    Source: the layouts of AutoAWQ's and GPTQ's checkpoints (docs/semantics.md, "4-bit weights").
     """
     _tensor("codes", codes, dtypes=_INT_DTYPES)
     d = _int4_args(codes, "codes", dim, order, dtype)
@@ -452,6 +454,8 @@ def unpack_int4(packed: torch.Tensor, dim: int = -1, order: str = "sequential") 
 
     Raises: TypeError for a packed dtype other than int32 or uint8; ValueError for a wrong dim
     or order.
+
+    Source: the layouts of AutoAWQ's and GPTQ's checkpoints (docs/semantics.md, "4-bit weights").
     """
     _tensor("packed", packed, dtypes=tuple(_numerics.PACK))
     d = _int4_args(packed, "packed", dim, order, packed.dtype)
