@@ -23,7 +23,8 @@ BF16 = torch.bfloat16
 
 
 @pytest.mark.parametrize("lane", LANES)
-@pytest.mark.parametrize("name, sample", registered_cases(["svdquant_w4a4_linear", "quantize_w4a4_act"], DEVICE))
+@pytest.mark.parametrize("name, sample",
+                         registered_cases(map(get_op, ["svdquant_w4a4_linear", "quantize_w4a4_act"]), DEVICE))
 def test_registered_samples_match_the_oracle(name, sample, lane):
     op = get_op(name)
     want = op.reference()(**{k: upcast(v) for k, v in sample.kwargs.items()})

@@ -232,13 +232,12 @@ def upcast(x):
 
 
 def registered_cases(ops, device: str) -> list:
-    """pytest parameters (op name, sample) for every registered sample of ``ops`` on ``device``,
-    each with the id "name: sample name": for a test file that runs its family's registered
-    samples on each lane. Imports pytest (the test extra) only when called."""
+    """pytest parameters (op name, sample) for every registered sample of ``ops`` (registered op
+    objects, e.g. ``map(get_op, names)``) on ``device``, each with the id "name: sample name": for a
+    test file that runs its family's registered samples on each lane. Takes the ops rather than their
+    names because this layer sits below the family registry (tests/test_layout.py). Imports pytest
+    (the test extra) only when called."""
     import pytest
 
-    from lanekit.families import get_op
-
-    return [pytest.param(name, sample, id=f"{name}: {sample.name}")
-            for name in ops for sample in get_op(name).samples(device)]
-
+    return [pytest.param(op.name, sample, id=f"{op.name}: {sample.name}")
+            for op in ops for sample in op.samples(device)]
