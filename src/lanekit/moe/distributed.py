@@ -27,6 +27,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from lanekit.moe.api import fused_moe, moe_combine, moe_dispatch, topk_softmax
+from lanekit.runtime import alloc
 from lanekit.runtime.validate import ArgumentError, ArgumentTypeError
 from lanekit.runtime.validate import flag as _flag
 from lanekit.runtime.validate import int_at_least as _int_at_least
@@ -42,7 +43,8 @@ _MAX_EXPERTS = 1024   # moe_dispatch's bound
 # ---- the transport: all_to_all_single with its backward ----
 
 def _all_to_all(x: torch.Tensor, send_splits: list[int], recv_splits: list[int], group) -> torch.Tensor:
-    out = x.new_empty((sum(recv_splits), x.shape[1]))
+    # through alloc.empty: poisoned in checked runs, so a row no rank sent stays NaN
+    out = alloc.empty((sum(recv_splits), x.shape[1]), dtype=x.dtype, device=x.device)
     dist.all_to_all_single(out, x.contiguous(), recv_splits, send_splits, group=group)
     return out
 
