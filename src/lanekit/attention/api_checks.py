@@ -47,10 +47,7 @@ def _options(D: int, Sq: int, Sk: int, dropout_p, softmax_scale, softcap, causal
     follow runtime.validate's one rule (NumPy's and 0-d tensors count; a bool is not an int)."""
     if not (is_real(dropout_p) and 0.0 <= dropout_p < 1.0):
         raise ValueError(f"dropout_p: expected a float in [0, 1), got {dropout_p!r}")
-    if softmax_scale is None:
-        softmax_scale = D ** -0.5
-    elif not (is_real(softmax_scale) and math.isfinite(softmax_scale) and abs(softmax_scale) < _FP32_MAX):
-        raise ValueError(f"softmax_scale: expected a finite float (fp32 range) or None, got {softmax_scale!r}")
+    softmax_scale = _softmax_scale(D, softmax_scale)
     if not (is_real(softcap) and softcap >= 0 and math.isfinite(softcap)):
         raise ValueError(f"softcap: expected a finite float >= 0, got {softcap!r}")
     causal = flag("causal", causal)
@@ -65,7 +62,17 @@ def _options(D: int, Sq: int, Sk: int, dropout_p, softmax_scale, softcap, causal
         right = -1
     if causal:
         right = 0
-    return float(softmax_scale), left, right
+    return softmax_scale, left, right
+
+
+def _softmax_scale(D: int, softmax_scale) -> float:
+    """softmax_scale: a finite real in fp32's range, or None for ``D ** -0.5`` (FlashAttention's and
+    FlashMLA's default)."""
+    if softmax_scale is None:
+        return D ** -0.5
+    if not (is_real(softmax_scale) and math.isfinite(softmax_scale) and abs(softmax_scale) < _FP32_MAX):
+        raise ValueError(f"softmax_scale: expected a finite float (fp32 range) or None, got {softmax_scale!r}")
+    return float(softmax_scale)
 
 
 def _alibi(alibi_slopes, B: int, Hq: int, q: torch.Tensor) -> torch.Tensor | None:

@@ -4,18 +4,18 @@ functions and is past the ~800 lines at which a family splits a file.)"""
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 
 from lanekit.attention import op_mla as _lanes
 from lanekit.attention import tuning
+from lanekit.attention.api_checks import _softmax_scale
 from lanekit.attention.api_kvcache import MAX_SPLITS, num_splits_heuristic
 from lanekit.kv_cache import checks
 from lanekit.runtime import errors
 from lanekit.runtime.lanes import triton_interpreted
-from lanekit.runtime.validate import (argument_errors, flag, int_at_least, int_in, is_real, lane_for, shape,
+from lanekit.runtime.validate import (argument_errors, flag, int_at_least, int_in, lane_for, shape,
                                       tensor)
 
 _DTYPES = (torch.float16, torch.bfloat16)
@@ -25,7 +25,6 @@ MLA_CODE_DTYPES = (torch.int8, torch.float8_e4m3fn, torch.float8_e5m2)
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 MAX_HEAD_DIM_V = 512
 MAX_ROPE_DIM = 128
-_FP32_MAX = 3.4028234663852886e38
 # FlashMLA's arguments for sparse attention (DeepSeek V3.2), which lanekit does not implement.
 _SPARSE_ARGS = ("indices", "attn_sink", "extra_k_cache", "extra_indices_in_kvcache", "topk_length",
                 "extra_topk_length")
@@ -252,10 +251,7 @@ def flash_mla_with_kvcache(
     if flag("is_fp8_kvcache", is_fp8_kvcache) and k_cache.dtype not in _FP8:
         raise ValueError(f"is_fp8_kvcache: True needs a k_cache of fp8 codes (float8_e4m3fn or float8_e5m2, with "
                          f"k_cache_scale), got a {k_cache.dtype} cache")
-    if softmax_scale is None:
-        softmax_scale = D ** -0.5
-    elif not (is_real(softmax_scale) and math.isfinite(softmax_scale) and abs(softmax_scale) < _FP32_MAX):
-        raise ValueError(f"softmax_scale: expected a finite float (fp32 range) or None, got {softmax_scale!r}")
+    softmax_scale = _softmax_scale(D, softmax_scale)
     causal = flag("causal", causal)
     if num_splits is None:
         num_splits = 0
