@@ -1,0 +1,31 @@
+"""benchmarks.explore_attention_sm90 times its kernel variants on an sm90 GPU only: their math is
+checked here first, under Triton's interpreter, against PyTorch's SDPA at a tiny shape."""
+
+import pytest
+import torch
+import triton
+
+from benchmarks import explore_attention_sm90 as explore
+from lanekit.runtime.interpreter import fix_interpreter
+from lanekit.runtime.lanes import triton_interpreted
+
+# one variant of each design: pointer loads, descriptor loads, descriptors and warp specialization
+NAMES = ("ptr 128x64 w8 s3", "tma 128x64 w8 s3", "tma+ws 128x64 w4 s3")
+
+
+@pytest.mark.skipif(not triton_interpreted(), reason="the timed run is the GPU's; this checks the math interpreted")
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("name", NAMES)
+def test_each_design_computes_attention(name, causal):
+    fix_interpreter()   # bf16 decoding, as lanekit's own kernel modules do
+    triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8))
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 256, 64, generator=g).bfloat16() for _ in range(3))
+    want = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(), is_causal=causal)
+    got = explore.run(explore.VARIANTS[name], q, k, v, causal)
+    assert (got.double() - want).abs().max() < 1e-2       # bf16 output: 2^-8 relative, |out| < 1
+
+
+def test_variants_are_well_formed():
+    for bm, bn, tma, ws, warps, stages in explore.VARIANTS.values():
+        assert 256 % bm == 0 and 256 % bn == 0 and (warps == 4 or not ws) and (tma or not ws)
