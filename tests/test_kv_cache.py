@@ -176,6 +176,51 @@ def test_k_and_v_caches_as_views_of_one_buffer(device, kv_dtype, lane):
     assert torch.equal(k, want[0]) and torch.equal(v, want[1])
 
 
+
+@pytest.mark.parametrize("case, launches", [("bf16", 1), ("int8", 1), ("int8, k_scale only", 2)])
+def test_keys_and_values_are_written_in_one_launch_where_they_pair(device, case, launches, monkeypatch):
+    """reshape_and_cache and flash_attn_with_kvcache's append write keys and values in one launch
+    (values on the grid's second row) when they pair up (the same dtypes, scales given alike);
+    values of another head dim too. Otherwise each takes its own launch. Both against the oracle."""
+    from lanekit.kv_cache import kernels
+
+    calls = []
+    real = kernels._scatter
+    monkeypatch.setattr(kernels, "_scatter", lambda *a: calls.append(1) or real(*a))
+    g = gen(12)
+    quant = case.startswith("int8")
+    dtype = torch.int8 if quant else torch.bfloat16
+    k_cache = torch.full((4, 3, 2, 16), 7, dtype=dtype, device=device)
+    v_cache = torch.full((4, 3, 2, 8), 7, dtype=dtype, device=device)    # Dv = 8 beside D = 16
+    scales = dict(k_cache_scale=torch.ones(4, 3, 2, device=device),
+                  v_cache_scale=torch.ones(4, 3, 2, device=device)) if quant else {}
+    given = dict(k_scale=torch.full((5, 2), 0.02, device=device)) if case.endswith("only") else {}
+    key = randn(5, 2, 16, dtype=torch.bfloat16, device=device, generator=g)
+    value = randn(5, 2, 8, dtype=torch.bfloat16, device=device, generator=g)
+    slots = torch.tensor([11, 0, -1, 6, 3], device=device)
+    expected = ref.reshape_and_cache(key, value, k_cache.clone(), v_cache.clone(), slots, **given,
+                                     **{k: v.clone() for k, v in scales.items()})
+    KV.reshape_and_cache(key, value, k_cache, v_cache, slots, **given, **scales, lane="triton")
+    assert len(calls) == launches
+    for got, want in zip((k_cache, v_cache, *scales.values()), expected):
+        assert torch.equal(bits(got), bits(want))
+
+    calls.clear()      # the append of flash_attn_with_kvcache, paged
+    q = randn(2, 1, 4, 16, dtype=torch.bfloat16, device=device, generator=g)
+    k_new = randn(2, 1, 2, 16, dtype=torch.bfloat16, device=device, generator=g)
+    v_new = randn(2, 1, 2, 8, dtype=torch.bfloat16, device=device, generator=g)
+    table = torch.tensor([[1, 2], [3, 0]], dtype=torch.int32, device=device)
+    lens = torch.tensor([4, 2], dtype=torch.int32, device=device)
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    want_scales = {k: v.clone() for k, v in scales.items()}
+    lanekit.flash_attn_with_kvcache(q, want_k, want_v, k_new, v_new, cache_seqlens=lens, block_table=table,
+                                    **want_scales, lane="reference")
+    lanekit.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=lens, block_table=table,
+                                   **scales, lane="triton")
+    assert len(calls) == 1
+    for got, want in zip((k_cache, v_cache, *scales.values()), (want_k, want_v, *want_scales.values())):
+        assert torch.equal(bits(got), bits(want))
+
 def _sequences(device, *, page_size, lengths, H=2, D=32, kv_dtype=None, seed=3):
     """A PagedKVCache holding sequences 0..B-1 of ``lengths`` random tokens, and those tokens."""
     g = gen(seed)

@@ -409,8 +409,8 @@ def flash_attn_with_kvcache_inplace(*, q, k_cache, v_cache, cache_seqlens, k, v,
             if rotary_cos is not None:   # new token t of sequence b at position cache_seqlens[b] + t
                 k = apply_rotary_triton(x=k, cos=rotary_cos, sin=rotary_sin, interleaved=rotary_interleaved,
                                         rotary_dim=rotary_dim, seqlen_offsets=cache_seqlens)
-            append_kv(x=k, cache=k_cache, table=table, seqlens=cache_seqlens, scale_out=k_cache_scale)
-            append_kv(x=v, cache=v_cache, table=table, seqlens=cache_seqlens, scale_out=v_cache_scale)
+            append_kv(x=k, cache=k_cache, table=table, seqlens=cache_seqlens, scale_out=k_cache_scale,
+                      second=(v, v_cache, v_cache_scale))   # keys and values in one launch
         if rotary_cos is not None:
             Sq = q.shape[1]
             if window_size[0] >= 0 or window_size[1] >= 0:   # query i at cache_seqlens[b] + i

@@ -47,7 +47,7 @@ QMAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.
 
 
 @triton.jit
-def _scatter_kv_kernel(
+def _scatter_rows(
     X, SLOTS, SCALE_IN, CACHE, SCALE_OUT,
     stride_xn, stride_xh, stride_xd, stride_slot, stride_in, stride_ih,
     stride_cb, stride_cp, stride_ch, stride_cd, stride_sb, stride_sp, stride_sh,
@@ -102,6 +102,39 @@ def _scatter_kv_kernel(
         x = _quantize(tl.math.div_rn(x, scale[:, None]), qmax, QUANT)
     c_rows = CACHE + page * stride_cb + off * stride_cp + h * stride_ch
     tl.store(c_rows[:, None] + offs_d[None, :] * stride_cd, _cast_codes(x, CACHE.dtype.element_ty, QUANT), mask=mask)
+
+
+@triton.jit
+def _scatter_kv_kernel(
+    X, SLOTS, SCALE_IN, CACHE, SCALE_OUT,
+    stride_xn, stride_xh, stride_xd, stride_slot, stride_in, stride_ih,
+    stride_cb, stride_cp, stride_ch, stride_cd, stride_sb, stride_sp, stride_sh,
+    N, H, D, page_size, qmax,
+    BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, HAS_SLOTS: tl.constexpr,
+    QUANT: tl.constexpr, HAS_SCALE_IN: tl.constexpr,
+    num_slots, ERR, ERR_BIT,
+    TABLE, SEQLENS, stride_tb, s_new, width, APPEND: tl.constexpr, APPEND_TABLE: tl.constexpr,
+    X2, SCALE_IN2, CACHE2, SCALE_OUT2,
+    stride_x2n, stride_x2h, stride_x2d, stride_in2, stride_i2h,
+    stride_c2b, stride_c2p, stride_c2h, stride_c2d, stride_s2b, stride_s2p, stride_s2h, D2,
+    PAIR: tl.constexpr,
+):
+    # Grid (row blocks, 1), or with PAIR (row blocks, 2): program_id(1) 1 writes the second
+    # tensor (values, beside the keys) at the same slots, so that keys and values take one launch.
+    second = tl.program_id(1) == 1
+    if PAIR:
+        if second:
+            _scatter_rows(X2, SLOTS, SCALE_IN2, CACHE2, SCALE_OUT2,
+                          stride_x2n, stride_x2h, stride_x2d, stride_slot, stride_in2, stride_i2h,
+                          stride_c2b, stride_c2p, stride_c2h, stride_c2d, stride_s2b, stride_s2p, stride_s2h,
+                          N, H, D2, page_size, qmax, BLOCK_R, BLOCK_D, HAS_SLOTS, QUANT, HAS_SCALE_IN,
+                          num_slots, ERR, ERR_BIT, TABLE, SEQLENS, stride_tb, s_new, width, APPEND, APPEND_TABLE)
+    if not (PAIR and second):
+        _scatter_rows(X, SLOTS, SCALE_IN, CACHE, SCALE_OUT,
+                      stride_xn, stride_xh, stride_xd, stride_slot, stride_in, stride_ih,
+                      stride_cb, stride_cp, stride_ch, stride_cd, stride_sb, stride_sp, stride_sh,
+                      N, H, D, page_size, qmax, BLOCK_R, BLOCK_D, HAS_SLOTS, QUANT, HAS_SCALE_IN,
+                      num_slots, ERR, ERR_BIT, TABLE, SEQLENS, stride_tb, s_new, width, APPEND, APPEND_TABLE)
 
 
 @triton.jit
@@ -207,18 +240,26 @@ def _tiles(rows: int, D: int, device: torch.device) -> tuple[int, int, int]:
     return block_r, block_d, cfg.num_warps
 
 
-def scatter_kv(*, x, cache, slots=None, scale_in=None, scale_out=None):
-    """Write x (N, H, D) into cache (num_blocks, page_size, H, D), row (n, h) at slot slots[n]
-    (skipped when negative), or at page n, offset 0, when slots is None. When the cache holds int8
-    or e4m3 codes, each row is quantized by its scale: scale_in[n, h] ((N, H), any strides,
-    broadcast views too) or amax / qmax; the scale goes to scale_out (num_blocks, page_size, H) fp32.
-    In place; returns nothing."""
+def _pairs(x, cache, scale_in, scale_out, second) -> bool:
+    """Whether ``second`` (x2, cache2, scale_in2, scale_out2) can share x's launch: the same rows
+    and dtypes, scales given alike (else it takes a launch of its own)."""
+    x2, cache2, scale_in2, scale_out2 = second
+    return (x2.shape[:-1] == x.shape[:-1] and x2.dtype == x.dtype and cache2.dtype == cache.dtype
+            and cache2.shape[1] == cache.shape[1] and (scale_in2 is None) == (scale_in is None)
+            and (scale_out2 is None) == (scale_out is None))
+
+
+def _scatter(x, cache, slots, scale_in, scale_out, append, second):
+    """Launch _scatter_kv_kernel over x (N, H, D) and, with ``second`` (x2 (N, H, D2), cache2,
+    scale_in2, scale_out2), over x2 too in the same launch. ``append``: None, or (table, seqlens,
+    s_new) for flash_attn_with_kvcache's append (slots computed in the kernel)."""
     N, H, D = x.shape
-    if N * H * D == 0:
-        return
+    D2 = second[0].shape[2] if second is not None else 0
     quant = QUANT_CODES.get(cache.dtype, 0)
-    block_r, block_d, num_warps = _tiles(N * H, D, x.device)
-    launch(_scatter_kv_kernel, (cdiv(N * H, block_r),),
+    block_r, block_d, num_warps = _tiles(N * H, max(D, D2), x.device)
+    table, seqlens, s_new = append if append is not None else (None, None, 1)
+    x2, cache2, scale_in2, scale_out2 = second if second is not None else (None, None, None, None)
+    launch(_scatter_kv_kernel, (cdiv(N * H, block_r), 2 if second is not None else 1),
         x, slots, scale_in, cache, scale_out,
         *x.stride(), slots.stride(0) if slots is not None else 0,
         *(scale_in.stride() if scale_in is not None else (0, 0)),
@@ -227,37 +268,62 @@ def scatter_kv(*, x, cache, slots=None, scale_in=None, scale_out=None):
         BLOCK_R=block_r, BLOCK_D=block_d, HAS_SLOTS=slots is not None, QUANT=quant,
         HAS_SCALE_IN=scale_in is not None, num_warps=num_warps,
         num_slots=cache.shape[0] * cache.shape[1], ERR=errors.error_flag(x.device), ERR_BIT=BAD_SLOT,
-        TABLE=None, SEQLENS=None, stride_tb=0, s_new=1, width=1, APPEND=False, APPEND_TABLE=False,
+        TABLE=table, SEQLENS=seqlens, stride_tb=table.stride(0) if table is not None else 0, s_new=s_new,
+        width=table.shape[1] if table is not None else 1, APPEND=append is not None,
+        APPEND_TABLE=table is not None,
+        X2=x2, SCALE_IN2=scale_in2, CACHE2=cache2, SCALE_OUT2=scale_out2,
+        **_second_strides(x2, scale_in2, cache2, scale_out2), D2=D2, PAIR=second is not None,
         # the quantized path is specified as exactly rounded steps: no fused multiply-adds
         **({"enable_fp_fusion": False} if quant else {}),
     )
 
 
-def append_kv(*, x, cache, table, seqlens, scale_out=None):
+def _second_strides(x2, scale_in2, cache2, scale_out2) -> dict:
+    names = ("stride_x2n", "stride_x2h", "stride_x2d", "stride_in2", "stride_i2h", "stride_c2b", "stride_c2p",
+             "stride_c2h", "stride_c2d", "stride_s2b", "stride_s2p", "stride_s2h")
+    strides = ((*x2.stride(), *(scale_in2.stride() if scale_in2 is not None else (0, 0)), *cache2.stride(),
+                *(scale_out2.stride() if scale_out2 is not None else (0, 0, 0)))
+               if x2 is not None else (0,) * len(names))
+    return dict(zip(names, strides))
+
+
+def scatter_kv(*, x, cache, slots=None, scale_in=None, scale_out=None, second=None):
+    """Write x (N, H, D) into cache (num_blocks, page_size, H, D), row (n, h) at slot slots[n]
+    (skipped when negative), or at page n, offset 0, when slots is None. When the cache holds int8
+    or e4m3 codes, each row is quantized by its scale: scale_in[n, h] ((N, H), any strides,
+    broadcast views too) or amax / qmax; the scale goes to scale_out (num_blocks, page_size, H) fp32.
+    ``second``: (x2, cache2, scale_in2, scale_out2), written alike at the same slots (values beside
+    keys), in the same launch where they pair up. In place; returns nothing."""
+    N, H, D = x.shape
+    if second is not None and not _pairs(x, cache, scale_in, scale_out, second):
+        scatter_kv(x=second[0], cache=second[1], slots=slots, scale_in=second[2], scale_out=second[3])
+        second = None
+    if N * H == 0 or D + (second[0].shape[2] if second is not None else 0) == 0:
+        return
+    _scatter(x, cache, slots, scale_in, scale_out, None, second)
+
+
+def append_kv(*, x, cache, table, seqlens, scale_out=None, second=None):
     """flash_attn_with_kvcache's append: x (B, S_new, H, D) written at positions seqlens[b] + t
     of sequence b, through table (B, max_pages) int32 into a paged cache (num_blocks, page_size,
     H, D), or with table None into row b of a contiguous cache (B_cache, S_cache, H, D); the
     slots are computed in the kernel (no index tensor built, no value read back): a position
     outside the row or a page outside the pool is not written and is recorded (BAD_SLOT).
-    Quantized into a codes cache as :func:`scatter_kv`. In place; returns nothing."""
+    Quantized into a codes cache as :func:`scatter_kv`. ``second``: (x2, cache2, scale_out2),
+    the values beside the keys, appended alike in the same launch where they pair up. In place;
+    returns nothing."""
     B, S_new, H, D = x.shape
-    if B * S_new * H * D == 0:
-        return
     rows = x.reshape(B * S_new, H, D) if x.is_contiguous() else x.flatten(0, 1)
-    quant = QUANT_CODES.get(cache.dtype, 0)
-    block_r, block_d, num_warps = _tiles(B * S_new * H, D, x.device)
-    launch(_scatter_kv_kernel, (cdiv(B * S_new * H, block_r),),
-        rows, None, None, cache, scale_out,
-        *rows.stride(), 0, 0, 0,
-        *cache.stride(), *(scale_out.stride() if scale_out is not None else (0, 0, 0)),
-        B * S_new, H, D, cache.shape[1], QMAX.get(cache.dtype, 0.0),
-        BLOCK_R=block_r, BLOCK_D=block_d, HAS_SLOTS=False, QUANT=quant,
-        HAS_SCALE_IN=False, num_warps=num_warps,
-        num_slots=cache.shape[0] * cache.shape[1], ERR=errors.error_flag(x.device), ERR_BIT=BAD_SLOT,
-        TABLE=table, SEQLENS=seqlens, stride_tb=table.stride(0) if table is not None else 0, s_new=S_new,
-        width=table.shape[1] if table is not None else 1, APPEND=True, APPEND_TABLE=table is not None,
-        **({"enable_fp_fusion": False} if quant else {}),
-    )
+    if second is not None:
+        x2, cache2, scale_out2 = second
+        second = (x2.reshape(B * S_new, H, x2.shape[3]) if x2.is_contiguous() else x2.flatten(0, 1),
+                  cache2, None, scale_out2)
+        if not _pairs(rows, cache, None, scale_out, second):
+            append_kv(x=x2, cache=cache2, table=table, seqlens=seqlens, scale_out=scale_out2)
+            second = None
+    if B * S_new * H == 0 or D + (second[0].shape[2] if second is not None else 0) == 0:
+        return
+    _scatter(rows, cache, None, None, scale_out, (table, seqlens, S_new), second)
 
 
 def gather_kv(*, cache, scale=None, block_table=None, seqlens=None, max_seqlen, dtype):

@@ -34,8 +34,8 @@ def _write_cache_op(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor
                     slot_mapping: Tensor, k_scale: Tensor | None, v_scale: Tensor | None,
                     k_cache_scale: Tensor | None, v_cache_scale: Tensor | None) -> None:
     kernels = _kernels()
-    kernels.scatter_kv(x=key, cache=k_cache, slots=slot_mapping, scale_in=k_scale, scale_out=k_cache_scale)
-    kernels.scatter_kv(x=value, cache=v_cache, slots=slot_mapping, scale_in=v_scale, scale_out=v_cache_scale)
+    kernels.scatter_kv(x=key, cache=k_cache, slots=slot_mapping, scale_in=k_scale, scale_out=k_cache_scale,
+                       second=(value, v_cache, v_scale, v_cache_scale))   # keys and values in one launch
 
 
 def write_cache_triton(*, key, value, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None,
