@@ -11,7 +11,9 @@ run, from CUDA graphs. Each variant's output is compared with SDPA's before it i
 
 Variants: K/V read by pointers (cp.async, the portable kernel's way) or by tensor descriptors
 (TMA); the key loop software-pipelined (num_stages) or warp-specialized
-(``tl.range(..., warp_specialize=True)``); key blocks of 64 or 128.
+(``tl.range(..., warp_specialize=True)``); key blocks of 64 or 128. Beside them, the Gluon designs
+of ``benchmarks.explore_attention_gluon`` (TMA ring, mbarriers, async wgmma, with and without a
+producer warp), which no ``tl`` kernel can express.
 
 What compiling for sm90 on a CPU showed (Triton 3.6.0, 2026-12-07, ``--compile-only``):
 ``warp_specialize`` takes effect only with tensor descriptors and 4 warps (the kernel then runs 12
@@ -131,26 +133,44 @@ def compile_for_sm90(D: int, causal: bool, variant) -> dict:
                                 target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
     except Exception as e:   # the compiler's own error, first line
         return {"error": (str(e).strip().splitlines() or [type(e).__name__])[-1][:120]}
+    from lanekit.runtime.targets import _cubin_resources
+
     ptx = kernel.asm["ptx"]
-    return {"smem": kernel.metadata.shared, "warps": kernel.metadata.num_warps,
+    regs, spills = _cubin_resources(kernel.asm["cubin"])
+    return {"smem": kernel.metadata.shared, "warps": kernel.metadata.num_warps, "regs": regs, "spills": spills,
             "setmaxnreg": ptx.count("setmaxnreg"), "tma": ptx.count("cp.async.bulk.tensor"),
             "wgmma": ptx.count("wgmma.mma_async")}
 
 
+def designs() -> dict:
+    """Every design: name -> (compile_for_sm90(D, causal), run(q, k, v, causal)); the Gluon ones
+    (benchmarks.explore_attention_gluon) where this Triton has Gluon."""
+    out = {name: (lambda D, causal, v=v: compile_for_sm90(D, causal, v),
+                  lambda q, k, v_, causal, v=v: run(v, q, k, v_, causal)) for name, v in VARIANTS.items()}
+    try:
+        from benchmarks import explore_attention_gluon as glu
+    except ImportError as e:
+        print(f"(no Gluon designs: {e})")
+        return out
+    out.update({name: (lambda D, causal, d=d: glu.compile_for_sm90(D, causal, d),
+                       lambda q, k, v_, causal, d=d: glu.run(d, q, k, v_, causal)) for name, d in glu.DESIGNS.items()})
+    return out
+
+
 def compile_only() -> None:
-    print(f"Triton {triton.__version__}, compiled for sm90 (no GPU): shared memory per block, warps, and "
-          f"the PTX's setmaxnreg / TMA / wgmma instruction counts")
+    print(f"Triton {triton.__version__}, compiled for sm90 (no GPU): shared memory per block, warps, registers "
+          f"and spilled bytes per thread, and the PTX's setmaxnreg / TMA / wgmma instruction counts")
     for D in (64, 128):
         for causal in (False, True):
-            for name, variant in VARIANTS.items():
-                r = compile_for_sm90(D, causal, variant)
-                where = f"D={D} {'causal' if causal else 'full  '} {name:22}"
+            for name, (compile_, _) in designs().items():
+                r = compile_(D, causal)
+                where = f"D={D} {'causal' if causal else 'full  '} {name:30}"
                 if "error" in r:
                     print(f"{where} FAILS: {r['error']}")
                 else:
                     over = "  (over the sm90 limit)" if r["smem"] > SMEM_LIMIT else ""
-                    print(f"{where} smem {r['smem']:7d}{over} warps {r['warps']:2d} setmaxnreg {r['setmaxnreg']} "
-                          f"tma {r['tma']} wgmma {r['wgmma']}")
+                    print(f"{where} smem {r['smem']:7d}{over} warps {r['warps']:2d} regs {r['regs']:3d} "
+                          f"spills {r['spills']} setmaxnreg {r['setmaxnreg']} tma {r['tma']} wgmma {r['wgmma']}")
 
 
 def run(variant, q, k, v, causal: bool):
@@ -170,6 +190,7 @@ def on_gpu(seqlens, batch_tokens: int) -> None:
     triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, Triton {triton.__version__}; "
           f"bf16 forward TFLOP/s from CUDA graphs (causal counts half the products)")
+    every = designs()
     for D in (64, 128):
         for causal in (False, True):
             for S in seqlens:
@@ -188,16 +209,20 @@ def on_gpu(seqlens, batch_tokens: int) -> None:
                     qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
                     rows["lanekit flash_attn_func"] = triton.testing.do_bench_cudagraph(
                         lambda: lanekit.flash_attn_func(qt, kt, vt, causal=causal), rep=100)
-                    for name, variant in VARIANTS.items():
-                        r = compile_for_sm90(D, causal, variant)
+                    for name, (compile_, run_) in every.items():
+                        r = compile_(D, causal)
                         if "error" in r or r["smem"] > SMEM_LIMIT:
                             rows[name] = r.get("error", f"smem {r.get('smem')} over the limit")
                             continue
-                        err = (run(variant, q, k, v, causal).float() - want).abs().max().item()
+                        try:
+                            err = (run_(q, k, v, causal).float() - want).abs().max().item()
+                        except Exception as e:   # a design that fails to launch is reported, not fatal
+                            rows[name] = f"fails: {type(e).__name__}: {str(e).splitlines()[0][:100] if str(e) else ''}"
+                            continue
                         if not err < 2e-2:
                             rows[name] = f"wrong: max error {err:.3g}"
                             continue
-                        rows[name] = triton.testing.do_bench_cudagraph(lambda: run(variant, q, k, v, causal), rep=100)
+                        rows[name] = triton.testing.do_bench_cudagraph(lambda: run_(q, k, v, causal), rep=100)
                 cudnn = rows["sdpa cudnn"]
                 print(f"\nD={D} S={S} B={B} H={H} {'causal' if causal else 'full'}")
                 for name, ms in rows.items():

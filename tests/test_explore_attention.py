@@ -29,3 +29,15 @@ def test_each_design_computes_attention(name, causal):
 def test_variants_are_well_formed():
     for bm, bn, tma, ws, warps, stages in explore.VARIANTS.values():
         assert 256 % bm == 0 and 256 % bn == 0 and (warps == 4 or not ws) and (tma or not ws)
+
+
+@pytest.mark.parametrize("name", ["gluon pipelined 128x128 w8 s2", "gluon ws 128x128 w8 s2"])
+def test_the_gluon_designs_compile_for_sm90_without_spilling(name):
+    """The Gluon candidates cannot run here (Gluon has no interpreter): they are kept compiling for
+    Hopper, with TMA copies, wgmma and (warp-specialized) setmaxnreg in their PTX."""
+    glu = pytest.importorskip("benchmarks.explore_attention_gluon", reason="this Triton has no Gluon")
+    design = glu.DESIGNS[name]
+    r = glu.compile_for_sm90(128, True, design)
+    assert "error" not in r, r
+    assert r["smem"] <= explore.SMEM_LIMIT and r["spills"] == 0 and r["tma"] > 0 and r["wgmma"] > 0
+    assert (r["setmaxnreg"] > 0) == design[4] and r["warps"] == design[3] + 4 * design[4]
