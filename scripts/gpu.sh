@@ -3,7 +3,7 @@
 #   bash scripts/gpu.sh [STEP ...]
 #   steps: info tests sanitizer check check-sanitized demo tune tune-bwd tune-layers profile bench
 #   bench-layers bench-decode bench-moe bench-new (linear_attn mla attention_fp8 eager train generate;
-#   peers from wheels: see the device README) bench-gemm gemm-explore attention-explore fa-suite tune-moe tune-decode ncu ab (default, in this order: info tests check demo bench bench-layers
+#   peers from wheels: see the device README) bench-gemm gemm-explore attention-explore ep-one ep fa-suite tune-moe tune-decode ncu ab (default, in this order: info tests check demo bench bench-layers
 #   bench-decode sanitizer).
 #   check-sanitized is lanekit check under compute-sanitizer's memcheck: every kernel on every
 #   registered sample, checked for out-of-bounds accesses as well as against its oracle.
@@ -55,6 +55,8 @@ for s in "${steps[@]}"; do
     bench-gemm) run_step bench-gemm python3 -m benchmarks.run gemm quant --json "$OUT/bench-gemm.json" ;;
     gemm-explore) run_step gemm-explore python3 -m benchmarks.explore_gemm_sm90 ;;
     attention-explore) run_step attention-explore python3 -m benchmarks.explore_attention_sm90 ;;
+    ep-one) run_step ep-one bash -c "python3 -m benchmarks.moe_ep --world 1 --smoke && python3 -m benchmarks.moe_ep --world 1" ;;
+    ep) run_step ep bash -c "python3 -m benchmarks.moe_ep --world ${EP_WORLD:-2} --smoke && python3 -m benchmarks.moe_ep --world ${EP_WORLD:-2}" ;;
     fa-suite) run_step fa-suite python3 scripts/run_fa_suite.py --tests ${FA_TESTS:-.gpu/fa_tests/test_flash_attn.py} --sample ${FA_SAMPLE:-3} --json "$OUT/fa.json" ;;
     bench-moe) run_step bench-moe python3 -m benchmarks.run moe --json "$OUT/bench-moe.json" ;;
     tune-moe) run_step tune-moe python3 -m benchmarks.tune_moe ${TUNE_ARGS:-} ;;

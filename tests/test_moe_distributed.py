@@ -339,3 +339,15 @@ def test_no_process_group_is_a_clear_error():
     with pytest.raises(ValueError, match="group: expected an initialised torch.distributed process group"):
         ep.ep_dispatch(torch.zeros(1, 4, dtype=torch.bfloat16), torch.zeros(1, 1, dtype=torch.int32),
                        torch.ones(1, 1), None, 2)
+
+
+def test_the_ep_benchmark_runs_its_path_and_checks_it_over_gloo():
+    """benchmarks.moe_ep times the layer on GPUs only: its whole path (routing, dispatch, local
+    experts, combine) runs here at tiny shapes, each rank's output checked against the unsharded
+    fused_moe, and every routed slot is received by exactly one rank."""
+    from benchmarks import moe_ep
+
+    rows = moe_ep.run(2, smoke=True, cuda=False, iters=1)
+    assert [r["rank"] for r in rows] == [0, 1] and all(r["checked"] for r in rows)
+    slots = sum(r["M"] for r in rows) * moe_ep.SMOKE["topk"]
+    assert sum(r["sent_rows"] for r in rows) == sum(r["received_rows"] for r in rows) == slots
