@@ -56,7 +56,7 @@ for s in "${steps[@]}"; do
     gemm-explore) run_step gemm-explore python3 -m benchmarks.explore_gemm_sm90 ;;
     attention-explore) run_step attention-explore python3 -m benchmarks.explore_attention_sm90 ;;
     ep-one) run_step ep-one bash -c "python3 -m benchmarks.moe_ep --world 1 --smoke && python3 -m benchmarks.moe_ep --world 1" ;;
-    ep) run_step ep bash -c "python3 -m benchmarks.moe_ep --world ${EP_WORLD:-2} --smoke && python3 -m benchmarks.moe_ep --world ${EP_WORLD:-2}" ;;
+    ep) run_step ep bash -c "LANEKIT_EP_BACKEND=nccl python3 -m pytest -q -rs tests/test_moe_distributed.py && python3 -m benchmarks.moe_ep --world ${EP_WORLD:-2} --smoke && python3 -m benchmarks.moe_ep --world ${EP_WORLD:-2}" ;;
     fa-suite) run_step fa-suite python3 scripts/run_fa_suite.py --tests ${FA_TESTS:-.gpu/fa_tests/test_flash_attn.py} --sample ${FA_SAMPLE:-3} --json "$OUT/fa.json" ;;
     bench-moe) run_step bench-moe python3 -m benchmarks.run moe --json "$OUT/bench-moe.json" ;;
     tune-moe) run_step tune-moe python3 -m benchmarks.tune_moe ${TUNE_ARGS:-} ;;

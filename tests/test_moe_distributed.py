@@ -6,7 +6,11 @@ gradients (x, the local experts' weights, the router weights) against the unshar
 One world of 4 processes is started once (a module fixture; starting a process costs seconds):
 the 2-rank cases run on its subgroup of ranks 0 and 1 (a group other than the default one), the
 4-rank cases on the whole world; the ranks save what they computed and each test checks one case
-here, against the oracle."""
+here, against the oracle.
+
+On GPUs, ``LANEKIT_EP_BACKEND=nccl`` runs the same ranks over NCCL, rank r on cuda:r, as many ranks
+as there are GPUs up to 4 (NCCL takes one GPU a rank): the cases of more ranks are skipped and say
+so. The world-of-one tests stay on gloo in this process."""
 
 from __future__ import annotations
 
@@ -27,6 +31,9 @@ from lanekit.moe import distributed as ep
 from lanekit.moe.registry import FUSED_MOE, FUSED_MOE_BWD, FUSED_MOE_DTOPK
 from lanekit.reference import moe as ref
 from lanekit.testing import assert_close, compare, generator, poisoned_outputs, randn
+
+BACKEND = os.environ.get("LANEKIT_EP_BACKEND", "gloo")
+WORLD = min(4, torch.cuda.device_count()) if BACKEND == "nccl" else 4   # the ranks the fixture starts
 
 # world: ranks; M: tokens per rank; E experts (E / world on each rank), topk, K hidden, N intermediate;
 # layer: the whole EPMoE (router included) instead of dispatch + fused_moe + combine on given routing;
@@ -73,16 +80,21 @@ def _rows(c, rank):
 
 # ---- what each rank runs ----
 
+def _device(rank):
+    return torch.device(f"cuda:{rank}") if BACKEND == "nccl" else torch.device("cpu")
+
+
 def _experts(received, w1, w2, handle, lane):
     if received.shape[0] == 0:
         return received * 0 + (w1.sum() + w2.sum()) * 0
-    ones = torch.ones(received.shape[0], 1)
+    ones = torch.ones(received.shape[0], 1, device=received.device)
     return lanekit.moe.fused_moe(received, w1, w2, ones, handle.expert_ids, expert_map=handle.expert_map,
                                  lane=lane)
 
 
 def _sharded(name, rank, world, group):
     c, p = _problem(name)
+    p = {k: v.to(_device(rank)) for k, v in p.items()}
     rows, El = _rows(c, rank), c["E"] // world
     x = p["x"][rows].clone().requires_grad_()
     if c["layer"]:
@@ -105,8 +117,9 @@ def _sharded(name, rank, world, group):
 def _bad_calls(rank, group):
     """Errors that need a world of several ranks: each message, or None where nothing was raised."""
     msgs = {}
-    x = torch.zeros(2, 32 if rank == 0 else 16, dtype=torch.bfloat16)
-    ids, weights = torch.zeros(2, 1, dtype=torch.int32), torch.ones(2, 1)
+    device = _device(rank)
+    x = torch.zeros(2, 32 if rank == 0 else 16, dtype=torch.bfloat16, device=device)
+    ids, weights = torch.zeros(2, 1, dtype=torch.int32, device=device), torch.ones(2, 1, device=device)
     for what, call in (("E not a multiple of the world", lambda: ep.ep_dispatch(x, ids, weights, group, 3)),
                        ("K differs between ranks", lambda: ep.ep_dispatch(x, ids, weights, group, 4))):
         try:
@@ -118,7 +131,9 @@ def _bad_calls(rank, group):
 
 
 def _rank_main(rank, world, init, out_dir):
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
+    if BACKEND == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(BACKEND, init_method=init, rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=60))
     try:
         pair = dist.new_group([0, 1])        # every rank takes part in making it
@@ -132,11 +147,11 @@ def _rank_main(rank, world, init, out_dir):
 
 def _run_cases(rank, pair, out_dir):
     for name, c in CASES.items():
-        if rank >= c["world"]:
+        if rank >= c["world"] or c["world"] > WORLD:
             continue
         try:
             group = pair if c["world"] == 2 else None
-            res = {k: v.detach() for k, v in _sharded(name, rank, c["world"], group).items()}
+            res = {k: v.detach().cpu() for k, v in _sharded(name, rank, c["world"], group).items()}
         except Exception:
             res = {"error": traceback.format_exc()}
         torch.save(res, Path(out_dir) / f"{name}.{rank}.pt")
@@ -147,6 +162,8 @@ def ranks(tmp_path_factory):
     """The folder where the 4 ranks saved every case's results (rank r's as <case>.<r>.pt). Under
     pytest-xdist the workers share one run (the session's temporary root, a lock): the ranks are
     started once per session, not once per worker."""
+    if WORLD < 2:
+        pytest.skip(f"ranks over {BACKEND} take a GPU each: this machine has {WORLD}")
     base = tmp_path_factory.getbasetemp()
     root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
     out_dir = root / "moe-ep-ranks"
@@ -154,13 +171,15 @@ def ranks(tmp_path_factory):
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not (out_dir / "done").exists():
             out_dir.mkdir(exist_ok=True)
-            mp.spawn(_rank_main, args=(4, f"file://{out_dir / 'store'}", str(out_dir)), nprocs=4, join=True)
+            mp.spawn(_rank_main, args=(WORLD, f"file://{out_dir / 'store'}", str(out_dir)), nprocs=WORLD, join=True)
             (out_dir / "done").touch()
     return out_dir
 
 
 def _results(ranks, name):
     c = _spec(name)
+    if c["world"] > WORLD:
+        pytest.skip(f"{c['world']} ranks over {BACKEND} need {c['world']} GPUs, this machine has {WORLD}")
     res = [torch.load(ranks / f"{name}.{r}.pt") for r in range(c["world"])]
     errors = [r["error"] for r in res if "error" in r]
     assert not errors, errors[0]
