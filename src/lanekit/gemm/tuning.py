@@ -195,8 +195,10 @@ INT8_MIN_BLOCK_K = 32
 
 # Mode 2's correction keeps the row sums of the activation codes live beside the int32 partial
 # sum: sm90's decode row (64 x 64 x 128, 4 warps) spilled 40 bytes with it, 16 with a K step of
-# 64 (lanekit export 2026-12-07, group 128); 32 does not
-W4A8_CORRECTION_BLOCK_K: dict[str, int] = {"generic": 128, "sm90": 32}
+# 64 (lanekit export 2026-12-07, group 128); 32 does not. sm80's decode row (16 x 64 x 128,
+# 4 warps) spilled 8 bytes at 168 registers with fp32 x; a K step of 64 does not (lanekit targets
+# 2026-12-07)
+W4A8_CORRECTION_BLOCK_K: dict[str, int] = {"generic": 128, "sm90": 32, "sm80": 64}
 
 
 def w4a8_config(device: torch.device, M: int, group_size: int, correction: bool = False) -> GemmConfig:
