@@ -87,6 +87,9 @@ FLASH_ATTN_KVCACHE: dict[str, dict[int, TileConfig]] = {
     # RDNA (the same sweep, gfx1201): 32 keys a step at D=64; at D=128 every candidate spills (its
     # fp32 sample), 16 keys with 8 warps least (targets.SPILL_ALLOWANCES).
     "gfx1201": {64: TileConfig(128, 32, 4, 2), 128: TileConfig(128, 16, 8, 1)},
+    # A100 (compile reports only): the generic D=128 tile over 8 warps; with 4 the int8 cache in
+    # pages of 8 spilled 8 bytes at 168 registers, with 8 every D=128 sample fits in 80-168
+    "sm80": {128: TileConfig(64, 64, 8, 2)},
 }
 # Paged caches take the same rows as contiguous ones: the kernel loads each block's pages a step
 # ahead, so its K and V loads get num_stages - 1 buffers, as a contiguous cache's do.
@@ -96,6 +99,9 @@ FLASH_ATTN_KVCACHE: dict[str, dict[int, TileConfig]] = {
 # warps, 3 stages, unsplit, led pages of 16 at 32k keys. Tried (TMA among it): docs/tuning/attention.md.
 FLASH_ATTN_KVCACHE_PER_KEY_PAGES: dict[str, dict[int, TileConfig]] = {
     "sm90": {128: TileConfig(64, 64, 4, 3)},
+    # CDNA 3: one stage at D=64. With two, the e4m3 cache in pages of 5 (a division per key, the
+    # descales) took 20 bytes of scratch for its SGPR spills at any tile and warp count tried
+    "gfx942": {64: TileConfig(128, 32, 4, 1)},
 }
 # Rows that replace FLASH_ATTN_KVCACHE's (and _PER_KEY_PAGES's) when every sequence holds at most
 # KVCACHE_SHORT_KEYS keys (kvcache_config): smaller tiles, two programs an SM, so that B=32 x 8 KV

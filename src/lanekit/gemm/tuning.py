@@ -195,8 +195,10 @@ INT8_MIN_BLOCK_K = 32
 
 # Mode 2's correction keeps the row sums of the activation codes live beside the int32 partial
 # sum: sm90's decode row (64 x 64 x 128, 4 warps) spilled 40 bytes with it, 16 with a K step of
-# 64 (lanekit export 2026-12-07, group 128); 32 does not
-W4A8_CORRECTION_BLOCK_K: dict[str, int] = {"generic": 128, "sm90": 32}
+# 64 (lanekit export 2026-12-07, group 128); 32 does not. sm80's decode row (16 x 64 x 128,
+# 4 warps) spilled 8 bytes at 168 registers with fp32 x; a K step of 64 does not (lanekit targets
+# 2026-12-07)
+W4A8_CORRECTION_BLOCK_K: dict[str, int] = {"generic": 128, "sm90": 32, "sm80": 64}
 
 
 def w4a8_config(device: torch.device, M: int, group_size: int, correction: bool = False) -> GemmConfig:
@@ -251,6 +253,12 @@ SVDQUANT: dict[str, dict[int, GemmConfig]] = {
         1: GemmConfig(16, 64, 64, 8, 4, 2),
         64: GemmConfig(64, 64, 64, 8, 4, 2),
     },
+}
+# RDNA 3.5: gfx1201's rows, the prefill tile over 8 warps: with 4 the fp32 sample with a bias
+# (M70, rank 32) spilled 20 bytes at 256 VGPRs; 8 warps take 203 (lanekit targets 2026-12-07)
+SVDQUANT["gfx1151"] = {
+    1: GemmConfig(16, 64, 64, 8, 4, 2),
+    64: GemmConfig(64, 64, 64, 8, 8, 2),
 }
 # Columns of the low-rank branch per epilogue step (tl.dot's K); rank 16 takes one step
 SVDQUANT_BLOCK_R = 32
