@@ -389,8 +389,9 @@ def flash_attn_with_kvcache_inplace(*, q, k_cache, v_cache, cache_seqlens, k, v,
                                     window_size, softcap, alibi_slopes, num_splits, kv_dtype=None,
                                     rotary_dtype=None, max_seqlen_k=None, sinks=None, q_descale=None,
                                     k_descale=None, v_descale=None, out_dtype=None):
-    """The Triton lane: appends k, v into the caches in place (a KV-cache write kernel), rotates
-    q and k (the RoPE kernel), then runs the cache attention kernel. ``max_seqlen_k``: the most
+    """The Triton lane: rotates q and k (the RoPE kernel) and runs the cache attention kernel,
+    which appends k, v into an unquantized cache in place itself (into a cache of codes, kv_cache's
+    write kernel appends them first). ``max_seqlen_k``: the most
     keys a sequence holds after the append, which picks the tile (None: unknown, the long-cache
     tile). Returns (out, lse)."""
     from lanekit.attention.kernels import flash_attn_kvcache
@@ -400,17 +401,23 @@ def flash_attn_with_kvcache_inplace(*, q, k_cache, v_cache, cache_seqlens, k, v,
     rotary_dim = 2 * rotary_cos.shape[1] if rotary_cos is not None else 0
     table = _kernel_table(q, block_table, cache_batch_idx)
     S_new = 0
+    k_new = v_new = None
     with torch.no_grad():
         # Few launches and no index tensor built: the append computes its slots from the table
         # and the lengths in the kernel, the rotations take the lengths as per-sequence offsets,
-        # and the attention kernel adds S_new to the lengths itself.
+        # and the attention kernel adds S_new to the lengths itself. Into an unquantized cache the
+        # attention kernel appends the new tokens itself (one launch); codes are appended first,
+        # keys and values in one launch of kv_cache's kernel (quantized on the way).
         if k is not None:
             S_new = k.shape[1]
             if rotary_cos is not None:   # new token t of sequence b at position cache_seqlens[b] + t
                 k = apply_rotary_triton(x=k, cos=rotary_cos, sin=rotary_sin, interleaved=rotary_interleaved,
                                         rotary_dim=rotary_dim, seqlen_offsets=cache_seqlens)
-            append_kv(x=k, cache=k_cache, table=table, seqlens=cache_seqlens, scale_out=k_cache_scale,
-                      second=(v, v_cache, v_cache_scale))   # keys and values in one launch
+            if k_cache_scale is None:
+                k_new, v_new = k, v
+            else:
+                append_kv(x=k, cache=k_cache, table=table, seqlens=cache_seqlens, scale_out=k_cache_scale,
+                          second=(v, v_cache, v_cache_scale))
         if rotary_cos is not None:
             Sq = q.shape[1]
             if window_size[0] >= 0 or window_size[1] >= 0:   # query i at cache_seqlens[b] + i
@@ -426,7 +433,7 @@ def flash_attn_with_kvcache_inplace(*, q, k_cache, v_cache, cache_seqlens, k, v,
             softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
             alibi_slopes=alibi_slopes, num_splits=num_splits,
             max_seqlen_k=max_seqlen_k, s_new=S_new, sinks=sinks, q_descale=q_descale, k_descale=k_descale,
-            v_descale=v_descale, out_dtype=_out_dtype(q, out_dtype))
+            v_descale=v_descale, out_dtype=_out_dtype(q, out_dtype), k_new=k_new, v_new=v_new)
 
 
 def flash_attn_with_kvcache_reference_inplace(*, q, k_cache, v_cache, k_cache_scale, v_cache_scale,

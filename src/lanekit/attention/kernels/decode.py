@@ -24,6 +24,7 @@ from lanekit.attention.kernels.common import (BAD_PAGE, BAD_SEQLENS, LOG2E, MIN_
                                               _block, _check_grid, _page_ids, _page_offsets, _pv_dot, _record,
                                               _valid_pages, quant_args)
 from lanekit.common.numerics import tanh as _tanh
+from lanekit.kv_cache.kernels import BAD_SLOT
 from lanekit.runtime import alloc, errors
 from lanekit.runtime.host import cdiv, next_power_of_2
 from lanekit.runtime.lanes import triton_interpreted
@@ -193,6 +194,51 @@ def _kvcache_step(
 
 
 @triton.jit
+def _kvcache_append(K, V, KNew, VNew, bt_row, b, hk, seqlen, s_new, capacity, num_blocks,
+                    stride_kp, stride_kn, stride_kh, stride_kd, stride_vp, stride_vn, stride_vh, stride_vd,
+                    stride_knb, stride_knt, stride_knh, stride_knd, stride_vnb, stride_vnt, stride_vnh, stride_vnd,
+                    page_size, page_shift, D, Dv, ERR, SLOT_BIT,
+                    PAGES: tl.constexpr, HAS_TABLE: tl.constexpr, POW2_PAGE: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
+    # flash_attn_with_kvcache's append, by one program of sequence b and KV head hk: new token t
+    # to cache position seqlen + t (a page through the table; a contiguous cache's row). A page
+    # outside [0, num_blocks) is not written and is recorded (SLOT_BIT), as the append kernel
+    # records it (kv_cache.kernels.BAD_SLOT).
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    kn_base = KNew + b * stride_knb + hk * stride_knh
+    vn_base = VNew + b * stride_vnb + hk * stride_vnh
+    bad = tl.zeros([BLOCK_N], dtype=tl.int32)
+    for t0 in range(0, s_new, BLOCK_N):
+        t = t0 + tl.arange(0, BLOCK_N)
+        pos = seqlen + t
+        ok = (t < s_new) & (pos >= 0) & (pos < capacity)
+        if PAGES == 0:   # the sequence's row of a contiguous cache
+            if HAS_TABLE:
+                row = tl.load(bt_row).to(tl.int64)
+            else:
+                row = b
+            k_off = row * stride_kp + pos.to(tl.int64) * stride_kn
+            v_off = row * stride_vp + pos.to(tl.int64) * stride_vn
+        else:
+            pages = _page_ids(bt_row, pos, ok, page_size, page_shift, POW2_PAGE)
+            pages, ok, bad_page = _valid_pages(pages, ok, num_blocks)
+            bad = tl.maximum(bad, bad_page.to(tl.int32))
+            k_off = _page_offsets(pages, pos, page_size, stride_kp, stride_kn, POW2_PAGE)
+            v_off = _page_offsets(pages, pos, page_size, stride_vp, stride_vn, POW2_PAGE)
+        t64 = t.to(tl.int64)
+        kn = tl.load(kn_base + t64[:, None] * stride_knt + offs_d[None, :] * stride_knd,
+                     mask=ok[:, None] & (offs_d[None, :] < D), other=0.0)
+        tl.store(K + hk * stride_kh + k_off[:, None] + offs_d[None, :] * stride_kd, kn,
+                 mask=ok[:, None] & (offs_d[None, :] < D))
+        vn = tl.load(vn_base + t64[:, None] * stride_vnt + offs_dv[None, :] * stride_vnd,
+                     mask=ok[:, None] & (offs_dv[None, :] < Dv), other=0.0)
+        tl.store(V + hk * stride_vh + v_off[:, None] + offs_dv[None, :] * stride_vd, vn,
+                 mask=ok[:, None] & (offs_dv[None, :] < Dv))
+    _record(ERR, SLOT_BIT, bad > 0)
+
+
+@triton.jit
 def _kvcache_store(Out, Lse, acc, l_i, m_i, split, b, i, h, row_in, offs_dv, Dv,
                    stride_os, stride_ob, stride_om, stride_oh, stride_od,
                    stride_ls, stride_lb, stride_lh, stride_lm, Sinks=None, v_descale=1.0,
@@ -237,7 +283,14 @@ def _flash_attn_kvcache_kernel(
     Sinks=None, DescQ=None, DescK=None, DescV=None, stride_dqb=0, stride_dqh=0, stride_dkb=0, stride_dkh=0,
     stride_dvb=0, stride_dvh=0,
     HAS_SINKS: tl.constexpr = False, HAS_DESCALE: tl.constexpr = False, PV_FP16: tl.constexpr = False,
+    KNew=None, VNew=None, stride_knb=0, stride_knt=0, stride_knh=0, stride_knd=0,
+    stride_vnb=0, stride_vnt=0, stride_vnh=0, stride_vnd=0, SLOT_BIT=0, HAS_NEW: tl.constexpr = False,
 ):
+    # HAS_NEW: the s_new tokens of KNew, VNew (B, s_new, Hkv, D / Dv) are appended here, not by a
+    # kernel before: the first program of each (sequence, KV head) writes them into the cache
+    # (_kvcache_append), and every program reads them from KNew, VNew (never from the cache, which
+    # that program may still be writing): the key loop stops at the first new key and a second
+    # loop takes the new keys. Unquantized caches only (codes are quantized on the way).
     # PAGES: how keys find their page. 0: the whole sequence is one page (a contiguous cache),
     # looked up once; 1: pages hold whole key blocks (page_size a multiple of BLOCK_N, no left
     # padding), one lookup per block; 2: any page_size, one lookup per key (POW2_PAGE: page_size
@@ -271,6 +324,13 @@ def _flash_attn_kvcache_kernel(
     lp = tl.where(seq_ok, lp, 0)
     tl.atomic_or(ERR, LEN_BIT, mask=(seq_ok == 0) & (pid == 0) & (hk == 0))
     Sk = end - lp
+    if HAS_NEW:
+        if (pid == 0) & seq_ok:   # a sequence out of range appends nothing (and reads no key)
+            _kvcache_append(K, V, KNew, VNew, BlockTable + b * stride_btb, b, hk, end - s_new, s_new, capacity,
+                            num_blocks, stride_kp, stride_kn, stride_kh, stride_kd, stride_vp, stride_vn, stride_vh,
+                            stride_vd, stride_knb, stride_knt, stride_knh, stride_knd, stride_vnb, stride_vnt,
+                            stride_vnh, stride_vnd, page_size, page_shift, D, Dv, ERR, SLOT_BIT,
+                            PAGES, HAS_TABLE, POW2_PAGE, BLOCK_N, BLOCK_D, BLOCK_DV)
 
     r = m_block * BLOCK_M + tl.arange(0, BLOCK_M)                                 # [BLOCK_M]
     i = r // GROUP
@@ -287,15 +347,18 @@ def _flash_attn_kvcache_kernel(
 
     first, s_lo, s_hi = _kvcache_key_range(m_block, split, Sq, Sk, GROUP, window_left, window_right, num_splits,
                                            BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    kv_hi = s_hi                        # the loop over the cache's keys ends here
+    if HAS_NEW:                         # ... before the new keys, which the second loop reads
+        kv_hi = tl.minimum(s_hi, Sk - s_new)
     bt_row = BlockTable + b * stride_btb
     k_base, v_base, ks_base, vs_base = _kvcache_bases(
         K, V, KScale, VScale, bt_row, b, hk, lp, stride_kp, stride_kn, stride_kh, stride_vp, stride_vn,
         stride_vh, stride_ksp, stride_ksn, stride_ksh, stride_vsp, stride_vsn, stride_vsh, PAGES, HAS_TABLE)
     # Paged caches: the loop loads each next block's pages a step ahead (see PAGES == 1 below).
     if PAGES == 1:
-        next_page = tl.load(bt_row + s_lo // page_size, mask=s_lo < s_hi, other=0).to(tl.int64)
+        next_page = tl.load(bt_row + s_lo // page_size, mask=s_lo < kv_hi, other=0).to(tl.int64)
     elif PAGES == 2 and PAGES_AHEAD:  # tuning.kvcache_pages_ahead
-        next_pages = _block_page_ids(bt_row, s_lo, first, s_hi, lp, page_size, page_shift, POW2_PAGE, PAGE,
+        next_pages = _block_page_ids(bt_row, s_lo, first, kv_hi, lp, page_size, page_shift, POW2_PAGE, PAGE,
                                      BLOCK_N)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -306,9 +369,9 @@ def _flash_attn_kvcache_kernel(
         qk_descale = tl.load(DescQ + b * stride_dqb + hk * stride_dqh) * tl.load(DescK + b * stride_dkb + hk * stride_dkh)
         v_descale = tl.load(DescV + b * stride_dvb + hk * stride_dvh)
     bad_pages = tl.zeros([BLOCK_N], dtype=tl.int32)
-    for start_n in range(s_lo, s_hi, BLOCK_N):
+    for start_n in range(s_lo, kv_hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)                                   # [BLOCK_N]
-        n_in = (offs_n >= first) & (offs_n < s_hi)
+        n_in = (offs_n >= first) & (offs_n < kv_hi)
         if PAGES == 0:
             k_off, v_off, ks_off, vs_off = _contiguous_offsets(offs_n, stride_kn, stride_vn, stride_ksn, stride_vsn)
         elif PAGES == 1:
@@ -317,7 +380,7 @@ def _flash_attn_kvcache_kernel(
             # them num_stages - 1 blocks of lookahead instead of (num_stages - 1) // 2.
             page = next_page
             next_n = start_n + BLOCK_N
-            next_page = tl.load(bt_row + next_n // page_size, mask=next_n < s_hi, other=0).to(tl.int64)
+            next_page = tl.load(bt_row + next_n // page_size, mask=next_n < kv_hi, other=0).to(tl.int64)
             page_ok = (page >= 0) & (page < num_blocks)
             page = tl.where(page_ok, page, 0)
             bad_pages = tl.maximum(bad_pages, (n_in & (page_ok == 0)).to(tl.int32))
@@ -329,10 +392,10 @@ def _flash_attn_kvcache_kernel(
         else:
             if PAGES_AHEAD:
                 pages = next_pages
-                next_pages = _block_page_ids(bt_row, start_n + BLOCK_N, first, s_hi, lp, page_size, page_shift,
+                next_pages = _block_page_ids(bt_row, start_n + BLOCK_N, first, kv_hi, lp, page_size, page_shift,
                                              POW2_PAGE, PAGE, BLOCK_N)
             else:
-                pages = _block_page_ids(bt_row, start_n, first, s_hi, lp, page_size, page_shift, POW2_PAGE, PAGE,
+                pages = _block_page_ids(bt_row, start_n, first, kv_hi, lp, page_size, page_shift, POW2_PAGE, PAGE,
                                         BLOCK_N)
             pages, n_in, bad = _valid_pages(pages, n_in, num_blocks)
             bad_pages = tl.maximum(bad_pages, bad.to(tl.int32))
@@ -346,6 +409,22 @@ def _flash_attn_kvcache_kernel(
             HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, QUANTIZED, INPUT_PRECISION,
             qk_descale, HAS_DESCALE, PV_FP16)
     _record(ERR, PAGE_BIT, bad_pages > 0)
+    if HAS_NEW:   # the new keys [Sk - s_new, Sk) of this split's range, token t at row t of KNew, VNew
+        new_lo = Sk - s_new
+        kn_base = KNew + b * stride_knb + hk * stride_knh
+        vn_base = VNew + b * stride_vnb + hk * stride_vnh
+        # (not software-pipelined: a decode step's new keys are one block, and the pipeline's
+        # buffers would cost the main loop registers)
+        for start_n in tl.range(tl.maximum(s_lo, new_lo // BLOCK_N * BLOCK_N), s_hi, BLOCK_N, num_stages=1):
+            offs_n = start_n + tl.arange(0, BLOCK_N)
+            n_in = (offs_n >= first) & (offs_n >= new_lo) & (offs_n < s_hi)
+            t = (offs_n - new_lo).to(tl.int64)
+            acc, l_i, m_i = _kvcache_step(
+                acc, l_i, m_i, q, kn_base, vn_base, ks_base, vs_base, t * stride_knt, t * stride_vnt, t, t,
+                offs_n, n_in, offs_d, offs_dv, row_in, pos, slope_log2, stride_knd, stride_vnd,
+                sm_scale_log2, softcap_scale, softcap_log2, D, Dv, window_left, window_right,
+                HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, False, INPUT_PRECISION,
+                qk_descale, HAS_DESCALE, PV_FP16)
 
     _kvcache_store(Out, Lse, acc, l_i, m_i, split, b, i, h, row_in, offs_dv, Dv,
                    stride_os, stride_ob, stride_om, stride_oh, stride_od,
@@ -395,6 +474,12 @@ def _merge_splits_kernel(
              tl.where(total == 0.0, float("-inf"), m_safe + tl.log(tl.where(total == 0.0, 1.0, total))))
 
 
+def _new_strides(k_new, v_new) -> dict:
+    names = ("stride_knb", "stride_knt", "stride_knh", "stride_knd", "stride_vnb", "stride_vnt", "stride_vnh",
+             "stride_vnd")
+    return dict(zip(names, (*k_new.stride(), *v_new.stride()) if k_new is not None else (0,) * 8))
+
+
 def flash_attn_kvcache(
     *,
     q: torch.Tensor,
@@ -417,6 +502,8 @@ def flash_attn_kvcache(
     v_descale: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
     s_new: int = 0,
+    k_new: torch.Tensor | None = None,
+    v_new: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of q (B, Sq, Hq, D) over a paged cache (num_blocks, page_size, Hkv, D), already
     validated: sequence b's keys are cache positions leftpad[b] .. seqlens[b] (int32, (B,)), found
@@ -427,7 +514,9 @@ def flash_attn_kvcache(
     ``max_seqlen_k``, the most keys a sequence holds (None: unknown), picks the tile. ``sinks``
     (Hq,) fp32 and an fp8/int8 q over a cache of its dtype with (B, Hkv) descales and
     ``out_dtype``: as ``fwd.flash_attn_fwd`` (``common.quant_args``). ``s_new``: tokens just
-    appended, added to every seqlens[b] in the kernel.
+    appended, added to every seqlens[b] in the kernel. ``k_new``, ``v_new`` (B, s_new, Hkv, D / Dv)
+    in the cache's dtype (unquantized caches): the tokens to append, which the kernel writes at
+    positions seqlens[b] + t itself (no append launch before it) while it reads them from here.
     """
     B, Sq, Hq, D = q.shape
     Hkv, Dv = k_cache.shape[2], v_cache.shape[3]
@@ -462,6 +551,9 @@ def flash_attn_kvcache(
     # sinks join in the kernel when unsplit, else in the merge
     quant = quant_args(q, v_cache, sinks if num_splits == 1 else None, q_descale, k_descale, v_descale)
     quantized = k_cache_scale is not None
+    fused = k_new is not None and k_new.shape[1] > 0
+    if fused and quantized:
+        raise ValueError("k_new: the fused append takes an unquantized cache (codes are appended by kv_cache's kernel)")
     scale_strides = (*k_cache_scale.stride(), *v_cache_scale.stride()) if quantized else (0,) * 6
     with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
         launch(_flash_attn_kvcache_kernel, (m_blocks * num_splits, Hkv, B),
@@ -485,7 +577,10 @@ def flash_attn_kvcache(
             HAS_TABLE=block_table is not None, PAGES=layout.pages, POW2_PAGE=layout.pow2_page, PAGE=layout.page,
             PAGES_AHEAD=layout.pages_ahead, **quant, **cfg.options(),
             capacity=capacity, num_blocks=k_cache.shape[0], ERR=errors.error_flag(q.device),
-            LEN_BIT=BAD_SEQLENS, PAGE_BIT=BAD_PAGE, s_new=s_new,
+            LEN_BIT=BAD_SEQLENS, PAGE_BIT=BAD_PAGE, s_new=k_new.shape[1] if fused else s_new,
+            KNew=k_new if fused else q, VNew=v_new if fused else q,
+            **_new_strides(k_new if fused else None, v_new if fused else None),
+            SLOT_BIT=BAD_SLOT if fused else 0, HAS_NEW=fused,
         )
         if num_splits > 1:
             launch(_merge_splits_kernel, (Sq, Hq, B),
