@@ -47,7 +47,7 @@ def flash_mla_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, block_table: 
             later = torch.arange(n, device=q.device)[None, :] > torch.arange(Sq, device=q.device)[:, None] + n - Sq
             s = s.masked_fill(later, float("-inf"))
         lse_b = torch.logsumexp(s, dim=-1)                                               # (H, Sq)
-        seen = torch.isfinite(lse_b)
+        seen = ~torch.isneginf(lse_b)                                                   # NaN stays NaN
         p = torch.where(seen[..., None], torch.exp(s - torch.where(seen, lse_b, 0)[..., None]), 0)
         out[b] = torch.einsum("hij,jhd->ihd", p, k[..., :head_dim_v])
         lse[b] = lse_b
