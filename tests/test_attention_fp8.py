@@ -149,6 +149,40 @@ def test_kvcache_sinks_are_added_once_whatever_the_split_count(device):
         assert_close(lse, ref_lse, "lse")
 
 
+
+@pytest.mark.parametrize("view", ["strided", "expanded"])
+def test_strided_and_expanded_sinks_are_read_by_their_strides(device, view):
+    # the kernels read sinks[h] at Sinks + h: a strided view was read as contiguous (wrong logits)
+    # and an expanded one (stride 0) past its one element
+    q, k, v = qkv(2, 5, 9, 4, 2, 32, device, seed=11)
+    if view == "strided":
+        base = randn(4, 2, dtype=torch.float32, device=device, generator=gen(12), scale=2.0).requires_grad_()
+        as_view = lambda t: t[:, 0]  # noqa: E731
+    else:
+        base = torch.full((1,), 1.5, device=device, requires_grad=True)
+        as_view = lambda t: t.expand(4)  # noqa: E731
+    with poisoned_outputs():
+        out, lse, _ = lanekit.flash_attn_func(q, k, v, causal=True, return_attn_probs=True, sinks=as_view(base),
+                                              lane="triton")
+        (dbase,) = torch.autograd.grad(out.float().sum(), base)
+    r_base = upcast(base.detach()).requires_grad_()
+    ref_out, ref_lse = ref.flash_attn(*map(upcast, (q, k, v)), softmax_scale=32 ** -0.5, window_size=(-1, 0),
+                                      sinks=as_view(r_base))
+    assert_close(out, ref_out, ATTENTION_FWD)
+    assert_close(lse, ref_lse, "lse")
+    (want,) = torch.autograd.grad(ref_out.sum(), r_base)
+    assert_close(dbase, want, ATTENTION_DSINKS)
+    seqlens = torch.tensor([9, 4], dtype=torch.int32, device=device)
+    want_out, want_lse, _, _ = ref.flash_attn_with_kvcache(*map(upcast, (q[:, :1], k, v)), cache_seqlens=seqlens,
+                                                           softmax_scale=0.5, sinks=as_view(r_base.detach()))
+    for splits in (1, 3):
+        with poisoned_outputs():
+            got, got_lse = lanekit.flash_attn_with_kvcache(q[:, :1], k, v, cache_seqlens=seqlens, softmax_scale=0.5,
+                                                           num_splits=splits, sinks=as_view(base.detach()),
+                                                           return_softmax_lse=True, lane="triton")
+        assert_close(got, want_out, ATTENTION_FWD)
+        assert_close(got_lse, want_lse, "lse")
+
 # ---- fp8 and int8 ----
 
 @pytest.mark.parametrize("dtype", FP8, ids=["e4m3", "e5m2"])
