@@ -77,6 +77,22 @@ def test_the_sink_takes_its_share_of_every_row(device):
     assert torch.allclose(out, torch.full_like(out, 0.5))
 
 
+
+def test_a_sink_far_above_the_scores_takes_every_row_on_both_lanes(device):
+    # e^{sink - m} overflowed float64 in the oracle (lse inf, where the kernel, which rescales to
+    # max(m, sink), gives the sink); a sink of +inf gives NaN on both lanes (inf - inf), not 0 on one
+    q, k, v = qkv(1, 4, 6, 2, 1, 16, device, seed=13)
+    sinks = torch.tensor([800.0, float("inf")], device=device)
+    outs = [lanekit.flash_attn_func(q, k, v, sinks=sinks, return_attn_probs=True, lane=lane)[:2]
+            for lane in ("triton", "reference")]
+    want_out, want_lse = ref.flash_attn(*map(upcast, (q, k, v)), softmax_scale=16 ** -0.5, window_size=(-1, -1),
+                                        sinks=upcast(sinks))
+    for out, lse in outs + [(want_out, want_lse)]:
+        assert torch.equal(out[:, :, 0].float().cpu(), torch.zeros(1, 4, 16))   # every weight on the sink
+        assert torch.equal(lse[:, 0].float().cpu(), torch.full((1, 4), 800.0))
+        assert out[:, :, 1].isnan().all() and lse[:, 1].isnan().all()
+
+
 @pytest.mark.parametrize("with_lse_grad", [False, True], ids=["dout", "dout+dlse"])
 def test_sink_gradient_matches_the_float64_oracles_autograd(device, with_lse_grad):
     q, k, v = qkv(2, 24, 40, 4, 2, 64, device, dtype=torch.float16, seed=3)
