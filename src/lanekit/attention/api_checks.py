@@ -98,16 +98,14 @@ _OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def _sinks(sinks, Hq: int, q: torch.Tensor) -> torch.Tensor | None:
-    """sinks: None, or (Hq,) fp32 (fp64 too for a float64 q) on q's device. Returned contiguous:
-    the kernels read sinks[h] at Sinks + h (a strided or expanded view, copied; gradients flow
-    back through the copy)."""
+    """sinks: None, or (Hq,) fp32 (fp64 too for a float64 q) on q's device."""
     if sinks is None:
         return None
     tensor("sinks", sinks, dtypes=(torch.float32,) + ((torch.float64,) if q.dtype == torch.float64 else ()),
            ndim=1, like=q, like_name="q")
     if sinks.shape[0] != Hq:
         raise ValueError(f"sinks: expected shape ({Hq},) (one logit per query head), got {tuple(sinks.shape)}")
-    return sinks.contiguous()
+    return sinks
 
 
 def _quant(q: torch.Tensor, B: int, Hkv: int, q_descale, k_descale, v_descale, out_dtype, dropout_p,
