@@ -427,3 +427,22 @@ def test_a_nan_in_a_query_or_a_seen_key_gives_nan_rows_as_the_oracle(device, lan
         want_nan = want.isnan() if want.dim() == 3 else want.isnan().all(-1)
         assert torch.equal(got_nan, rows) and torch.equal(want_nan, rows)
     assert_close(out[~rows.to(out.device)], want_out[~rows.to(out.device)], ATTENTION_FWD)
+
+
+@pytest.mark.parametrize("lane", LANES)
+def test_an_infinite_score_gives_nan_where_the_oracle_does(device, lane):
+    # a +inf score (an inf rope feature of a seen key): the oracle's logsumexp gave lse +inf where
+    # the kernel (and attention's oracle) give NaN; a -inf score is a key that counts for nothing
+    kw = mla_case("test inf score", device, B=2, H=4, D=80, Dv=64, page_size=8, seqlens=(9, 3)).kwargs
+    cache = kw["k_cache"].clone()
+    cache[kw["block_table"][1, 0].long(), 1, 0, 70] = float("inf")   # sequence 1's token 1
+    kw = {**kw, "k_cache": cache}
+    out, lse = call(kw, lane)
+    want_out, want_lse = oracle(kw)
+    nan_rows = want_lse.isnan()
+    assert nan_rows[1].any() and not nan_rows.all()                  # heads with q[70] > 0 only
+    assert torch.equal(lse.isnan().cpu(), nan_rows.cpu())
+    assert torch.equal(out.isnan().all(-1).cpu(), nan_rows.permute(0, 2, 1).cpu())
+    keep = ~nan_rows.permute(0, 2, 1)
+    assert_close(out[keep.to(out.device)], want_out[keep.to(want_out.device)], ATTENTION_FWD)
+    assert_close(lse[~nan_rows.to(lse.device)], want_lse[~nan_rows.to(want_lse.device)], "lse")
