@@ -58,7 +58,24 @@ def _fp8_blocks(w: torch.Tensor):
     return to_codes(w / full, torch.float8_e4m3fn), s
 
 
-class QuantizedLinear(nn.Module):
+class _QuantizedBuffers(nn.Module):
+    """A layer whose quantized buffers (codes and scales: every buffer but ``bias``) keep their
+    dtype when the model is cast: ``model.half()`` or ``model.to(torch.bfloat16)`` moves them to
+    the new device only, as it does integer buffers (it turned fp8 codes into fp16 values and
+    rounded fp32 scales to 16 bits, which the linears then refused at the first forward, or took
+    rounded). The bias follows the model's dtype."""
+
+    def _apply(self, fn, recurse=True):
+        kept = {n: b for n, b in self._buffers.items() if b is not None and n != "bias"}
+        super()._apply(fn, recurse)
+        for name, old in kept.items():
+            new = self._buffers[name]
+            if new is not None and new.dtype != old.dtype:
+                self._buffers[name] = old.to(new.device)
+        return self
+
+
+class QuantizedLinear(_QuantizedBuffers):
     """An ``nn.Linear``'s forward on lanekit's 8-bit linear of ``scheme``: weight codes (N, K) and
     fp32 scales as buffers, the bias kept in the layer's dtype."""
 
@@ -154,7 +171,10 @@ def quantize_linears(model: nn.Module, scheme: str, *, skip: tuple[str, ...] = (
     replaced then. Also, before any layer is read: TypeError for a model that is not an
     nn.Module, a skip that is not a tuple or list of str (a plain "lm_head" would match its
     letters), a group_size that is not an int; ValueError for an unknown lane or a group_size
-    below 1 other than -1 (one group of all K)."""
+    below 1 other than -1 (one group of all K).
+
+    Casting the model afterwards (``model.half()``, ``model.to(torch.bfloat16)``) casts the
+    layers' biases and moves their codes and scales without changing their dtype."""
     if scheme not in SCHEMES:
         raise ValueError(f"scheme: expected one of {SCHEMES}, got {scheme!r}")
     _model_and_lane(model, lane)
@@ -265,7 +285,7 @@ def _bias_for(bias, x):
     return bias
 
 
-class Int4Linear(nn.Module):
+class Int4Linear(_QuantizedBuffers):
     """An ``nn.Linear``'s forward on ``lanekit.gemm.w4a16_linear``: an AWQ or GPTQ int4 weight
     (buffers ``qweight``, ``qzeros``, ``scales``, ``g_idx``, named as the checkpoints name them,
     so ``state_dict()`` of an AWQ layer is an AutoAWQ state dict), the bias in the layer's dtype.
@@ -300,7 +320,7 @@ class Int4Linear(nn.Module):
                 f"group_size={self.group_size}, act_order={self.g_idx is not None}")
 
 
-class Mxfp4Linear(nn.Module):
+class Mxfp4Linear(_QuantizedBuffers):
     """An ``nn.Linear``'s forward on ``lanekit.gemm.mxfp4_linear``: buffers ``weight`` (N, K/2)
     uint8 e2m1 codes and ``weight_scale`` (N, K/32) uint8 e8m0, gpt-oss's layout."""
 
