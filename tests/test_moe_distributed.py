@@ -351,3 +351,7 @@ def test_the_layer_refuses_a_bad_dtype_lane_or_x_at_the_call(world_of_one):
     for x in (p["x"][:, :16], p["x"][0, 0]):
         with pytest.raises(ValueError, match=r"^x: expected \(\.\.\., K\) with K = 32 \(the layer's hidden_size\)"):
             layer(x)
+    layer.float()                                                  # parameters cast after construction
+    with pytest.raises(TypeError, match=r"^x: expected dtype in \['torch.bfloat16', 'torch.float16', 'torch.float64'\], "
+                                        r"got torch.float32"):
+        layer(p["x"].float())

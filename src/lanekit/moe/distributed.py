@@ -346,6 +346,7 @@ class EPMoE(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         _tensor("x", x, like=self.router, like_name="the layer's parameters", like_dtype=True)
+        _tensor("x", x, dtypes=_LAYER_DTYPES + (torch.float64,))   # the layer cast after construction
         if x.dim() < 1 or x.shape[-1] != self.router.shape[1]:
             raise ArgumentError(f"x: expected (..., K) with K = {self.router.shape[1]} (the layer's hidden_size), "
                                 f"got shape {tuple(x.shape)}")
