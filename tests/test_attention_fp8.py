@@ -356,6 +356,8 @@ def _fp8_inputs(device):
 
 BAD_FP8 = {   # case: (error, the message's start)
     "grad": (ValueError, "sinks: fp8 and int8 attention is forward only"),
+    "descale grad": (ValueError, "v_descale: fp8 and int8 attention is forward only"),
+    "varlen descale grad": (ValueError, "q_descale: fp8 and int8 attention is forward only"),
     "dropout": (ValueError, r"dropout_p: expected 0\.0 with torch\.float8_e4m3fn inputs"),
     "descale shape": (ValueError, r"q_descale: expected 2 dimensions, got shape \(2,\)"),
     "descale dtype": (TypeError, r"k_descale: expected dtype in \['torch\.float32'\], got torch\.float16"),
@@ -379,6 +381,11 @@ def test_bad_fp8_and_sinks_input_raises_a_clear_error(device, case):
     calls = {
         # a learned sink in grad mode: fp8 attention has no backward
         "grad": lambda: lanekit.flash_attn_func(q, k, v, sinks=torch.zeros(2, device=device).requires_grad_()),
+        # a descale that requires grad got no gradient, silently (the reference lane's had one)
+        "descale grad": lambda: lanekit.flash_attn_func(q, k, v, v_descale=one.requires_grad_()),
+        "varlen descale grad": lambda: lanekit.flash_attn_varlen_func(
+            q[0], k[0], v[0], torch.tensor([0, 5], dtype=torch.int32, device=device),
+            torch.tensor([0, 7], dtype=torch.int32, device=device), 5, 7, q_descale=one.requires_grad_()),
         "dropout": lambda: lanekit.flash_attn_func(q, k, v, dropout_p=0.1),
         "descale shape": lambda: lanekit.flash_attn_func(q, k, v, q_descale=torch.ones(2, device=device)),
         "descale dtype": lambda: lanekit.flash_attn_func(q, k, v, k_descale=one.half()),
