@@ -139,6 +139,10 @@ def test_a_decay_of_minus_infinity_or_far_below_resets_the_state_as_the_oracle(f
     want = torch.autograd.grad((o_ref * do.double()).sum() + s_ref.sum(), leaves64)
     assert_close(o, o_ref, LINEAR_ATTN_FWD)
     assert_close(s, s_ref, LINEAR_ATTN_STATE)
+    with torch.no_grad(), poisoned_outputs():         # the recurrent forward without grad: g as given
+        o_ng, s_ng = fn(q, k, v, g, initial_state=h0, output_final_state=True, lane="triton")
+    assert_close(o_ng, o_ref, LINEAR_ATTN_FWD)
+    assert_close(s_ng, s_ref, LINEAR_ATTN_STATE)
     for name, a, b in zip(("dq", "dk", "dv", "dg", "dh0"), got, want):
         tol = {"dg": LINEAR_ATTN_DG, "dh0": LINEAR_ATTN_STATE}.get(name, LINEAR_ATTN_BWD)
         try:

@@ -141,7 +141,11 @@ def chunk_simple_gla_triton(*, q, k, v, g, scale, initial_state, output_final_st
 
 
 def fused_recurrent_simple_gla_triton(*, q, k, v, g, scale, initial_state, output_final_state, cu_seqlens):
-    return _run(_recurrent_fwd_op, q, k, v, _floored(g), initial_state, cu_seqlens, scale, output_final_state)
+    # the recurrent kernel takes any g (it multiplies by exp(g) step by step): floored only for the
+    # chunked backward, so that decode without grad pays no extra launch
+    grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, g, initial_state))
+    return _run(_recurrent_fwd_op, q, k, v, _floored(g) if grad else g, initial_state, cu_seqlens, scale,
+                output_final_state)
 
 
 def _linear_attn(op, *, q, k, v, scale, initial_state, initial_z, output_final_state, normalize, cu_seqlens):
