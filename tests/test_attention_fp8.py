@@ -77,6 +77,22 @@ def test_the_sink_takes_its_share_of_every_row(device):
     assert torch.allclose(out, torch.full_like(out, 0.5))
 
 
+
+def test_a_sink_far_above_the_scores_takes_every_row_on_both_lanes(device):
+    # e^{sink - m} overflowed float64 in the oracle (lse inf, where the kernel, which rescales to
+    # max(m, sink), gives the sink); a sink of +inf gives NaN on both lanes (inf - inf), not 0 on one
+    q, k, v = qkv(1, 4, 6, 2, 1, 16, device, seed=13)
+    sinks = torch.tensor([800.0, float("inf")], device=device)
+    outs = [lanekit.flash_attn_func(q, k, v, sinks=sinks, return_attn_probs=True, lane=lane)[:2]
+            for lane in ("triton", "reference")]
+    want_out, want_lse = ref.flash_attn(*map(upcast, (q, k, v)), softmax_scale=16 ** -0.5, window_size=(-1, -1),
+                                        sinks=upcast(sinks))
+    for out, lse in outs + [(want_out, want_lse)]:
+        assert torch.equal(out[:, :, 0].float().cpu(), torch.zeros(1, 4, 16))   # every weight on the sink
+        assert torch.equal(lse[:, 0].float().cpu(), torch.full((1, 4), 800.0))
+        assert out[:, :, 1].isnan().all() and lse[:, 1].isnan().all()
+
+
 @pytest.mark.parametrize("with_lse_grad", [False, True], ids=["dout", "dout+dlse"])
 def test_sink_gradient_matches_the_float64_oracles_autograd(device, with_lse_grad):
     q, k, v = qkv(2, 24, 40, 4, 2, 64, device, dtype=torch.float16, seed=3)
@@ -148,6 +164,40 @@ def test_kvcache_sinks_are_added_once_whatever_the_split_count(device):
         assert_close(out, ref_out, ATTENTION_FWD)
         assert_close(lse, ref_lse, "lse")
 
+
+
+@pytest.mark.parametrize("view", ["strided", "expanded"])
+def test_strided_and_expanded_sinks_are_read_by_their_strides(device, view):
+    # the kernels read sinks[h] at Sinks + h: a strided view was read as contiguous (wrong logits)
+    # and an expanded one (stride 0) past its one element
+    q, k, v = qkv(2, 5, 9, 4, 2, 32, device, seed=11)
+    if view == "strided":
+        base = randn(4, 2, dtype=torch.float32, device=device, generator=gen(12), scale=2.0).requires_grad_()
+        as_view = lambda t: t[:, 0]  # noqa: E731
+    else:
+        base = torch.full((1,), 1.5, device=device, requires_grad=True)
+        as_view = lambda t: t.expand(4)  # noqa: E731
+    with poisoned_outputs():
+        out, lse, _ = lanekit.flash_attn_func(q, k, v, causal=True, return_attn_probs=True, sinks=as_view(base),
+                                              lane="triton")
+        (dbase,) = torch.autograd.grad(out.float().sum(), base)
+    r_base = upcast(base.detach()).requires_grad_()
+    ref_out, ref_lse = ref.flash_attn(*map(upcast, (q, k, v)), softmax_scale=32 ** -0.5, window_size=(-1, 0),
+                                      sinks=as_view(r_base))
+    assert_close(out, ref_out, ATTENTION_FWD)
+    assert_close(lse, ref_lse, "lse")
+    (want,) = torch.autograd.grad(ref_out.sum(), r_base)
+    assert_close(dbase, want, ATTENTION_DSINKS)
+    seqlens = torch.tensor([9, 4], dtype=torch.int32, device=device)
+    want_out, want_lse, _, _ = ref.flash_attn_with_kvcache(*map(upcast, (q[:, :1], k, v)), cache_seqlens=seqlens,
+                                                           softmax_scale=0.5, sinks=as_view(r_base.detach()))
+    for splits in (1, 3):
+        with poisoned_outputs():
+            got, got_lse = lanekit.flash_attn_with_kvcache(q[:, :1], k, v, cache_seqlens=seqlens, softmax_scale=0.5,
+                                                           num_splits=splits, sinks=as_view(base.detach()),
+                                                           return_softmax_lse=True, lane="triton")
+        assert_close(got, want_out, ATTENTION_FWD)
+        assert_close(got_lse, want_lse, "lse")
 
 # ---- fp8 and int8 ----
 
@@ -306,6 +356,8 @@ def _fp8_inputs(device):
 
 BAD_FP8 = {   # case: (error, the message's start)
     "grad": (ValueError, "sinks: fp8 and int8 attention is forward only"),
+    "descale grad": (ValueError, "v_descale: fp8 and int8 attention is forward only"),
+    "varlen descale grad": (ValueError, "q_descale: fp8 and int8 attention is forward only"),
     "dropout": (ValueError, r"dropout_p: expected 0\.0 with torch\.float8_e4m3fn inputs"),
     "descale shape": (ValueError, r"q_descale: expected 2 dimensions, got shape \(2,\)"),
     "descale dtype": (TypeError, r"k_descale: expected dtype in \['torch\.float32'\], got torch\.float16"),
@@ -329,6 +381,11 @@ def test_bad_fp8_and_sinks_input_raises_a_clear_error(device, case):
     calls = {
         # a learned sink in grad mode: fp8 attention has no backward
         "grad": lambda: lanekit.flash_attn_func(q, k, v, sinks=torch.zeros(2, device=device).requires_grad_()),
+        # a descale that requires grad got no gradient, silently (the reference lane's had one)
+        "descale grad": lambda: lanekit.flash_attn_func(q, k, v, v_descale=one.requires_grad_()),
+        "varlen descale grad": lambda: lanekit.flash_attn_varlen_func(
+            q[0], k[0], v[0], torch.tensor([0, 5], dtype=torch.int32, device=device),
+            torch.tensor([0, 7], dtype=torch.int32, device=device), 5, 7, q_descale=one.requires_grad_()),
         "dropout": lambda: lanekit.flash_attn_func(q, k, v, dropout_p=0.1),
         "descale shape": lambda: lanekit.flash_attn_func(q, k, v, q_descale=torch.ones(2, device=device)),
         "descale dtype": lambda: lanekit.flash_attn_func(q, k, v, k_descale=one.half()),

@@ -325,3 +325,31 @@ def test_custom_ops_pass_torch_library_opcheck():
                                           kw["bias"], 32, "gptq"))
     m = greg.mxfp4_case("opcheck", DEVICE, lead=(3,), K=64, N=16, bias=True).kwargs
     torch.library.opcheck(gop._mxfp4_op, (m["x"], m["w_fp4"], m["w_scale"], m["bias"]))
+
+
+def _every_other(t, fill):
+    """t's values as a view of every other element of a wider tensor (the rest ``fill``)."""
+    return torch.stack([t, fill if isinstance(fill, torch.Tensor) else torch.full_like(t, fill)], -1).select(-1, 0)
+
+
+@pytest.mark.parametrize("lane", LANES)
+def test_strided_and_expanded_bias_and_g_idx_are_read_by_their_strides(lane):
+    # the kernels read bias[n] at BIAS + n and g_idx[k] at G_IDX + k: a strided view was read as
+    # contiguous (the neighbours' values) and an expanded one (stride 0) past its one element
+    kw = greg.w4_case("strided g_idx bias", "cpu", lead=(5,), K=128, N=24, group=32, layout="gptq", g_idx=True,
+                      bias=True).kwargs
+    want = ref.w4a16_linear(**{k: upcast(v) for k, v in kw.items()})
+    strided = {**kw, "bias": _every_other(kw["bias"], 1e4), "g_idx": _every_other(kw["g_idx"], 3 - kw["g_idx"])}
+    assert not strided["bias"].is_contiguous() and not strided["g_idx"].is_contiguous()
+    with poisoned_outputs():
+        assert_close(gemm.w4a16_linear(**strided, lane=lane), want, greg.GEMM)
+    expanded = {**kw, "bias": torch.full((1,), 0.5, dtype=torch.bfloat16).expand(24),
+                "g_idx": torch.full((1,), 2, dtype=torch.int32).expand(128)}
+    with poisoned_outputs():
+        y = gemm.w4a16_linear(**expanded, lane=lane)
+    assert_close(y, ref.w4a16_linear(**{k: upcast(v) for k, v in expanded.items()}), greg.GEMM)
+    mx = greg.mxfp4_case("strided bias", "cpu", lead=(5,), K=64, N=24, bias=True).kwargs
+    for bias in (_every_other(mx["bias"], 1e4), torch.full((1,), 0.5, dtype=torch.bfloat16).expand(24)):
+        with poisoned_outputs():
+            y = gemm.mxfp4_linear(mx["x"], mx["w_fp4"], mx["w_scale"], bias, lane=lane)
+        assert_close(y, ref.mxfp4_linear(upcast(mx["x"]), mx["w_fp4"], mx["w_scale"], upcast(bias)), greg.GEMM)

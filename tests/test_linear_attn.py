@@ -119,6 +119,38 @@ def test_gradients_flow_through_the_handed_over_state(device):
             raise AssertionError(f"{name}: {e}") from None
 
 
+
+@pytest.mark.parametrize("fn", [chunk_simple_gla, fused_recurrent_simple_gla], ids=["chunk", "recurrent"])
+def test_a_decay_of_minus_infinity_or_far_below_resets_the_state_as_the_oracle(fn, device):
+    # a g of -inf (a full reset) gave NaN on the chunked kernels (inf - inf of in-chunk cumulative
+    # sums), and one of -1e30 wrong outputs for every later token of its chunk; the oracle gives
+    # the reset. Both functions' backward is the chunked one.
+    q, k, v, g, h0 = inputs(device, seed=5)
+    g = g.clone()
+    g[0, 3, 0], g[1, 10, 1], g[0, 20, 1] = float("-inf"), -1e30, -100.0
+    leaves = [t.detach().requires_grad_() for t in (q, k, v, g, h0)]
+    gen = torch.Generator().manual_seed(6)
+    do = randn(2, 29, 2, 40, dtype=torch.bfloat16, device=device, generator=gen)
+    with poisoned_outputs():
+        o, s = fn(*leaves[:4], initial_state=leaves[4], output_final_state=True, lane="triton")
+        got = torch.autograd.grad((o.float() * do.float()).sum() + s.sum(), leaves)
+    leaves64 = [t.detach().double().requires_grad_() for t in (q, k, v, g, h0)]
+    o_ref, s_ref, _ = ref.recurrence(*leaves64[:4], None, leaves64[4])
+    want = torch.autograd.grad((o_ref * do.double()).sum() + s_ref.sum(), leaves64)
+    assert_close(o, o_ref, LINEAR_ATTN_FWD)
+    assert_close(s, s_ref, LINEAR_ATTN_STATE)
+    with torch.no_grad(), poisoned_outputs():         # the recurrent forward without grad: g as given
+        o_ng, s_ng = fn(q, k, v, g, initial_state=h0, output_final_state=True, lane="triton")
+    assert_close(o_ng, o_ref, LINEAR_ATTN_FWD)
+    assert_close(s_ng, s_ref, LINEAR_ATTN_STATE)
+    for name, a, b in zip(("dq", "dk", "dv", "dg", "dh0"), got, want):
+        tol = {"dg": LINEAR_ATTN_DG, "dh0": LINEAR_ATTN_STATE}.get(name, LINEAR_ATTN_BWD)
+        try:
+            assert_close(a, b, tol)
+        except AssertionError as e:
+            raise AssertionError(f"{name}: {e}") from None
+
+
 def test_varlen_equals_each_sequence_alone(device):
     # three sequences of 11, 0 and 18 tokens packed along T: each one's output and final state are
     # those of a batch of one over it alone (the empty one passes its initial state through)

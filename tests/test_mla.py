@@ -406,3 +406,43 @@ def test_argument_errors_are_runtime_errors_too(device):
         lanekit.flash_mla_with_kvcache(kw["q"].float(), kw["k_cache"], kw["block_table"], kw["cache_seqlens"], 64)
     with pytest.raises(RuntimeError, match="^topk: expected None"):
         lanekit.get_mla_metadata(None, 4, 1, 4, False, 64)
+
+
+@pytest.mark.parametrize("lane", LANES)
+def test_a_nan_in_a_query_or_a_seen_key_gives_nan_rows_as_the_oracle(device, lane):
+    # the oracle once took a NaN lse for "sees no key" and gave 0 there: NaN must stay visible,
+    # and in the same rows on both lanes (a whole sequence for a key, one head for a query)
+    kw = mla_case("test nan rows", device, B=2, H=4, D=80, Dv=64, page_size=8, seqlens=(9, 3)).kwargs
+    q = kw["q"].clone()
+    q[0, 0, 1, 5] = float("nan")                                  # sequence 0, head 1
+    cache = kw["k_cache"].clone()
+    cache[kw["block_table"][1, 0].long(), 2, 0, 70] = float("nan")  # sequence 1's token 2 (a rope feature)
+    kw = {**kw, "q": q, "k_cache": cache}
+    out, lse = call(kw, lane)
+    want_out, want_lse = oracle(kw)
+    rows = torch.zeros(2, 1, 4, dtype=torch.bool)
+    rows[0, 0, 1] = rows[1] = True
+    for got, want in ((out.cpu(), want_out.cpu()), (lse.cpu().permute(0, 2, 1), want_lse.cpu().permute(0, 2, 1))):
+        got_nan = got.isnan() if got.dim() == 3 else got.isnan().all(-1)
+        want_nan = want.isnan() if want.dim() == 3 else want.isnan().all(-1)
+        assert torch.equal(got_nan, rows) and torch.equal(want_nan, rows)
+    assert_close(out[~rows.to(out.device)], want_out[~rows.to(out.device)], ATTENTION_FWD)
+
+
+@pytest.mark.parametrize("lane", LANES)
+def test_an_infinite_score_gives_nan_where_the_oracle_does(device, lane):
+    # a +inf score (an inf rope feature of a seen key): the oracle's logsumexp gave lse +inf where
+    # the kernel (and attention's oracle) give NaN; a -inf score is a key that counts for nothing
+    kw = mla_case("test inf score", device, B=2, H=4, D=80, Dv=64, page_size=8, seqlens=(9, 3)).kwargs
+    cache = kw["k_cache"].clone()
+    cache[kw["block_table"][1, 0].long(), 1, 0, 70] = float("inf")   # sequence 1's token 1
+    kw = {**kw, "k_cache": cache}
+    out, lse = call(kw, lane)
+    want_out, want_lse = oracle(kw)
+    nan_rows = want_lse.isnan()
+    assert nan_rows[1].any() and not nan_rows.all()                  # heads with q[70] > 0 only
+    assert torch.equal(lse.isnan().cpu(), nan_rows.cpu())
+    assert torch.equal(out.isnan().all(-1).cpu(), nan_rows.permute(0, 2, 1).cpu())
+    keep = ~nan_rows.permute(0, 2, 1)
+    assert_close(out[keep.to(out.device)], want_out[keep.to(want_out.device)], ATTENTION_FWD)
+    assert_close(lse[~nan_rows.to(lse.device)], want_lse[~nan_rows.to(want_lse.device)], "lse")

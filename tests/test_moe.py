@@ -3,6 +3,7 @@ the project's tolerance rule; the cases the MoE issue names, each a test."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import pytest
@@ -1480,3 +1481,30 @@ def test_fused_moe_fp8_a_nan_token_gives_a_nan_output_row_and_no_other(device, s
     bad[[3, 5]] = True
     assert torch.isnan(out.cpu()[bad]).all() and torch.isnan(want.cpu()[bad]).all()
     assert_close(out[~bad.to(out.device)], want[~bad.to(want.device)], FUSED_MOE_QUANT)
+
+
+@pytest.mark.parametrize("kind", ["bf16", "fp8 per tensor", "mxfp4"])
+def test_fused_moe_strided_expert_map_is_read_as_its_values(device, kind):
+    # the sum kernel read expert_map[e] at EXPERT_MAP + e (the align copied it contiguous): a
+    # strided view mapped slots to its neighbours' entries, garbage experts included
+    from lanekit.moe import registry as mreg
+
+    case = dict(M=11, K=64, N=32, E=4, topk=3, remote_half=True)
+    if kind == "bf16":
+        kw = mreg.fused_moe_case("strided map", device, **case).kwargs
+    elif kind == "mxfp4":
+        kw = mreg.fused_moe_mxfp4_case("strided map", device, **case).kwargs
+        kw = {**{k: v for k, v in kw.items() if k != "intermediate_dtype"}, "use_mxfp4_w4a16": True}
+    else:
+        kw = mreg.fused_moe_quant_case("strided map", device, scheme=kind, **case).kwargs
+        kw = {k: v for k, v in kw.items() if k != "intermediate_dtype"}
+    emap = kw["expert_map"]
+    strided = torch.stack([emap, torch.full_like(emap, 99)], -1).select(-1, 0)   # every other element
+    assert not strided.is_contiguous() and torch.equal(strided, emap)
+    with contextlib.suppress(ValueError):
+        lanekit.check_errors()      # what earlier tests left
+    with poisoned_outputs():
+        want = lanekit.moe.fused_moe(**kw, lane="triton")
+        got = lanekit.moe.fused_moe(**{**kw, "expert_map": strided}, lane="triton")
+    assert torch.equal(got, want)
+    lanekit.check_errors()          # nothing recorded: every entry of the map is in range

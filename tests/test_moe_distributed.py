@@ -370,3 +370,25 @@ def test_the_ep_benchmark_runs_its_path_and_checks_it_over_gloo():
     assert [r["rank"] for r in rows] == [0, 1] and all(r["checked"] for r in rows)
     slots = sum(r["M"] for r in rows) * moe_ep.SMOKE["topk"]
     assert sum(r["sent_rows"] for r in rows) == sum(r["received_rows"] for r in rows) == slots
+
+
+def test_the_layer_refuses_a_bad_dtype_lane_or_x_at_the_call(world_of_one):
+    # each once passed construction and failed at the first forward, naming fused_moe's
+    # hidden_states or with torch's own errors (a RuntimeError of F.linear, an IndexError)
+    with pytest.raises(TypeError, match=r"^dtype: expected one of \['torch.bfloat16', 'torch.float16'\]"):
+        ep.EPMoE(32, 16, 4, 2, world_of_one, dtype=torch.float32)
+    with pytest.raises(TypeError, match=r"^dtype: expected"):
+        ep.EPMoE(32, 16, 4, 2, world_of_one, dtype=torch.int8)
+    with pytest.raises(ValueError, match=r"^lane: expected one of"):
+        ep.EPMoE(32, 16, 4, 2, world_of_one, lane="gpu")
+    _, p = _problem("2 ranks, layer, M 7 and 4")
+    with pytest.raises(TypeError, match=r"^router: expected dtype"):
+        ep.EPMoE.from_full(p["router"].float(), p["w1"].float(), p["w2"].float(), 2, world_of_one)
+    layer = ep.EPMoE.from_full(p["router"], p["w1"], p["w2"], 2, world_of_one)
+    for x in (p["x"][:, :16], p["x"][0, 0]):
+        with pytest.raises(ValueError, match=r"^x: expected \(\.\.\., K\) with K = 32 \(the layer's hidden_size\)"):
+            layer(x)
+    layer.float()                                                  # parameters cast after construction
+    with pytest.raises(TypeError, match=r"^x: expected dtype in \['torch.bfloat16', 'torch.float16', 'torch.float64'\], "
+                                        r"got torch.float32"):
+        layer(p["x"].float())

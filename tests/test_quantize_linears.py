@@ -47,3 +47,29 @@ def test_unknown_scheme_is_refused_before_any_swap():
     with pytest.raises(ValueError, match="scheme"):
         quantize_linears(model, "int4")
     assert isinstance(model[0], nn.Linear)
+
+
+@pytest.mark.parametrize("scheme", ["fp8", "fp8_block", "w8a8", "w8a16", "w4a8", "w4a16", "mxfp4"])
+def test_casting_the_model_keeps_codes_and_scales_and_casts_the_bias(scheme):
+    # model.to(torch.bfloat16) turned fp8 codes into bf16 values and fp32 (or AWQ's fp16) scales
+    # into bf16: refused at the first forward ("weight_scale: expected dtype in ['torch.float32']")
+    # or, for w4a16, taken rounded; the codes and scales now keep their dtype and bits, the bias
+    # follows the model, and the output equals the uncast layers' (the same codes and scales)
+    def build():
+        torch.manual_seed(0)
+        mlp = nn.Sequential(nn.Linear(128, 64), nn.ReLU(), nn.Linear(64, 32)).to(torch.float16)
+        return quantize_linears(mlp, scheme, group_size=32)
+
+    model, uncast = build(), build()
+    before = {n: b.clone() for n, b in model.named_buffers() if not n.endswith("bias")}
+    model.to(torch.bfloat16)
+    for name, b in model.named_buffers():
+        if name.endswith("bias"):
+            assert b.dtype == torch.bfloat16
+        else:
+            assert b.dtype == before[name].dtype and torch.equal(b.view(torch.uint8), before[name].view(torch.uint8)), name
+    for layer in (uncast[0], uncast[2]):
+        layer.bias = layer.bias.to(torch.bfloat16)
+    x = torch.randn(3, 128, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    with torch.no_grad():
+        assert torch.equal(model(x), uncast(x))

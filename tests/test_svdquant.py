@@ -239,3 +239,18 @@ def test_the_quantizers_refuse_bad_arguments():
         quant.quantize_w4a4_wgt(torch.zeros(3, 100, dtype=BF16))
     with pytest.raises(ValueError, match="w: expected"):
         quant.quantize_w4a4_wgt(torch.zeros(64, dtype=BF16))
+
+
+@pytest.mark.parametrize("lane", LANES)
+def test_strided_and_expanded_bias_are_read_by_their_strides(lane):
+    # the kernel reads bias[n] at BIAS + n: a strided view was read as contiguous (its neighbours'
+    # values) and an expanded one (stride 0) past its one element
+    kw = greg.svdquant_case("strided bias", "cpu", lead=(5,), K=128, N=24, R=16, bias="fp32").kwargs
+    for bias in (torch.stack([kw["bias"], kw["bias"] * 0 + 1e4], -1).select(-1, 0),
+                 torch.full((1,), 0.5).expand(24)):
+        args = {**kw, "bias": bias}
+        want = rgemm.svdquant_w4a4_linear(**{k: upcast(v) for k, v in args.items()})
+        with poisoned_outputs():
+            y = gemm.svdquant_w4a4_linear(*(args[k] for k in ("x", "qweight", "wscales", "lora_down", "lora_up",
+                                                                "smooth", "bias")), lane=lane)
+        assert_close(y, want, greg.GEMM)

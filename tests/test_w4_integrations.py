@@ -138,6 +138,41 @@ def test_layers_the_format_cannot_hold_are_refused_by_name_before_any_swap():
     assert all(isinstance(m, nn.Linear) for m in model)
 
 
+
+@pytest.mark.parametrize("change, error, match", [
+    (dict(skip="lm_head"), TypeError, r"^skip: expected a tuple or list of str .* write \('lm_head',\)"),
+    (dict(lane="gpu"), ValueError, r"^lane: expected one of"),
+    (dict(group_size=32.0), TypeError, r"^group_size: expected an int >= 1, or -1 .* got float 32\.0"),
+    (dict(group_size=True), TypeError, r"^group_size: expected an int .* got bool"),
+    (dict(group_size=0), ValueError, r"^group_size: expected an int >= 1, or -1"),
+    (dict(scheme="w4a16", nan=True), ValueError, r"^0: weight: expected finite values, got a NaN or inf"),
+    (dict(scheme="mxfp4", nan=True), ValueError, r"^0: weight: expected finite values, got a NaN or inf"),
+], ids=["skip a str", "unknown lane", "group_size float", "group_size bool", "group_size 0", "w4a16 NaN weight",
+        "mxfp4 NaN weight"])
+def test_quantize_linears_refuses_bad_arguments_before_any_swap(change, error, match):
+    # each once passed and failed later (lane, group_size: at the first forward), matched every
+    # layer whose name holds a letter of "lm_head" (skip), or (mxfp4) dropped a NaN weight silently
+    change = dict(change)
+    model = _mlp(torch.bfloat16)
+    if change.pop("nan", False):
+        with torch.no_grad():
+            model[0].weight[3, 5] = float("nan")
+    scheme = change.pop("scheme", "w4a16")
+    with pytest.raises(error, match=match):
+        quantize_linears(model, scheme, **{"group_size": 32, **change})
+    assert isinstance(model[0], nn.Linear) and isinstance(model[2], nn.Linear)
+    with pytest.raises(TypeError, match=r"^model: expected a torch\.nn\.Module, got dict"):
+        quantize_linears({"0": model[0]}, "w4a16")
+
+
+def test_quantize_linears_w4a16_group_size_minus_one_is_one_group_of_k():
+    model = _mlp(torch.bfloat16)
+    quantize_linears(model, "w4a16", group_size=-1)
+    assert model[0].group_size == 64 and model[0].scales.shape == (1, 96)
+    x = _x(3, 64, torch.bfloat16)
+    assert model(x).shape == (3, 40)
+
+
 # ---- load_quantized_linears: AWQ and GPTQ state dicts made by hand ----
 
 K_, N_, G_ = 64, 16, 32
@@ -289,6 +324,30 @@ def test_wrong_dtype_format_or_group_size_are_refused():
         load_quantized_linears(_model(), {**gstate, "0.g_idx": gstate["0.g_idx"][:32]}, format="gptq")
     with pytest.raises(ValueError, match="qweight"):
         load_quantized_linears(_model(), {"x.qweight": state["0.qweight"]})
+
+
+
+def test_load_refuses_bad_arguments_and_values_at_load_not_at_the_first_forward():
+    q, z, s = _codes(8)
+    state = _awq_state(q, z, s)
+    for kwargs, error, match in [
+        (dict(state_dict=None), TypeError, r"^state_dict: expected a mapping of names to tensors, got NoneType"),
+        (dict(group_size=32.0), TypeError, r"^group_size: expected an int >= 1, or -1"),
+        (dict(group_size=-2), ValueError, r"^group_size: expected an int >= 1, or -1"),
+        (dict(lane="gpu"), ValueError, r"^lane: expected one of"),
+        (dict(state_dict={**state, "1.qweight": state["0.qweight"]}), ValueError,
+         r"^state_dict: expected each '<name>\.qweight' to name an nn\.Linear of the model, got \['1\.qweight'\]"),
+    ]:
+        model = _model()
+        with pytest.raises(error, match=match):
+            load_quantized_linears(model, **{"state_dict": state, "format": "awq", **kwargs})
+        assert type(model[0]) is nn.Linear
+    g_idx = torch.arange(K_) // G_
+    g_idx[5] = K_ // G_                                            # a group past the last
+    model = _model()
+    with pytest.raises(ValueError, match=r"^0\.g_idx: expected groups in \[0, 2\) \(K / group_size\), got 2"):
+        load_quantized_linears(model, _gptq_state(q, z, s, g_idx), format="gptq")
+    assert type(model[0]) is nn.Linear
 
 
 # ---- fused_moe with MXFP4 experts (use_mxfp4_w4a16) ----

@@ -214,6 +214,18 @@ def test_w4a8_per_channel_group_minus_one_is_one_group_of_k():
     assert torch.equal(gemm.w4a8_linear(**{**kw, "group_size": -1}), gemm.w4a8_linear(**kw))
 
 
+@pytest.mark.parametrize("lane", LANES)
+def test_k_zero_with_group_minus_one_quantizes_and_multiplies_to_zeros_plus_bias(lane):
+    # quantize_w4a8 refused it ("expected a multiple of 32 dividing K = 0 (or -1), got -1") where
+    # w4a8_linear takes it
+    qweight, scales, channel, _ = quant.quantize_w4a8(torch.randn(8, 0), mode=1, group_size=-1)
+    assert qweight.shape == (8, 0) and scales.shape == (8, 0) and channel.shape == (8,)
+    bias = torch.randn(8, dtype=torch.bfloat16)
+    y = gemm.w4a8_linear(torch.randn(3, 0, dtype=torch.bfloat16), qweight, scales, channel, None, -1, bias,
+                         lane=lane)
+    assert torch.equal(y, bias.expand(3, 8))
+
+
 def test_w4a8_linear_agrees_with_w8a8_on_the_int8_weights_it_holds():
     """Mode 0 with one group and fp32 scales is a per-channel int8 weight with codes in -8..7:
     w4a8_linear and w8a8_linear then compute the same thing."""

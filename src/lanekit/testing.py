@@ -205,6 +205,14 @@ def noncontiguous(t: torch.Tensor) -> torch.Tensor:
     return buf[..., : t.shape[-1]]
 
 
+def every_other(t: torch.Tensor) -> torch.Tensor:
+    """The same values as a view of every other element along the last dim (stride 2 there): a
+    strided vector, where :func:`noncontiguous` of a 1-d tensor is a contiguous prefix."""
+    buf = torch.empty(*t.shape, 2, dtype=t.dtype, device=t.device)
+    buf[..., 0] = t
+    return buf[..., 0]
+
+
 def with_output_grads(samples, grads) -> Iterator:
     """Each sample (of a forward op) with the gradients of its outputs added to its kwargs, for
     the op's backward samples. ``grads(kwargs)`` gives, in order, each gradient's name, shape and

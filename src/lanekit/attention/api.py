@@ -152,7 +152,8 @@ def flash_attn_func(
     dropout_seed, dropout_offset = _dropout_seed(dropout_p, dropout_seed, dropout_offset)
     sinks = _sinks(sinks, Hq, q)
     descales, out_dtype = _quant(q, B, Hkv, q_descale, k_descale, v_descale, out_dtype, dropout_p,
-                                 (("q", q), ("k", k), ("v", v), ("attn_bias", attn_bias), ("sinks", sinks)))
+                                 (("q", q), ("k", k), ("v", v), ("attn_bias", attn_bias), ("sinks", sinks),
+                                  ("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale)))
     extra = {}
     if sinks is not None or q.dtype in _QUANT_DTYPES:
         extra = dict(sinks=sinks, q_descale=descales[0], k_descale=descales[1], v_descale=descales[2],
@@ -395,7 +396,8 @@ def flash_attn_varlen_func(
     dropout_seed, dropout_offset = _dropout_seed(dropout_p, dropout_seed, dropout_offset)
     sinks = _sinks(sinks, Hq, q)
     descales, out_dtype = _quant(q, B, Hkv, q_descale, k_descale, v_descale, out_dtype, dropout_p,
-                                 (("q", q), ("k", k), ("v", v), ("sinks", sinks)))
+                                 (("q", q), ("k", k), ("v", v), ("sinks", sinks), ("q_descale", q_descale),
+                                  ("k_descale", k_descale), ("v_descale", v_descale)))
     extra = {}
     if sinks is not None or q.dtype in _QUANT_DTYPES:
         extra = dict(sinks=sinks, q_descale=descales[0], k_descale=descales[1], v_descale=descales[2],

@@ -14,7 +14,7 @@ import itertools
 import torch
 
 from lanekit.runtime.registry import Op, Sample, register
-from lanekit.testing import ELTWISE, LSE, Tolerance, generator, randn, with_output_grads
+from lanekit.testing import ELTWISE, LSE, Tolerance, every_other, generator, randn, with_output_grads
 
 # The tolerances of attention's outputs (the project's rule and the shared ones: lanekit.testing).
 ATTENTION_FWD = Tolerance(
@@ -137,7 +137,8 @@ def attention_case(name, device, *, B=1, Sq=17, Sk=17, Hq=2, Hkv=None, D=64, Dv=
 
     ``alibi``: None, "head" (Hq,) or "batch" (B, Hq). ``bias_shape``/``mask_shape``: a shape
     broadcastable to (B, Hq, Sq, Sk). ``kv_transposed``: k and v are non-contiguous views.
-    ``sinks``: a (Hq,) fp32 sink per head. ``quant``: fp8/int8 q, k, v with (B, Hkv) descales
+    ``sinks``: a (Hq,) fp32 sink per head ("strided": a view of every other element). ``quant``:
+    fp8/int8 q, k, v with (B, Hkv) descales
     (drawn in fp32, then quantized; ``dtype`` then only types the bias).
     """
     g = generator(name)
@@ -163,6 +164,8 @@ def attention_case(name, device, *, B=1, Sq=17, Sk=17, Hq=2, Hkv=None, D=64, Dv=
     extra = {}
     if sinks:
         extra["sinks"] = _sink_logits(Hq, g, device)
+        if sinks == "strided":
+            extra["sinks"] = every_other(extra["sinks"])
     if quant is not None:
         extra.update(_quant_kwargs(q.float(), k.float(), v.float(), quant, B, Hkv, g, out_dtype))
         q, k, v = extra.pop("q"), extra.pop("k"), extra.pop("v")
@@ -195,6 +198,8 @@ def _attention_samples(device):
     yield attention_case("sinks window(8,0) softcap alibi d80", device, Sq=29, Sk=50, D=80, window_size=(8, 0),
                          softcap=20.0, alibi="head", sinks=True)
     yield attention_case("sinks Sk0 (every row: the sink alone)", device, Sq=5, Sk=0, D=16, sinks=True)
+    yield attention_case("sinks a strided view, gqa 4:2 causal d64 bf16", device, B=2, Sq=33, Sk=40, Hq=4, Hkv=2,
+                         D=64, dtype=bf16, causal=True, sinks="strided")
 
 
 def _attention_fp8_samples(device):

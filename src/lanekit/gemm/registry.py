@@ -13,7 +13,7 @@ import torch
 from lanekit.reference.numerics import pack_int4, quantize_w4a8
 from lanekit.reference.quant import quantize_w4a4_wgt
 from lanekit.runtime.registry import Op, Sample, register
-from lanekit.testing import Tolerance, generator, noncontiguous, randn
+from lanekit.testing import Tolerance, every_other, generator, noncontiguous, randn
 
 # One step at max |ref| for 16-bit outputs: the sum is in fp32 (or exact int32) and rounded once.
 GEMM = Tolerance(
@@ -190,11 +190,12 @@ def _w8a16_samples(device):
 
 def w4_case(name, device, *, lead, K, N, group=128, layout="awq", zeros=True, g_idx=False, bias=False,
             dtype=torch.bfloat16, scale_dtype=torch.float16, last_group_largest=False, zero_row=False,
-            strided=False) -> Sample:
+            strided=False, strided_vectors=False) -> Sample:
     """An AWQ or GPTQ checkpoint's tensors for W (K, N): codes, zero points (stored as the
     layout stores them) and scales drawn at random, packed with reference.numerics.pack_int4.
     last_group_largest: the last group's scales 8 times the others'; zero_row: output channel 0
-    all zero (codes equal to the zero point) with scale 0 (no NaN may come of it)."""
+    all zero (codes equal to the zero point) with scale 0 (no NaN may come of it);
+    strided_vectors: g_idx and bias as views of every other element."""
     g = generator(name)
     x = _x(g, (*lead, K), dtype, device, strided=strided)
     G = K // group if K else 0
@@ -216,6 +217,8 @@ def w4_case(name, device, *, lead, K, N, group=128, layout="awq", zeros=True, g_
               layout=layout, g_idx=rows.to(torch.int32).to(device) if g_idx else None, bias=None)
     if bias:
         kw["bias"] = randn(N, dtype=dtype, device=device, generator=g)
+    if strided_vectors:
+        kw.update({k: every_other(kw[k]) for k in ("bias", "g_idx") if kw[k] is not None})
     return Sample(name, kw)
 
 
@@ -228,6 +231,8 @@ def _w4a16_samples(device):
                   K=256, N=72, layout="gptq", dtype=torch.float16, zero_row=True)
     yield w4_case("M17 K256 N40 gptq g64 act-order g_idx bias", device, lead=(17,), K=256, N=40, group=64,
                   layout="gptq", g_idx=True, bias=True, last_group_largest=True)
+    yield w4_case("M17 K256 N40 gptq g64 act-order, g_idx and bias strided views", device, lead=(17,), K=256,
+                  N=40, group=64, layout="gptq", g_idx=True, bias=True, strided_vectors=True)
     yield w4_case("M1 K64 N24 gptq g32 act-order, channel 0 zero", device, lead=(1,), K=64, N=24, group=32,
                   layout="gptq", g_idx=True, zero_row=True)
     yield w4_case("M9 K96 N20 gptq symmetric (no zeros) g32 bf16 scales", device, lead=(9,), K=96, N=20,
@@ -246,7 +251,8 @@ def mxfp4_case(name, device, *, lead, K, N, dtype=torch.bfloat16, bias=False, la
                zero_row=False, strided=False) -> Sample:
     """MXFP4 weight (N, K): e2m1 codes drawn at random, two to a byte (low nibble first), e8m0
     exponents 2^-8..2^0. last_block_largest: each row's last block 2^3, above all the others;
-    zero_row: row 0 all +0 codes with the least scale (2^-127)."""
+    zero_row: row 0 all +0 codes with the least scale (2^-127); strided: x and w non-contiguous,
+    bias a view of every other element."""
     g = generator(name)
     x = _x(g, (*lead, K), dtype, device, strided=strided)
     codes = torch.randint(0, 16, (N, K), generator=g)
@@ -261,6 +267,8 @@ def mxfp4_case(name, device, *, lead, K, N, dtype=torch.bfloat16, bias=False, la
               w_scale=e.to(torch.uint8).to(device), bias=None)
     if bias:
         kw["bias"] = randn(N, dtype=dtype, device=device, generator=g)
+        if strided:
+            kw["bias"] = every_other(kw["bias"])
     return Sample(name, kw)
 
 
@@ -272,6 +280,8 @@ def _mxfp4_samples(device):
     yield mxfp4_case("(3, 5) K128 N72, row 0 all zero with the least scale", device, lead=(3, 5), K=128,
                      N=72, zero_row=True)
     yield mxfp4_case("M9 K160 N33, x and w non-contiguous", device, lead=(9,), K=160, N=33, strided=True)
+    yield mxfp4_case("M17 K96 N40 fp16, x, w and bias non-contiguous", device, lead=(17,), K=96, N=40,
+                     dtype=torch.float16, bias=True, strided=True)
     yield mxfp4_case("M70 K64 N72 (the prefill row)", device, lead=(70,), K=64, N=72)
     yield mxfp4_case("M0", device, lead=(0,), K=64, N=16)
 
@@ -391,7 +401,7 @@ def svdquant_case(name, device, *, lead, K, N, R, dtype=torch.bfloat16, smooth=N
     factors in [0.5, 2]; bias: None, "x" or "fp32". last_group_largest: the last group's weight
     scales 8 times what they were (above every other group's); zero_row: output channel 0 all
     zero codes with scale 0 (no NaN may come of it); zero_token: x's first token all zero (its
-    activation scales 0)."""
+    activation scales 0); strided: x non-contiguous, bias a view of every other element."""
     g = generator(name)
     x = _x(g, (*lead, K), dtype, "cpu")
     if zero_token:
@@ -412,6 +422,8 @@ def svdquant_case(name, device, *, lead, K, N, R, dtype=torch.bfloat16, smooth=N
         kw["smooth"] = s.to(dtype if smooth == "x" else torch.float32).to(device)
     if bias:
         kw["bias"] = randn(N, dtype=dtype if bias == "x" else torch.float32, device=device, generator=g)
+        if strided:
+            kw["bias"] = every_other(kw["bias"])
     return Sample(name, kw)
 
 
@@ -424,6 +436,8 @@ def _svdquant_samples(device):
                         lead=(3, 5), K=128, N=24, R=16, zero_row=True, zero_token=True)
     yield svdquant_case("M9 K192 N33 rank48 fp32 smooth, x non-contiguous", device, lead=(9,), K=192, N=33,
                         R=48, smooth="fp32", strided=True)
+    yield svdquant_case("M17 K256 N72 rank32 fp16 smooth, x and bias non-contiguous", device, lead=(17,), K=256,
+                        N=72, R=32, dtype=torch.float16, smooth="x", bias="x", strided=True)
     yield svdquant_case("M70 K128 N72 rank32 smooth fp32 bias (the prefill row)", device, lead=(70,), K=128,
                         N=72, R=32, smooth="x", bias="fp32")
     yield svdquant_case("M17 K128 N40 rank128 smooth (two low-rank column blocks in the activation pass)", device,

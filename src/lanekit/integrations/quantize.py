@@ -26,10 +26,14 @@ stacks keep in 16 bits) are left as they are.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 from torch import nn
 
 from lanekit.reference.numerics import QUANT_MAX, pack_int4, quantize_groups, to_codes, unpack_int4
+from lanekit.runtime.lanes import select_lane
+from lanekit.runtime.validate import is_int
 
 SCHEMES_8BIT = ("fp8", "fp8_block", "w8a8", "w8a16", "w4a8")   # QuantizedLinear's: 8-bit activations or weights
 SCHEMES_4BIT = ("w4a16", "mxfp4")                              # Int4Linear's, Mxfp4Linear's: 16-bit activations
@@ -54,7 +58,24 @@ def _fp8_blocks(w: torch.Tensor):
     return to_codes(w / full, torch.float8_e4m3fn), s
 
 
-class QuantizedLinear(nn.Module):
+class _QuantizedBuffers(nn.Module):
+    """A layer whose quantized buffers (codes and scales: every buffer but ``bias``) keep their
+    dtype when the model is cast: ``model.half()`` or ``model.to(torch.bfloat16)`` moves them to
+    the new device only, as it does integer buffers (it turned fp8 codes into fp16 values and
+    rounded fp32 scales to 16 bits, which the linears then refused at the first forward, or took
+    rounded). The bias follows the model's dtype."""
+
+    def _apply(self, fn, recurse=True):
+        kept = {n: b for n, b in self._buffers.items() if b is not None and n != "bias"}
+        super()._apply(fn, recurse)
+        for name, old in kept.items():
+            new = self._buffers[name]
+            if new is not None and new.dtype != old.dtype:
+                self._buffers[name] = old.to(new.device)
+        return self
+
+
+class QuantizedLinear(_QuantizedBuffers):
     """An ``nn.Linear``'s forward on lanekit's 8-bit linear of ``scheme``: weight codes (N, K) and
     fp32 scales as buffers, the bias kept in the layer's dtype."""
 
@@ -112,6 +133,32 @@ class QuantizedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, scheme={self.scheme}"
 
 
+def _model_and_lane(model, lane):
+    """model an nn.Module (a TypeError), lane one that its layers can run on (a ValueError now,
+    not at the first forward)."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+    param = next(model.parameters(), None)
+    select_lane(param.device if param is not None else torch.device("cpu"), lane)
+
+
+def _group_size_arg(group_size):
+    """group_size as an int >= 1 or -1 (one group of K): a TypeError for a float or bool, a
+    ValueError for 0 or another negative, before any layer is read."""
+    if not is_int(group_size):
+        raise TypeError(f"group_size: expected an int >= 1, or -1 (one group of all K), got "
+                        f"{type(group_size).__name__} {group_size!r}")
+    if int(group_size) < 1 and int(group_size) != -1:
+        raise ValueError(f"group_size: expected an int >= 1, or -1 (one group of all K), got {group_size!r}")
+    return int(group_size)
+
+
+def _finite(w: torch.Tensor):
+    if w.numel() and not bool(torch.isfinite(w).all()):
+        raise ValueError("weight: expected finite values, got a NaN or inf (4-bit codes cannot hold it; "
+                         "MXFP4 would drop it silently)")
+
+
 def quantize_linears(model: nn.Module, scheme: str, *, skip: tuple[str, ...] = ("lm_head",),
                      lane: str | None = None, group_size: int = 128) -> nn.Module:
     """Replace, in place, every ``nn.Linear`` of ``model`` whose qualified name contains none of
@@ -120,9 +167,22 @@ def quantize_linears(model: nn.Module, scheme: str, *, skip: tuple[str, ...] = (
     an :class:`Mxfp4Linear` ("mxfp4"); returns the model. Raises ValueError for an unknown scheme,
     and for "w4a8" / "w4a16" / "mxfp4" a layer whose shape the format cannot hold ("w4a8": K not a
     multiple of 32; "w4a16": K not a multiple of group_size or N of 8; "mxfp4": K not a multiple
-    of 32), naming the layer; nothing is replaced then."""
+    of 32) or a NaN or inf in a weight ("w4a8", "w4a16", "mxfp4"), naming the layer; nothing is
+    replaced then. Also, before any layer is read: TypeError for a model that is not an
+    nn.Module, a skip that is not a tuple or list of str (a plain "lm_head" would match its
+    letters), a group_size that is not an int; ValueError for an unknown lane or a group_size
+    below 1 other than -1 (one group of all K).
+
+    Casting the model afterwards (``model.half()``, ``model.to(torch.bfloat16)``) casts the
+    layers' biases and moves their codes and scales without changing their dtype."""
     if scheme not in SCHEMES:
         raise ValueError(f"scheme: expected one of {SCHEMES}, got {scheme!r}")
+    _model_and_lane(model, lane)
+    if not isinstance(skip, (tuple, list)) or not all(isinstance(s, str) for s in skip):
+        raise TypeError(f"skip: expected a tuple or list of str (fragments of qualified names), got {skip!r}"
+                        + (f"; write ({skip!r},)" if isinstance(skip, str) else ""))
+    if scheme == "w4a16":
+        group_size = _group_size_arg(group_size)
     targets = [(name, m) for name, m in model.named_modules()
                if isinstance(m, nn.Linear) and not any(s in name for s in skip)]
     if scheme == "w4a8":
@@ -162,11 +222,14 @@ def quantize_int4_awq(w: torch.Tensor, group_size: int = 128):
     hi = max(w, 0) (zero always representable), scale = (hi - lo) / 15 rounded to fp16 (the stored
     scale; the codes are chosen from it), z = clamp(round(-lo / scale), 0, 15), q = clamp(round(w /
     scale) + z, 0, 15) (round half to even). A group whose fp16 scale is 0 (all zero, or below
-    fp16's range) gets q = z = 0: its weights dequantize to 0, never NaN. Source: AutoAWQ's
-    ``pseudo_quantize_tensor`` (zero point from the minimum), with the range widened to hold 0."""
+    fp16's range) gets q = z = 0: its weights dequantize to 0, never NaN. group_size -1: one group
+    of K. A NaN or inf in w is refused (ValueError). Source: AutoAWQ's ``pseudo_quantize_tensor``
+    (zero point from the minimum), with the range widened to hold 0."""
     N, K = w.shape
+    group_size = K if group_size == -1 else group_size
     if K % group_size:
         raise ValueError(f"group_size: expected a divisor of K = {K} (the layer's in_features), got {group_size}")
+    _finite(w)
     if N % 8:
         raise ValueError(f"weight: expected out_features a multiple of 8 (AWQ packs eight columns of N to "
                          f"an int32), got {N}")
@@ -193,12 +256,14 @@ def quantize_mxfp4(w: torch.Tensor):
     ``(w_fp4 (N, K/2) uint8, element 2i in the low nibble; w_scale (N, K/32) uint8 e8m0)``. Per 32
     of K: the shared exponent floor(log2(amax)) - 2 (e2m1's largest exponent), clamped to e8m0's
     [-127, 127] (an all-zero block: 2^0); each value divided by it and rounded to the nearest e2m1
-    value, ties to the even mantissa, saturating at +-6. Source: OCP Microscaling Formats (MX)
+    value, ties to the even mantissa, saturating at +-6; a NaN or inf in w is refused (ValueError:
+    the codes have no NaN, and a saturated inf would vanish). Source: OCP Microscaling Formats (MX)
     v1.0, section 6.3 (the conversion from a float vector)."""
     N, K = w.shape
     if K % MX_GROUP:
         raise ValueError(f"weight: expected in_features a multiple of {MX_GROUP} (one e8m0 scale per 32 "
                          f"along K), got {K}")
+    _finite(w)
     b = w.detach().to(torch.float64).reshape(N, K // MX_GROUP, MX_GROUP)
     amax = b.abs().amax(-1)
     exp = torch.where(amax > 0, torch.floor(torch.log2(torch.where(amax > 0, amax, 1.0))) - 2,
@@ -220,7 +285,7 @@ def _bias_for(bias, x):
     return bias
 
 
-class Int4Linear(nn.Module):
+class Int4Linear(_QuantizedBuffers):
     """An ``nn.Linear``'s forward on ``lanekit.gemm.w4a16_linear``: an AWQ or GPTQ int4 weight
     (buffers ``qweight``, ``qzeros``, ``scales``, ``g_idx``, named as the checkpoints name them,
     so ``state_dict()`` of an AWQ layer is an AutoAWQ state dict), the bias in the layer's dtype.
@@ -242,7 +307,7 @@ class Int4Linear(nn.Module):
         qweight, qzeros, scales = quantize_int4_awq(linear.weight, group_size)
         bias = linear.bias.detach() if linear.bias is not None else None
         return cls(linear.in_features, linear.out_features, qweight, qzeros, scales, bias,
-                   group_size, "awq", None, lane)
+                   linear.in_features if group_size == -1 else group_size, "awq", None, lane)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from lanekit import gemm
@@ -255,7 +320,7 @@ class Int4Linear(nn.Module):
                 f"group_size={self.group_size}, act_order={self.g_idx is not None}")
 
 
-class Mxfp4Linear(nn.Module):
+class Mxfp4Linear(_QuantizedBuffers):
     """An ``nn.Linear``'s forward on ``lanekit.gemm.mxfp4_linear``: buffers ``weight`` (N, K/2)
     uint8 e2m1 codes and ``weight_scale`` (N, K/32) uint8 e8m0, gpt-oss's layout."""
 
@@ -329,17 +394,31 @@ def load_quantized_linears(model: nn.Module, state_dict, format: str = "awq", *,
 
     group_size: None reads it from the shapes (K / scales' rows); an int is checked against them.
 
-    Raises (before any layer is replaced): ValueError for an unknown format, a missing key (named),
-    a wrong shape (the key, the expected and the got), a group size that does not divide K, or
-    no quantized layer at all; TypeError for a wrong dtype. Values are not range-checked beyond
-    g_idx (``w4a16_linear`` refuses g_idx outside [0, K/G) on CPU tensors).
+    Raises (before any layer is replaced): ValueError for an unknown format or lane, a missing key
+    (named), a wrong shape (the key, the expected and the got), a group size that does not divide
+    K (or below 1, other than -1), a g_idx value outside [0, K/G) (read here, at load), a
+    ``<name>.qweight`` key of no nn.Linear of the model (it would be left unloaded), or no
+    quantized layer at all; TypeError for a wrong dtype, a state_dict that is not a mapping, a
+    model that is not an nn.Module, a group_size that is not an int. Other values (codes, zeros,
+    scales) are not range-checked.
 
     Sources: AutoAWQ's ``WQLinear_GEMM.from_linear``; AutoGPTQ's ``QuantLinear.pack`` and
     ``CHECKPOINT_FORMAT``; GPTQModel's ``convert_gptq_v1_to_v2_format``; docs/semantics.md."""
     if format not in FORMATS:
         raise ValueError(f"format: expected one of {FORMATS}, got {format!r}")
+    _model_and_lane(model, lane)
+    if not isinstance(state_dict, Mapping):
+        raise TypeError(f"state_dict: expected a mapping of names to tensors, got {type(state_dict).__name__}")
+    if group_size is not None:
+        group_size = _group_size_arg(group_size)
     targets = [(name, m) for name, m in model.named_modules()
                if isinstance(m, nn.Linear) and f"{name}.qweight" in state_dict]
+    linears = {f"{name}.qweight" for name, _ in targets}
+    stray = [key for key in state_dict if isinstance(key, str) and key.endswith(".qweight") and key not in linears]
+    if targets and stray:
+        raise ValueError(f"state_dict: expected each '<name>.qweight' to name an nn.Linear of the model, got "
+                         f"{stray[:4]}{' ...' if len(stray) > 4 else ''} matching none (those layers would stay "
+                         f"unloaded; drop the keys to load the rest)")
     if not targets:
         raise ValueError(f"state_dict: expected '<linear>.qweight' keys for some nn.Linear of the model "
                          f"(e.g. {next((n for n, m in model.named_modules() if isinstance(m, nn.Linear)), '?')!r}), "
@@ -369,7 +448,11 @@ def load_quantized_linears(model: nn.Module, state_dict, format: str = "awq", *,
         g_idx = None
         if not awq and f"{name}.g_idx" in state_dict:
             g_idx = _key(state_dict, f"{name}.g_idx", (torch.int32, torch.int64), (K,), "(K,), the group of each row")
-            if torch.equal(g_idx.cpu().to(torch.int64), torch.arange(K) // G):
+            groups = g_idx.cpu().to(torch.int64)                 # read once, at load
+            if K and (int(groups.min()) < 0 or int(groups.max()) >= K // G):
+                bad = groups[(groups < 0) | (groups >= K // G)][0]
+                raise ValueError(f"{name}.g_idx: expected groups in [0, {K // G}) (K / group_size), got {int(bad)}")
+            if torch.equal(groups, torch.arange(K) // G):
                 g_idx = None                                     # no act-order: the group-run kernel
         bias = state_dict.get(f"{name}.bias", linear.bias)
         if bias is not None:

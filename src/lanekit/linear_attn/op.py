@@ -123,12 +123,29 @@ def _run(op, q, k, v, g, initial_state, cu_seqlens, scale, output_final_state, f
                  bool(fp32_out), inputs=(q, k, v, g, initial_state))
 
 
+# The chunked kernels (the forward, and the backward of both lanes) take exp of differences of
+# in-chunk cumulative sums of g: a g of -inf made inf - inf (NaN) and a huge negative one cancelled
+# the decays of the tokens after it in its chunk (g = -1e30: every later output wrong). A decay
+# exp(g) below exp(G_FLOOR) (1e-13) is zero at fp32's resolution, so g is floored there: no result
+# moves beyond that, the sums stay finite, the gradient of a floored g is 0 (its true value is
+# below 1e-13 of the others'), and NaN stays NaN.
+G_FLOOR = -30.0
+
+
+def _floored(g):
+    return g.clamp(min=G_FLOOR) if g is not None else None
+
+
 def chunk_simple_gla_triton(*, q, k, v, g, scale, initial_state, output_final_state, cu_seqlens):
-    return _run(_chunk_fwd_op, q, k, v, g, initial_state, cu_seqlens, scale, output_final_state)
+    return _run(_chunk_fwd_op, q, k, v, _floored(g), initial_state, cu_seqlens, scale, output_final_state)
 
 
 def fused_recurrent_simple_gla_triton(*, q, k, v, g, scale, initial_state, output_final_state, cu_seqlens):
-    return _run(_recurrent_fwd_op, q, k, v, g, initial_state, cu_seqlens, scale, output_final_state)
+    # the recurrent kernel takes any g (it multiplies by exp(g) step by step): floored only for the
+    # chunked backward, so that decode without grad pays no extra launch
+    grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, g, initial_state))
+    return _run(_recurrent_fwd_op, q, k, v, _floored(g) if grad else g, initial_state, cu_seqlens, scale,
+                output_final_state)
 
 
 def _linear_attn(op, *, q, k, v, scale, initial_state, initial_z, output_final_state, normalize, cu_seqlens):

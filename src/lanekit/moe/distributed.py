@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 from lanekit.moe.api import fused_moe, moe_combine, moe_dispatch, topk_softmax
 from lanekit.runtime import alloc
+from lanekit.runtime.lanes import select_lane
 from lanekit.runtime.validate import ArgumentError, ArgumentTypeError
 from lanekit.runtime.validate import flag as _flag
 from lanekit.runtime.validate import int_at_least as _int_at_least
@@ -37,6 +38,7 @@ from lanekit.runtime.validate import tensor as _tensor
 __all__ = ["EPHandle", "EPMoE", "ep_combine", "ep_dispatch"]
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_LAYER_DTYPES = (torch.bfloat16, torch.float16)      # fused_moe's; float64 on the reference lane
 _MAX_EXPERTS = 1024   # moe_dispatch's bound
 
 
@@ -279,7 +281,9 @@ class EPMoE(torch.nn.Module):
     zero (not None) gradients for them, so that every rank's graph takes part in the backward.
 
     x: (..., K) in the parameters' dtype; returns x's shape and dtype. Errors: those of
-    :func:`ep_dispatch`, ``topk_softmax`` and ``fused_moe``.
+    :func:`ep_dispatch`, ``topk_softmax`` and ``fused_moe``; at construction, a TypeError for a
+    dtype fused_moe does not take and a ValueError for an unknown lane (not at the first forward);
+    in forward, a ValueError for x not (..., K) before anything runs.
 
     Source: DeepSpeed-MoE / Megatron-LM expert parallelism (all-to-all dispatch and combine);
     vLLM's ``FusedMoE`` (router, ``fused_experts``, ``expert_map``).
@@ -297,11 +301,17 @@ class EPMoE(torch.nn.Module):
         if self.topk > E:
             raise ArgumentError(f"topk: expected an int in [1, num_experts = {E}], got {topk}")
         self.renormalize = _flag("renormalize", renormalize)
+        if dtype not in _LAYER_DTYPES + (torch.float64,):
+            raise ArgumentTypeError(f"dtype: expected one of {[str(d) for d in _LAYER_DTYPES]} (torch.float64 with "
+                                    f"lane='reference'), got {dtype!r}")
         self.group, self.rank, self.world_size, self.num_experts, self.lane = group, rank, W, E, lane
         El = E // W
         self.router = torch.nn.Parameter(torch.empty(E, K, dtype=dtype, device=device))
         self.w1 = torch.nn.Parameter(torch.empty(El, 2 * N, K, dtype=dtype, device=device))
         self.w2 = torch.nn.Parameter(torch.empty(El, K, N, dtype=dtype, device=device))
+        if select_lane(self.router.device, lane) != "reference" and dtype == torch.float64:
+            raise ArgumentTypeError("dtype: expected torch.bfloat16 or torch.float16 on the triton lane, got "
+                                    "torch.float64 (float64 runs on the reference lane only: lane='reference')")
         for w, fan_in in ((self.router, K), (self.w1, K), (self.w2, N)):
             torch.nn.init.normal_(w, std=fan_in ** -0.5)
 
@@ -311,7 +321,7 @@ class EPMoE(torch.nn.Module):
         """This rank's shard of a block given whole: router (E, K), w1 (E, 2N, K), w2 (E, K, N), one
         dtype and device; copies experts [rank * El, (rank + 1) * El) of w1 and w2 (and the router).
         Raises TypeError / ValueError naming the argument for other shapes or dtypes."""
-        _tensor("router", router, ndim=2)
+        _tensor("router", router, dtypes=_LAYER_DTYPES + (torch.float64,), ndim=2)
         _tensor("w1", w1, ndim=3, like=router, like_name="router", like_dtype=True)
         _tensor("w2", w2, ndim=3, like=router, like_name="router", like_dtype=True)
         E, K = router.shape
@@ -338,6 +348,10 @@ class EPMoE(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         _tensor("x", x, like=self.router, like_name="the layer's parameters", like_dtype=True)
+        _tensor("x", x, dtypes=_LAYER_DTYPES + (torch.float64,))   # the layer cast after construction
+        if x.dim() < 1 or x.shape[-1] != self.router.shape[1]:
+            raise ArgumentError(f"x: expected (..., K) with K = {self.router.shape[1]} (the layer's hidden_size), "
+                                f"got shape {tuple(x.shape)}")
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         logits = F.linear(x.float(), self.router.float())

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from lanekit.runtime.registry import Op, Sample, register
-from lanekit.testing import CODES, EXACT, Tolerance, generator, randn
+from lanekit.testing import CODES, EXACT, Tolerance, every_other, generator, randn
 from lanekit.testing import noncontiguous as _noncontiguous
 from lanekit.testing import with_output_grads
 from lanekit.testing import noncontiguous
@@ -465,12 +465,14 @@ FUSED_MOE = Tolerance(
 
 def fused_moe_case(name, device, *, M, K, N, E, topk, dtype=torch.bfloat16, activation="silu",
                    on_input=False, remote_half=False, idle_expert=None, equal_weights=False,
-                   weights_dtype=torch.float32, transposed_weights=False, strided_x=False) -> Sample:
+                   weights_dtype=torch.float32, transposed_weights=False, strided_x=False,
+                   strided_map=False) -> Sample:
     """A ``fused_moe`` sample from readable parameters. Routing is the top-k of a softmax over
     random logits (E_global = 2E with ``remote_half``: the odd global experts live elsewhere);
     ``idle_expert`` gets no token; ``equal_weights`` gives every slot 1 / topk;
     ``transposed_weights`` passes w1 and w2 as transposed views (strides other than packed),
-    ``strided_x`` x as every other row of a buffer."""
+    ``strided_x`` x as every other row of a buffer; ``strided_map`` (with ``remote_half``) the
+    expert_map as a view of every other element."""
     g = generator(name)
     x = randn(M, K, dtype=dtype, device=device, generator=g)
     if strided_x:
@@ -492,7 +494,7 @@ def fused_moe_case(name, device, *, M, K, N, E, topk, dtype=torch.bfloat16, acti
     if remote_half:
         local = torch.full((num_global,), -1, dtype=torch.int32)
         local[0::2] = torch.arange(E, dtype=torch.int32)
-        expert_map = local.to(device)
+        expert_map = every_other(local.to(device)) if strided_map else local.to(device)
     return Sample(name, dict(hidden_states=x, w1=w1, w2=w2, topk_weights=weights.to(weights_dtype).to(device),
                              topk_ids=ids.to(device), activation=activation,
                              apply_router_weight_on_input=on_input, expert_map=expert_map))
@@ -509,6 +511,8 @@ def _fused_moe_samples(device):
                          equal_weights=True)
     yield fused_moe_case("expert_map: half the experts remote, M 11 top-3", device, M=11, K=64, N=32,
                          E=4, topk=3, remote_half=True)
+    yield fused_moe_case("expert_map a strided view, half remote, M 11 top-3", device, M=11, K=64, N=32,
+                         E=4, topk=3, remote_half=True, strided_map=True)
     yield fused_moe_case("router weight on the input, top-1, M 7", device, M=7, K=64, N=48, E=4,
                          topk=1, on_input=True)
     yield fused_moe_case("gelu, M 13 top-2", device, M=13, K=80, N=40, E=4, topk=2, activation="gelu")
@@ -611,6 +615,9 @@ def _fused_moe_quant_samples(device):
                                    scheme=scheme, M=11, K=64, N=32, E=4, topk=3, remote_half=True)
         yield fused_moe_quant_case(f"{scheme}: E 1 top-1, M 5", device, scheme=scheme, M=5, K=48,
                                    N=40, E=1, topk=1)
+    yield fused_moe_quant_case("fp8 per tensor: expert_map a strided view, half remote, M 11 top-3", device,
+                               scheme="fp8 per tensor", M=11, K=64, N=32, E=4, topk=3, remote_half=True,
+                               strided_map=True)
     yield fused_moe_quant_case("fp8 per tensor: static a1/a2 scales, M 8", device,
                                scheme="fp8 per tensor", static_scales=True, M=8, K=64, N=32, E=4, topk=2)
     yield fused_moe_quant_case("fp8 128x128 blocks: router weight on the input, gelu, M 7", device,
@@ -692,6 +699,8 @@ def _fused_moe_mxfp4_samples(device):
                                E=4, topk=2, idle_expert=2)
     yield fused_moe_mxfp4_case("expert_map, half remote, M 11 top-3", device, M=11, K=64, N=32, E=4,
                                topk=3, remote_half=True)
+    yield fused_moe_mxfp4_case("expert_map a strided view, half remote, M 11 top-3", device, M=11, K=64, N=32,
+                               E=4, topk=3, remote_half=True, strided_map=True)
     yield fused_moe_mxfp4_case("fp16, gelu, M 10 top-2", device, M=10, K=64, N=64, E=4, topk=2,
                                dtype=torch.float16, activation="gelu")
     yield fused_moe_mxfp4_case("router weight on the input, top-1, M 7", device, M=7, K=64, N=96,

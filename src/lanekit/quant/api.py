@@ -535,7 +535,7 @@ def quantize_w4a8(w: torch.Tensor, mode: int = 1, group_size: int = 128,
     K = w.shape[1]
     if not _v_is_int(group_size):
         raise TypeError(f"group_size: expected an int, got {type(group_size).__name__}")
-    group = K if int(group_size) == -1 else int(group_size)
+    group = (K or _W4A8_MIN_GROUP) if int(group_size) == -1 else int(group_size)   # K = 0: no group at all
     if group < 1 or group % _W4A8_MIN_GROUP or K % group:
         raise ValueError(f"group_size: expected a multiple of {_W4A8_MIN_GROUP} dividing K = {K} (or -1), "
                          f"got {group_size}")

@@ -148,11 +148,17 @@ def flash_attn(
     m = torch.where(torch.isneginf(m), 0, m)                        # a row that sees no key
     e = torch.exp(s - m)
     total = e.sum(dim=-1, keepdim=True)
-    if sinks is not None:   # the sink's term joins the denominator: e^{sink - m}
-        total = total + torch.exp(sinks.to(dtype)[None, :, None, None] - m)
+    alpha = 1.0
+    if sinks is not None:   # the sink's term joins the denominator, both taken relative to
+        sink = sinks.to(dtype)[None, :, None, None]   # top = max(m, sink) (e^{sink - m} overflows
+        top = torch.maximum(m, sink)                  # for a sink far above the scores)
+        top = torch.where(torch.isneginf(top), 0, top)
+        alpha = torch.exp(m - top)
+        total = total * alpha + torch.exp(sink - top)
+        m = top
     if p_dtype is not None:  # the kernel's P.V takes e^{s - m} rounded to p_dtype; the sum is not
         e = e.to(p_dtype).to(dtype)
-    p = e / torch.where(total == 0, 1, total)                       # empty rows: all zeros
+    p = e * alpha / torch.where(total == 0, 1, total)               # empty rows: all zeros
     lse = (m + torch.log(total)).squeeze(-1)                        # (B, Hq, Sq); -inf if empty
     if dropout_p > 0:
         u = dropout_draws if dropout_draws is not None else dropout_uniforms(seed, offset, B, Hq, Sq, Sk)

@@ -46,9 +46,11 @@ def flash_mla_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, block_table: 
         if causal:
             later = torch.arange(n, device=q.device)[None, :] > torch.arange(Sq, device=q.device)[:, None] + n - Sq
             s = s.masked_fill(later, float("-inf"))
-        lse_b = torch.logsumexp(s, dim=-1)                                               # (H, Sq)
-        seen = torch.isfinite(lse_b)
-        p = torch.where(seen[..., None], torch.exp(s - torch.where(seen, lse_b, 0)[..., None]), 0)
+        m = s.amax(dim=-1, keepdim=True) if n else s.new_full((H, Sq, 1), float("-inf"))
+        m = torch.where(torch.isneginf(m), 0, m)                                          # a row that sees no key
+        lse_b = (m + torch.log(torch.exp(s - m).sum(-1, keepdim=True))).squeeze(-1)     # (H, Sq); NaN stays NaN
+        seen = ~torch.isneginf(lse_b)                                                    # (an inf score: NaN, as
+        p = torch.where(seen[..., None], torch.exp(s - torch.where(seen, lse_b, 0)[..., None]), 0)   # attention's)
         out[b] = torch.einsum("hij,jhd->ihd", p, k[..., :head_dim_v])
         lse[b] = lse_b
     return out, lse

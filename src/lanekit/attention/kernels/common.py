@@ -161,7 +161,7 @@ def quant_args(q: torch.Tensor, v: torch.Tensor, sinks, q_descale, k_descale, v_
     strides = {}
     for name, d in (("q", q_descale), ("k", k_descale), ("v", v_descale)):
         strides[f"stride_d{name}b"], strides[f"stride_d{name}h"] = d.stride() if quant else (0, 0)
-    return dict(Sinks=sinks if sinks is not None else q,
+    return dict(Sinks=sinks.contiguous() if sinks is not None else q,   # read at Sinks + h: a strided view's copy
                 DescQ=q_descale if quant else q, DescK=k_descale if quant else q,
                 DescV=v_descale if quant else q, **strides,
                 HAS_SINKS=sinks is not None, HAS_DESCALE=quant, PV_FP16=v.dtype == torch.int8)

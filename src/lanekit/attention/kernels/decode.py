@@ -586,6 +586,6 @@ def flash_attn_kvcache(
             launch(_merge_splits_kernel, (Sq, Hq, B),
                 part, part_lse, out, lse, *part.stride(), *part_lse.stride(), *out.stride(), *lse.stride(),
                 num_splits, Dv, BLOCK_S=max(2, next_power_of_2(num_splits)), BLOCK_DV=block_dv,
-                num_warps=4, **({"Sinks": sinks, "HAS_SINKS": True} if sinks is not None else {}),
+                num_warps=4, **({"Sinks": sinks.contiguous(), "HAS_SINKS": True} if sinks is not None else {}),
             )
     return out, lse

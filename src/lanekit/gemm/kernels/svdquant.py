@@ -101,8 +101,9 @@ def svdquant_w4a4_fwd(qact, ascales, lora_act, qweight, wscales, lora_up, bias, 
     cfg = tuning.svdquant_config(qact.device, M)
     block_r = tuning.svdquant_block_r(R)
     grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n),)
-    launch(_svdquant_w4a4_kernel, grid,
-           qact, ascales, qweight, wscales, lora_act, lora_up, bias if bias is not None else wscales, out,
+    launch(_svdquant_w4a4_kernel, grid,     # bias[n] is read at BIAS + n: a strided view as its copy
+           qact, ascales, qweight, wscales, lora_act, lora_up, bias.contiguous() if bias is not None else wscales,
+           out,
            M, N, K, R, *qact.stride(), *ascales.stride(), *qweight.stride(), *wscales.stride(),
            *(lora_act.stride() if R else (0, 0)), *(lora_up.stride() if R else (0, 0)), *out.stride(),
            HAS_LORA=R > 0, HAS_BIAS=bias is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,

@@ -171,6 +171,9 @@ def w4a16_linear_fwd(x, qweight, scales, zeros, g_idx, bias, group_size: int, la
         return out
     cfg = tuning.w4a16_config(x.device, M, group_size, K, act_order=g_idx is not None)
     z = zeros if zeros is not None else qweight
+    # the kernel reads g_idx[k] and bias[n] at G_IDX + k and BIAS + n: strided views as their copies
+    g_idx = g_idx.contiguous() if g_idx is not None else None
+    bias = bias.contiguous() if bias is not None else None
     grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n),)
     launch(_w4a16_kernel, grid,
            x, qweight, scales, z, g_idx if g_idx is not None else qweight,
@@ -225,8 +228,8 @@ def mxfp4_linear_fwd(x, w_fp4, w_scale, bias):
         return out
     cfg = tuning.mxfp4_config(x.device, M)
     grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n),)
-    launch(_mxfp4_linear_kernel, grid,
-           x, w_fp4, w_scale, bias if bias is not None else x, out, M, N, K, *x.stride(),
+    launch(_mxfp4_linear_kernel, grid,      # bias[n] is read at BIAS + n: a strided view as its copy
+           x, w_fp4, w_scale, bias.contiguous() if bias is not None else x, out, M, N, K, *x.stride(),
            *w_fp4.stride(), *w_scale.stride(), *out.stride(), HAS_BIAS=bias is not None,
            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
            **cfg.options())

@@ -230,6 +230,8 @@ def fused_moe_fwd(*, hidden_states, w1, w2, topk_weights, topk_ids, activation,
     if N == 0:
         return out.zero_()
     device = hidden_states.device
+    # the sum kernel reads expert_map[e] at EXPERT_MAP + e (as the align does): a strided view as its copy
+    expert_map = expert_map.contiguous() if expert_map is not None else None
     num_global = expert_map.shape[0] if expert_map is not None else E
     cfg = tuning.fused_moe_config(device, M, K, N)
     if aligned is None:

@@ -303,6 +303,8 @@ def fused_moe_quant_fwd(*, hidden_states, w1, w2, topk_weights, topk_ids, activa
         return out.zero_()
     scheme = scheme_of(use_fp8_w8a8, per_channel_quant, block_shape)
     device = hidden_states.device
+    # the sum kernel reads expert_map[e] at EXPERT_MAP + e (as the align does): a strided view as its copy
+    expert_map = expert_map.contiguous() if expert_map is not None else None
     num_global = expert_map.shape[0] if expert_map is not None else E
     cfg = tuning.fused_moe_quant_config(device, M, K, N)
     sorted_ids, expert_ids, num_post = fused._align(topk_ids, cfg.block_m, num_global, expert_map)
