@@ -210,13 +210,9 @@ def compile_for_sm90(D: int, causal: bool, design) -> dict:
                                 target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
     except Exception as e:   # the compiler's own error, its last line
         return {"error": (str(e).strip().splitlines() or [type(e).__name__])[-1][:160]}
-    from lanekit.runtime.targets import _cubin_resources
+    from benchmarks.explore_attention_sm90 import report
 
-    ptx = kernel.asm["ptx"]
-    regs, spills = _cubin_resources(kernel.asm["cubin"])
-    return {"smem": kernel.metadata.shared, "warps": kernel.metadata.num_warps, "regs": regs, "spills": spills,
-            "setmaxnreg": ptx.count("setmaxnreg"), "tma": ptx.count("cp.async.bulk.tensor"),
-            "wgmma": ptx.count("wgmma.mma_async")}
+    return report(kernel)
 
 
 def run(design, q, k, v, causal: bool) -> torch.Tensor:

@@ -39,6 +39,27 @@ SMEM_LIMIT = 232_448   # bytes of shared memory one block may have on sm90
 
 
 @triton.jit
+def _step(q, K, V, k_desc, v_desc, base, start_n, offs_m, offs_n, offs_d, m_i, l_i, acc, sm_scale_log2,
+          D: tl.constexpr, TMA: tl.constexpr, MASKED: tl.constexpr):
+    """One key block from start_n: scores, the causal mask (MASKED), the online-softmax update."""
+    if TMA:
+        k = k_desc.load([start_n, 0])
+        v = v_desc.load([start_n, 0])
+    else:
+        k = tl.load(K + base + (start_n + offs_n)[:, None] * D + offs_d[None, :])
+        v = tl.load(V + base + (start_n + offs_n)[:, None] * D + offs_d[None, :])
+    s = tl.dot(q, k.T) * sm_scale_log2
+    if MASKED:
+        s = tl.where(offs_m[:, None] >= (start_n + offs_n)[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    p = tl.math.exp2(s - m_new[:, None])
+    alpha = tl.math.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _fwd_kernel(Q, K, V, O, sm_scale_log2, S,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
                 CAUSAL: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr):
@@ -50,6 +71,8 @@ def _fwd_kernel(Q, K, V, O, sm_scale_log2, S,
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, D)
+    k_desc = None
+    v_desc = None
     if TMA:
         k_desc = tl.make_tensor_descriptor(K + base, shape=[S, D], strides=[D, 1], block_shape=[BLOCK_N, D])
         v_desc = tl.make_tensor_descriptor(V + base, shape=[S, D], strides=[D, 1], block_shape=[BLOCK_N, D])
@@ -66,37 +89,12 @@ def _fwd_kernel(Q, K, V, O, sm_scale_log2, S,
     else:
         full_hi = S
     for start_n in tl.range(0, full_hi, BLOCK_N, warp_specialize=WS):
-        if TMA:
-            k = k_desc.load([start_n, 0])
-            v = v_desc.load([start_n, 0])
-        else:
-            k = tl.load(K + base + (start_n + offs_n)[:, None] * D + offs_d[None, :])
-            v = tl.load(V + base + (start_n + offs_n)[:, None] * D + offs_d[None, :])
-        s = tl.dot(q, k.T) * sm_scale_log2
-        if CAUSAL == 2:
-            s = tl.where(offs_m[:, None] >= (start_n + offs_n)[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.math.exp2(s - m_new[:, None])
-        alpha = tl.math.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+        m_i, l_i, acc = _step(q, K, V, k_desc, v_desc, base, start_n, offs_m, offs_n, offs_d, m_i, l_i, acc,
+                              sm_scale_log2, D, TMA, CAUSAL == 2)
     if CAUSAL == 1:   # the diagonal blocks, masked
         for start_n in tl.range(full_hi, start_m + BLOCK_M, BLOCK_N, warp_specialize=WS):
-            if TMA:
-                k = k_desc.load([start_n, 0])
-                v = v_desc.load([start_n, 0])
-            else:
-                k = tl.load(K + base + (start_n + offs_n)[:, None] * D + offs_d[None, :])
-                v = tl.load(V + base + (start_n + offs_n)[:, None] * D + offs_d[None, :])
-            s = tl.dot(q, k.T) * sm_scale_log2
-            s = tl.where(offs_m[:, None] >= (start_n + offs_n)[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            p = tl.math.exp2(s - m_new[:, None])
-            alpha = tl.math.exp2(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m_i = m_new
+            m_i, l_i, acc = _step(q, K, V, k_desc, v_desc, base, start_n, offs_m, offs_n, offs_d, m_i, l_i, acc,
+                                  sm_scale_log2, D, TMA, True)
     tl.store(O + base + offs_m[:, None] * D + offs_d[None, :], (acc / l_i[:, None]).to(O.dtype.element_ty))
 
 
@@ -133,6 +131,13 @@ def compile_for_sm90(D: int, causal: bool, variant) -> dict:
                                 target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
     except Exception as e:   # the compiler's own error, first line
         return {"error": (str(e).strip().splitlines() or [type(e).__name__])[-1][:120]}
+    return report(kernel)
+
+
+def report(kernel) -> dict:
+    """What a kernel compiled for sm90 holds: shared memory per block, warps, registers and spilled
+    bytes per thread (cuobjdump, as lanekit targets reads them), and its PTX's setmaxnreg, TMA
+    and wgmma instruction counts."""
     from lanekit.runtime.targets import _cubin_resources
 
     ptx = kernel.asm["ptx"]
