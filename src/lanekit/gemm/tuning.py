@@ -256,10 +256,7 @@ SVDQUANT: dict[str, dict[int, GemmConfig]] = {
 }
 # RDNA 3.5: gfx1201's rows, the prefill tile over 8 warps: with 4 the fp32 sample with a bias
 # (M70, rank 32) spilled 20 bytes at 256 VGPRs; 8 warps take 203 (lanekit targets 2026-12-07)
-SVDQUANT["gfx1151"] = {
-    1: GemmConfig(16, 64, 64, 8, 4, 2),
-    64: GemmConfig(64, 64, 64, 8, 8, 2),
-}
+SVDQUANT["gfx1151"] = {**SVDQUANT["gfx1201"], 64: GemmConfig(64, 64, 64, 8, 8, 2)}
 # Columns of the low-rank branch per epilogue step (tl.dot's K); rank 16 takes one step
 SVDQUANT_BLOCK_R = 32
 

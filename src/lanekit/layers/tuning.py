@@ -34,16 +34,11 @@ NORM: dict[str, dict[int, NormConfig]] = {
         16384: NormConfig(16384, 16),
         65536: NormConfig(16384, 16),
     },
-    # A100: rows over 16384 features walk blocks of 8192. 16 warps cap ptxas at 128 registers a
-    # thread, and the backward's looped fp32 rows spilled 120 bytes at blocks of 16384 (lanekit
-    # targets 2026-12-07); at 8192 they take 78 and none.
-    "sm80": {
-        1024: NormConfig(1024, 4),
-        4096: NormConfig(4096, 8),
-        16384: NormConfig(16384, 16),
-        65536: NormConfig(8192, 16),
-    },
 }
+# A100: rows over 16384 features walk blocks of 8192. 16 warps cap ptxas at 128 registers a
+# thread, and the backward's looped fp32 rows spilled 120 bytes at blocks of 16384 (lanekit
+# targets 2026-12-07); at 8192 they take 78 and none.
+NORM["sm80"] = {**NORM["generic"], 65536: NormConfig(8192, 16)}
 # AdaLN with one row of scale and shift per batch entry: the forward's programs take up to this many
 # rows of one entry each, loading that row once. 1: 4 rows ran slower on the H200, until a sweep
 # (benchmarks.tune_layers) finds better (docs/tuning/layers.md, NORM_MOD_ROWS).

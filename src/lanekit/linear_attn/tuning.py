@@ -10,7 +10,7 @@ at most 256) is one tile, V is walked in blocks of ``block_v``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -102,13 +102,7 @@ TILES["sm80"] = LinearAttnTiles(
 
 # CDNA 3 (wave64): 8 warps leave each thread 256 VGPRs, where the grad kernel's 64-wide V blocks
 # spilled 32 to 40 bytes (16-bit varlen and strided samples); 32-wide: 193-242, none.
-TILES["gfx942"] = LinearAttnTiles(
-    state_fwd=ChunkConfig(64, 64, 4, 2, block_k=64),
-    output=ChunkConfig(64, 128, 4, 2),
-    state_bwd=ChunkConfig(64, 64, 4, 2, block_k=64),
-    grad=ChunkConfig(64, 32, 8, 1),
-    recurrent=ChunkConfig(64, 32, 4, 1),
-)
+TILES["gfx942"] = replace(TILES["generic"], grad=ChunkConfig(64, 32, 8, 1))
 
 # fp32 inputs (IEEE products: no tensor cores, every operand in registers), and the normalized
 # form's backward (computed in fp32): 32-token chunks and 32-wide V blocks (16 in the grad kernel,
