@@ -37,6 +37,16 @@ def f64(*ts):
     return [t.detach().double() if t is not None else None for t in ts]
 
 
+def _assert_grads(got, want):
+    """dq, dk, dv, dg and dh0 against the float64 oracle's, each with its tolerance, named on failure."""
+    for name, a, b in zip(("dq", "dk", "dv", "dg", "dh0"), got, want):
+        tol = {"dg": LINEAR_ATTN_DG, "dh0": LINEAR_ATTN_STATE}.get(name, LINEAR_ATTN_BWD)
+        try:
+            assert_close(a, b, tol)
+        except AssertionError as e:
+            raise AssertionError(f"{name}: {e}") from None
+
+
 @pytest.mark.parametrize("decay", [True, False], ids=["simple_gla", "linear_attn"])
 def test_prefill_with_chunk_then_decode_with_recurrent_equals_one_run(decay, device):
     # 23 tokens chunked, then 6 tokens step by step from the chunked final state: the outputs and
@@ -111,12 +121,7 @@ def test_gradients_flow_through_the_handed_over_state(device):
     leaves64 = [t.detach().double().requires_grad_() for t in (q, k, v, g, h0)]
     o_ref, s_ref, _ = ref.recurrence(*leaves64[:4], None, leaves64[4])
     want = torch.autograd.grad((o_ref[:, cut:] * do.double()).sum() + (s_ref * w.double()).sum(), leaves64)
-    for name, a, b in zip(("dq", "dk", "dv", "dg", "dh0"), got, want):
-        tol = {"dg": LINEAR_ATTN_DG, "dh0": LINEAR_ATTN_STATE}.get(name, LINEAR_ATTN_BWD)
-        try:
-            assert_close(a, b, tol)
-        except AssertionError as e:
-            raise AssertionError(f"{name}: {e}") from None
+    _assert_grads(got, want)
 
 
 
@@ -143,12 +148,7 @@ def test_a_decay_of_minus_infinity_or_far_below_resets_the_state_as_the_oracle(f
         o_ng, s_ng = fn(q, k, v, g, initial_state=h0, output_final_state=True, lane="triton")
     assert_close(o_ng, o_ref, LINEAR_ATTN_FWD)
     assert_close(s_ng, s_ref, LINEAR_ATTN_STATE)
-    for name, a, b in zip(("dq", "dk", "dv", "dg", "dh0"), got, want):
-        tol = {"dg": LINEAR_ATTN_DG, "dh0": LINEAR_ATTN_STATE}.get(name, LINEAR_ATTN_BWD)
-        try:
-            assert_close(a, b, tol)
-        except AssertionError as e:
-            raise AssertionError(f"{name}: {e}") from None
+    _assert_grads(got, want)
 
 
 def test_varlen_equals_each_sequence_alone(device):
