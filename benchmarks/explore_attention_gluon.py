@@ -33,6 +33,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from lanekit.runtime import alloc
+
 # name -> (BLOCK_M, BLOCK_N, STAGES, num_warps, warp specialized)
 DESIGNS = {
     "gluon pipelined 128x128 w8 s2": (128, 128, 2, 8, False),
@@ -220,7 +222,7 @@ def run(design, q, k, v, causal: bool) -> torch.Tensor:
     bm, bn, stages, warps, ws = design
     B, H, S, D = q.shape
     q_layout, kv_layout = _layouts(design, D)
-    o = torch.empty_like(q)
+    o = alloc.empty(q.shape, dtype=q.dtype, device=q.device)
     flat = [t.view(B * H * S, D) for t in (q, k, v, o)]
     descs = [TensorDescriptor.from_tensor(flat[0], [bm, D], q_layout),
              TensorDescriptor.from_tensor(flat[1], [bn, D], kv_layout),

@@ -28,6 +28,7 @@ tests/test_moe_distributed.py runs it, so a broken path shows before the GPU run
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import tempfile
@@ -35,6 +36,8 @@ import tempfile
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from lanekit.testing import poisoned_outputs
 
 DEEPSEEK_V3 = dict(K=7168, N=2048, E=256, topk=8, M=4096)
 SMOKE = dict(K=64, N=32, E=8, topk=2, M=13)
@@ -87,61 +90,63 @@ def _rank(rank: int, world: int, init: str, smoke: bool, cuda: bool, iters: int,
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if cuda else "gloo", init_method=init, rank=rank, world_size=world,
                             **({"device_id": device} if cuda else {}))
+    # checked (smoke) runs poison what the kernels and all-to-alls allocate: a row never written is NaN
     try:
-        shape = SMOKE if smoke else DEEPSEEK_V3
-        dtype = torch.bfloat16
-        lane = None if cuda else "reference"          # (the Triton lane interpreted would be slow)
-        w1, w2 = _weights(shape, device, dtype)
-        El = shape["E"] // world
-        w1_local, w2_local = w1[rank * El:(rank + 1) * El].contiguous(), w2[rank * El:(rank + 1) * El].contiguous()
-        if not smoke:
-            del w1, w2                     # every expert on each GPU would leave no room for two copies
-            torch.cuda.empty_cache()
-        x, weights, ids = _tokens(shape, rank, device, dtype, smoke)
-        K = shape["K"]
+        with poisoned_outputs() if smoke else contextlib.nullcontext():
+            shape = SMOKE if smoke else DEEPSEEK_V3
+            dtype = torch.bfloat16
+            lane = None if cuda else "reference"          # (the Triton lane interpreted would be slow)
+            w1, w2 = _weights(shape, device, dtype)
+            El = shape["E"] // world
+            w1_local, w2_local = w1[rank * El:(rank + 1) * El].contiguous(), w2[rank * El:(rank + 1) * El].contiguous()
+            if not smoke:
+                del w1, w2                     # every expert on each GPU would leave no room for two copies
+                torch.cuda.empty_cache()
+            x, weights, ids = _tokens(shape, rank, device, dtype, smoke)
+            K = shape["K"]
 
-        def dispatch():
-            return ep.ep_dispatch(x, ids, weights, None, shape["E"], lane=lane)
+            def dispatch():
+                return ep.ep_dispatch(x, ids, weights, None, shape["E"], lane=lane)
 
-        t_dispatch, (received, counts, handle) = _timed(dispatch, iters, device)
-        ones = torch.ones(received.shape[0], 1, device=device)
+            t_dispatch, (received, counts, handle) = _timed(dispatch, iters, device)
+            ones = torch.ones(received.shape[0], 1, device=device)
 
-        def experts():
-            return lanekit.moe.fused_moe(received, w1_local, w2_local, ones, handle.expert_ids,
-                                         expert_map=handle.expert_map, lane=lane)
+            def experts():
+                return lanekit.moe.fused_moe(received, w1_local, w2_local, ones, handle.expert_ids,
+                                             expert_map=handle.expert_map, lane=lane)
 
-        t_experts, y = _timed(experts, iters, device)
-        t_combine, out = _timed(lambda: ep.ep_combine(y, handle), iters, device)
+            t_experts, y = _timed(experts, iters, device)
+            t_combine, out = _timed(lambda: ep.ep_combine(y, handle), iters, device)
 
-        def layer():
-            r, _, h = ep.ep_dispatch(x, ids, weights, None, shape["E"], lane=lane)
-            o = torch.ones(r.shape[0], 1, device=device)
-            return ep.ep_combine(lanekit.moe.fused_moe(r, w1_local, w2_local, o, h.expert_ids,
-                                                       expert_map=h.expert_map, lane=lane), h)
+            def layer():
+                r, _, h = ep.ep_dispatch(x, ids, weights, None, shape["E"], lane=lane)
+                o = torch.ones(r.shape[0], 1, device=device)
+                return ep.ep_combine(lanekit.moe.fused_moe(r, w1_local, w2_local, o, h.expert_ids,
+                                                           expert_map=h.expert_map, lane=lane), h)
 
-        t_layer, _ = _timed(layer, iters, device)
-        sent_bytes = sum(handle.send_splits) * K * x.element_size()
-        back_bytes = sum(handle.recv_splits) * K * x.element_size()
-        row = dict(rank=rank, M=x.shape[0], sent_rows=sum(handle.send_splits), received_rows=received.shape[0],
-                   dispatch_ms=t_dispatch, experts_ms=t_experts, combine_ms=t_combine, layer_ms=t_layer,
-                   dispatch_gbs=sent_bytes / t_dispatch / 1e6, combine_gbs=back_bytes / t_combine / 1e6)
-        if smoke:  # the output against the unsharded layer on this rank's tokens
-            from lanekit.moe.registry import FUSED_MOE
-            from lanekit.testing import assert_close
+            t_layer, _ = _timed(layer, iters, device)
+            sent_bytes = sum(handle.send_splits) * K * x.element_size()
+            back_bytes = sum(handle.recv_splits) * K * x.element_size()
+            row = dict(rank=rank, M=x.shape[0], sent_rows=sum(handle.send_splits), received_rows=received.shape[0],
+                       dispatch_ms=t_dispatch, experts_ms=t_experts, combine_ms=t_combine, layer_ms=t_layer,
+                       dispatch_gbs=sent_bytes / t_dispatch / 1e6, combine_gbs=back_bytes / t_combine / 1e6)
+            if smoke:  # the output against the unsharded layer on this rank's tokens
+                from lanekit.moe.registry import FUSED_MOE
+                from lanekit.testing import assert_close
 
-            want = lanekit.moe.fused_moe(x, w1, w2, weights, ids, lane="reference")
-            assert_close(out, want, FUSED_MOE)
-            row["checked"] = True
-        elif cuda:  # the transport's ceiling: all_to_all_single alone, equal splits, the dispatch's size
-            rows = -(-sum(handle.send_splits) // world) * world
-            src = torch.empty(rows, K, device=device, dtype=dtype)
-            dst = torch.empty_like(src)
-            t_nccl, _ = _timed(lambda: dist.all_to_all_single(dst, src), iters, device)
-            row.update(nccl_ms=t_nccl, nccl_gbs=rows * K * x.element_size() / t_nccl / 1e6)
-        rows_all = [None] * world
-        dist.all_gather_object(rows_all, row)
-        if rank == 0:
-            queue.put(rows_all)
+                want = lanekit.moe.fused_moe(x, w1, w2, weights, ids, lane="reference")
+                assert_close(out, want, FUSED_MOE)
+                row["checked"] = True
+            elif cuda:  # the transport's ceiling: all_to_all_single alone, equal splits, the dispatch's size
+                rows = -(-sum(handle.send_splits) // world) * world
+                src = torch.empty(rows, K, device=device, dtype=dtype)
+                dst = torch.empty_like(src)
+                t_nccl, _ = _timed(lambda: dist.all_to_all_single(dst, src), iters, device)
+                row.update(nccl_ms=t_nccl, nccl_gbs=rows * K * x.element_size() / t_nccl / 1e6)
+            rows_all = [None] * world
+            dist.all_gather_object(rows_all, row)
+            if rank == 0:
+                queue.put(rows_all)
     finally:
         dist.destroy_process_group()
 
