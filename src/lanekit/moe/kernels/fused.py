@@ -230,8 +230,6 @@ def fused_moe_fwd(*, hidden_states, w1, w2, topk_weights, topk_ids, activation,
     if N == 0:
         return out.zero_()
     device = hidden_states.device
-    # the sum kernel reads expert_map[e] at EXPERT_MAP + e (as the align does): a strided view as its copy
-    expert_map = expert_map.contiguous() if expert_map is not None else None
     num_global = expert_map.shape[0] if expert_map is not None else E
     cfg = tuning.fused_moe_config(device, M, K, N)
     if aligned is None:
@@ -256,11 +254,20 @@ def fused_moe_fwd(*, hidden_states, w1, w2, topk_weights, topk_ids, activation,
         K, N, EM, blocks_m, M * topk, E, MUL_WEIGHT=not on_input,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n2, BLOCK_K=cfg.block_k2, GROUP_M=cfg.group_m,
         SPLIT_K=split, **opts)
-    flag = errors.error_flag(device)
-    emap = expert_map if expert_map is not None else topk_ids   # unread without HAS_MAP
+    return sum_slots(y, out, topk_ids, expert_map, E, split)
+
+
+def sum_slots(y, out, topk_ids, expert_map, E, split):
+    """The last pass of every fused_moe path: out (M, K) = each token's slots' rows of y (and their
+    split-K parts) summed in fp32, in order (_fused_moe_sum_kernel). Returns out."""
+    M, K = out.shape
+    device = out.device
+    num_global = expert_map.shape[0] if expert_map is not None else E
+    # the kernel reads expert_map[e] at EXPERT_MAP + e (as the align does): a strided view as its copy
+    emap = expert_map.contiguous() if expert_map is not None else topk_ids   # unread without HAS_MAP
     block_k = tuning.fused_moe_sum_block(device, K)
     _fused_moe_sum_kernel[(M, triton.cdiv(K, block_k))](
-        y, out, topk_ids, emap, flag, *y.stride(), *out.stride(), *topk_ids.stride(),
-        K, num_global, E, BAD_EXPERT_ID, TOPK=topk, SPLIT_K=split, HAS_MAP=expert_map is not None,
+        y, out, topk_ids, emap, errors.error_flag(device), *y.stride(), *out.stride(), *topk_ids.stride(),
+        K, num_global, E, BAD_EXPERT_ID, TOPK=topk_ids.shape[1], SPLIT_K=split, HAS_MAP=expert_map is not None,
         BLOCK_K=block_k, num_warps=tuning.FUSED_MOE_SUM_WARPS)
     return out

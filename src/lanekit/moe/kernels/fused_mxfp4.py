@@ -24,7 +24,6 @@ import triton.language as tl
 from lanekit.common.numerics import e2m1_pairs, e8m0_scale
 from lanekit.moe import tuning
 from lanekit.moe.kernels import fused
-from lanekit.runtime import errors
 from lanekit.runtime.alloc import empty
 from lanekit.runtime.lanes import triton_interpreted
 
@@ -136,8 +135,6 @@ def fused_moe_mxfp4_fwd(*, hidden_states, w1, w2, topk_weights, topk_ids, activa
     if N == 0:
         return out.zero_()
     device = hidden_states.device
-    # the sum kernel reads expert_map[e] at EXPERT_MAP + e (as the align does): a strided view as its copy
-    expert_map = expert_map.contiguous() if expert_map is not None else None
     num_global = expert_map.shape[0] if expert_map is not None else E
     cfg = tuning.fused_moe_mxfp4_config(device, M, K, N)
     sorted_ids, expert_ids, num_post = fused._align(topk_ids, cfg.block_m, num_global, expert_map)
@@ -160,11 +157,4 @@ def fused_moe_mxfp4_fwd(*, hidden_states, w1, w2, topk_weights, topk_ids, activa
         *inter.stride(), *w2.stride(), *w2_scale.stride(), *y.stride(), flat_w.stride(0),
         K, N, EM, blocks_m, M * topk, E, MUL_WEIGHT=not on_input, BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n2, MX_K=MX, GROUP_M=cfg.group_m, SPLIT_K=split, **opts)
-    flag = errors.error_flag(device)
-    emap = expert_map if expert_map is not None else topk_ids
-    block_k = tuning.fused_moe_sum_block(device, K)
-    fused._fused_moe_sum_kernel[(M, triton.cdiv(K, block_k))](
-        y, out, topk_ids, emap, flag, *y.stride(), *out.stride(), *topk_ids.stride(),
-        K, num_global, E, fused.BAD_EXPERT_ID, TOPK=topk, SPLIT_K=split,
-        HAS_MAP=expert_map is not None, BLOCK_K=block_k, num_warps=tuning.FUSED_MOE_SUM_WARPS)
-    return out
+    return fused.sum_slots(y, out, topk_ids, expert_map, E, split)

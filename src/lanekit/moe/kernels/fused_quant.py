@@ -27,7 +27,6 @@ from lanekit.common.numerics import cast_codes, finite_abs, quant_scale, quantiz
 from lanekit.moe import tuning
 from lanekit.moe.kernels import fused
 from lanekit.runtime.alloc import empty
-from lanekit.runtime import errors
 from lanekit.runtime.lanes import triton_interpreted
 
 if triton_interpreted():
@@ -303,8 +302,6 @@ def fused_moe_quant_fwd(*, hidden_states, w1, w2, topk_weights, topk_ids, activa
         return out.zero_()
     scheme = scheme_of(use_fp8_w8a8, per_channel_quant, block_shape)
     device = hidden_states.device
-    # the sum kernel reads expert_map[e] at EXPERT_MAP + e (as the align does): a strided view as its copy
-    expert_map = expert_map.contiguous() if expert_map is not None else None
     num_global = expert_map.shape[0] if expert_map is not None else E
     cfg = tuning.fused_moe_quant_config(device, M, K, N)
     sorted_ids, expert_ids, num_post = fused._align(topk_ids, cfg.block_m, num_global, expert_map)
@@ -342,11 +339,4 @@ def fused_moe_quant_fwd(*, hidden_states, w1, w2, topk_weights, topk_ids, activa
         K, N, EM, blocks_m, M * topk, E, MUL_WEIGHT=not on_input, SCHEME=scheme,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n2, BLOCK_K=cfg.block_k2, GROUP_M=cfg.group_m,
         SPLIT_K=split, **opts)
-    flag = errors.error_flag(device)
-    emap = expert_map if expert_map is not None else topk_ids
-    block_k = tuning.fused_moe_sum_block(device, K)
-    fused._fused_moe_sum_kernel[(M, triton.cdiv(K, block_k))](
-        y, out, topk_ids, emap, flag, *y.stride(), *out.stride(), *topk_ids.stride(),
-        K, num_global, E, fused.BAD_EXPERT_ID, TOPK=topk, SPLIT_K=split,
-        HAS_MAP=expert_map is not None, BLOCK_K=block_k, num_warps=tuning.FUSED_MOE_SUM_WARPS)
-    return out
+    return fused.sum_slots(y, out, topk_ids, expert_map, E, split)
