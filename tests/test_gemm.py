@@ -225,23 +225,24 @@ def test_activation_quantization_keeps_a_nan_or_inf_row_visible(dtype, group):
     assert bad[cols].all() and (dtype == torch.int8 or not bad[~cols].any())
     # a static scale: the NaN value's code alone (fp8 NaN, int8 0), +-inf saturates
     codes, _ = quant_rows(x, dtype, 300, static_scale=torch.tensor([0.05], device=DEVICE))
-    rc, _ = (ref.quantize_int8_rows(x, torch.tensor([0.05])) if dtype == torch.int8 else
-             quantize_groups(x, None, dtype, torch.tensor([0.05])))
+    static = torch.tensor([0.05], device=DEVICE)
+    rc, _ = (ref.quantize_int8_rows(x, static) if dtype == torch.int8 else quantize_groups(x, None, dtype, static))
     assert_same_bits(codes, rc, "static codes")
 
 
 @pytest.mark.parametrize("lane", LANES)
 @pytest.mark.parametrize("linear", ["w8a8", "fp8", "fp8 blocks"])
 def test_a_nan_or_inf_token_makes_its_output_row_nan_and_no_other(linear, lane):
-    x = _hostile_x()
+    x = _hostile_x().to(DEVICE)
     g = torch.Generator().manual_seed(5)
     if linear == "w8a8":
-        w, ws = torch.randint(-128, 128, (8, 300), dtype=torch.int8, generator=g), torch.rand(8, generator=g) / 100
+        w = torch.randint(-128, 128, (8, 300), dtype=torch.int8, generator=g).to(DEVICE)
+        ws = (torch.rand(8, generator=g) / 100).to(DEVICE)
         out, want = gemm.w8a8_linear(x, w, ws, lane=lane), ref.w8a8_linear(x, w, ws)
     else:
-        w = (torch.randn(8, 300, generator=g) * 100).to(E4M3)
+        w = (torch.randn(8, 300, generator=g) * 100).to(E4M3).to(DEVICE)
         block = [128, 128] if linear == "fp8 blocks" else None
-        ws = torch.rand(1, 3, generator=g) / 100 if block else torch.rand(8, generator=g) / 100
+        ws = (torch.rand(1, 3, generator=g) / 100 if block else torch.rand(8, generator=g) / 100).to(DEVICE)
         out, want = gemm.fp8_linear(x, w, ws, block_size=block, lane=lane), \
             ref.fp8_linear(x, w, ws, block_size=block)
     assert torch.isnan(out[1:4]).all() and torch.isnan(want[1:4]).all()

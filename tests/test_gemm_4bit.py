@@ -75,12 +75,13 @@ def test_pack_unpack_round_trip_exactly(order, dtype, dim):
 @pytest.mark.parametrize("lane", LANES)
 def test_awq_layout_puts_column_j_in_nibble_awq_order(lane):
     # qweight (K, N / 8) = (32, 1): every row the hand-packed word; no zeros (8), scales 1
-    qweight = _word().repeat(32, 1)
+    qweight = _word().repeat(32, 1).to(DEVICE)
     x = torch.zeros(2, 32, dtype=torch.bfloat16)
     x[0, 0], x[1, 31] = 1, 2
-    y = gemm.w4a16_linear(x, qweight, torch.ones(1, 8, dtype=torch.float16), group_size=32, lane=lane)
+    y = gemm.w4a16_linear(x.to(DEVICE), qweight, torch.ones(1, 8, dtype=torch.float16, device=DEVICE),
+                          group_size=32, lane=lane)
     want = torch.tensor(AWQ, dtype=torch.float32) - 8
-    assert torch.equal(y.float(), torch.stack([want, 2 * want]))
+    assert torch.equal(y.float().cpu(), torch.stack([want, 2 * want]))
 
 
 @pytest.mark.parametrize("lane", LANES)
@@ -91,8 +92,8 @@ def test_gptq_layout_puts_row_8e_plus_j_of_k_in_nibble_j_and_zeros_stored_minus_
     qweight[0, 0] = _word().item()
     qzeros = _word(0x000000F7).reshape(1, 1)
     x = torch.eye(32, dtype=torch.bfloat16)[:8]       # x row k picks W's row k
-    y = gemm.w4a16_linear(x, qweight, torch.ones(1, 8, dtype=torch.float16), qzeros, group_size=32,
-                          layout="gptq", lane=lane)
+    y = gemm.w4a16_linear(x.to(DEVICE), qweight.to(DEVICE), torch.ones(1, 8, dtype=torch.float16, device=DEVICE),
+                          qzeros.to(DEVICE), group_size=32, layout="gptq", lane=lane)
     assert y[:, 0].float().tolist() == [v - 8 for v in SEQUENTIAL]
     assert y[:, 1].float().tolist() == [-16.0] * 8
     assert y[:, 2:].float().unique().tolist() == [-1.0]
@@ -106,7 +107,7 @@ def test_mxfp4_low_nibble_is_the_first_element_and_e8m0_scales_by_powers_of_two(
     scale = torch.tensor([[128], [125]], dtype=torch.uint8)      # 2 and 1/4
     x = torch.zeros(3, 32, dtype=torch.bfloat16)
     x[0, 0], x[1, 1], x[2, 30], x[2, 31] = 1, 1, 1, 1
-    y = gemm.mxfp4_linear(x, w, scale, lane=lane)
+    y = gemm.mxfp4_linear(x.to(DEVICE), w.to(DEVICE), scale.to(DEVICE), lane=lane)
     assert y.float().tolist() == [[-12.0, 0.0], [2.0, 0.0], [0.0, 4.5 / 4]]
 
 
@@ -121,23 +122,22 @@ def test_the_last_groups_scale_the_largest_is_applied_to_the_last_group_only(lay
     s = torch.full((K // group, N), 0.01)
     s[-1] = 4.0
     dim, order = (1, "awq") if layout == "awq" else (0, "sequential")
-    x = torch.zeros(1, K, dtype=torch.bfloat16)
+    packed, scales = quant.pack_int4(q, dim, order).to(DEVICE), s.half().to(DEVICE)
+    x = torch.zeros(1, K, dtype=torch.bfloat16, device=DEVICE)
     x[0, -group:] = 1          # only the last group's rows of K
-    y = gemm.w4a16_linear(x, quant.pack_int4(q, dim, order), s.half(), group_size=group, layout=layout,
-                          lane=lane)
+    y = gemm.w4a16_linear(x, packed, scales, group_size=group, layout=layout, lane=lane)
     want = ((q[-group:] - 8) * 4.0).sum(0).float()
-    assert torch.equal(y.float(), want.bfloat16().float().reshape(1, N))
+    assert torch.equal(y.float().cpu(), want.bfloat16().float().reshape(1, N))
     x[0] = 0
     x[0, 0] = 1                # the first row of K: the first group's scale
-    y = gemm.w4a16_linear(x, quant.pack_int4(q, dim, order), s.half(), group_size=group, layout=layout,
-                          lane=lane)
-    assert_close(y, ((q[0] - 8) * torch.tensor(0.01).half().double()).reshape(1, N), greg.GEMM)
+    y = gemm.w4a16_linear(x, packed, scales, group_size=group, layout=layout, lane=lane)
+    assert_close(y, ((q[0] - 8) * torch.tensor(0.01).half().double()).reshape(1, N).to(DEVICE), greg.GEMM)
 
 
 @pytest.mark.parametrize("lane", LANES)
 @pytest.mark.parametrize("layout", ["awq", "gptq"])
 def test_an_all_zero_weight_row_with_scale_zero_gives_zero_not_nan(layout, lane):
-    s = greg.w4_case("zero row", "cpu", lead=(4,), K=128, N=16, group=32, layout=layout, zero_row=True,
+    s = greg.w4_case("zero row", DEVICE, lead=(4,), K=128, N=16, group=32, layout=layout, zero_row=True,
                      bias=True)
     kw = dict(s.kwargs)
     kw["x"] = kw["x"].clone()
@@ -149,13 +149,13 @@ def test_an_all_zero_weight_row_with_scale_zero_gives_zero_not_nan(layout, lane)
 
 @pytest.mark.parametrize("lane", LANES)
 def test_mxfp4_all_zero_row_gives_zero_not_nan(lane):
-    kw = greg.mxfp4_case("zero row", "cpu", lead=(4,), K=64, N=8, zero_row=True).kwargs
+    kw = greg.mxfp4_case("zero row", DEVICE, lead=(4,), K=64, N=8, zero_row=True).kwargs
     y = gemm.mxfp4_linear(kw["x"], kw["w_fp4"], kw["w_scale"], lane=lane)
     assert not torch.isnan(y).any() and (y[:, 0] == 0).all()
 
 
 def _w4(layout, M, K, N, group, name):
-    s = greg.w4_case(name, "cpu", lead=(M,), K=K, N=N, group=group, layout=layout, bias=True)
+    s = greg.w4_case(name, DEVICE, lead=(M,), K=K, N=N, group=group, layout=layout, bias=True)
     return s.kwargs
 
 
@@ -174,7 +174,7 @@ def test_public_w4a16_linear_at_the_issues_shapes(layout, M, K, group, lane):
 @pytest.mark.parametrize("lane", LANES)
 @pytest.mark.parametrize("M, K", [(1, 64), (17, 96), (3, 32)], ids=["M1 (decode)", "M17", "K32 (one block)"])
 def test_public_mxfp4_linear_at_the_issues_shapes(M, K, lane):
-    kw = greg.mxfp4_case(f"mx {M} {K}", "cpu", lead=(M,), K=K, N=24, bias=True).kwargs
+    kw = greg.mxfp4_case(f"mx {M} {K}", DEVICE, lead=(M,), K=K, N=24, bias=True).kwargs
     w, s = kw["w_fp4"], kw["w_scale"]
     with poisoned_outputs():
         y = gemm.mxfp4_linear(kw["x"], w, s, kw["bias"], lane=lane)
@@ -182,7 +182,7 @@ def test_public_mxfp4_linear_at_the_issues_shapes(M, K, lane):
 
 
 def test_mxfp4_takes_gpt_oss_blocks_and_e8m0_dtype():
-    kw = greg.mxfp4_case("blocks", "cpu", lead=(5,), K=96, N=8).kwargs
+    kw = greg.mxfp4_case("blocks", DEVICE, lead=(5,), K=96, N=8).kwargs
     x, w, s = kw["x"], kw["w_fp4"], kw["w_scale"]
     flat = gemm.mxfp4_linear(x, w, s)
     assert torch.equal(gemm.mxfp4_linear(x, w.reshape(8, 3, 16), s), flat)
@@ -192,7 +192,7 @@ def test_mxfp4_takes_gpt_oss_blocks_and_e8m0_dtype():
 
 @pytest.mark.parametrize("lane", LANES)
 def test_mxfp4_nan_scale_makes_its_column_nan_and_no_other(lane):
-    kw = greg.mxfp4_case("nan", "cpu", lead=(3,), K=64, N=6).kwargs
+    kw = greg.mxfp4_case("nan", DEVICE, lead=(3,), K=64, N=6).kwargs
     kw["w_scale"] = kw["w_scale"].clone()
     kw["w_scale"][2, 1] = 255
     y = gemm.mxfp4_linear(kw["x"], kw["w_fp4"], kw["w_scale"], lane=lane)
@@ -207,12 +207,12 @@ def test_per_channel_group_minus_one_is_one_group_of_k():
 
 def test_act_order_g_idx_in_order_equals_no_g_idx():
     kw = _w4("gptq", 6, 128, 16, 32, "g_idx in order")
-    y = gemm.w4a16_linear(**{**kw, "g_idx": torch.arange(128, dtype=torch.int32) // 32}, lane="triton")
+    y = gemm.w4a16_linear(**{**kw, "g_idx": torch.arange(128, dtype=torch.int32, device=DEVICE) // 32}, lane="triton")
     assert_close(y, ref.w4a16_linear(**{k: upcast(v) for k, v in kw.items()}), greg.GEMM)
 
 
 def test_a_g_idx_out_of_range_on_the_kernel_is_masked_and_recorded():
-    kw = greg.w4_case("bad g_idx", "cpu", lead=(2,), K=64, N=16, group=32, layout="gptq", g_idx=True).kwargs
+    kw = greg.w4_case("bad g_idx", DEVICE, lead=(2,), K=64, N=16, group=32, layout="gptq", g_idx=True).kwargs
     bad = kw["g_idx"].clone()
     bad[5] = 7
     y = gop.w4a16_linear_triton(**{**kw, "g_idx": bad})        # the lane, past the api's host check
@@ -336,20 +336,20 @@ def _every_other(t, fill):
 def test_strided_and_expanded_bias_and_g_idx_are_read_by_their_strides(lane):
     # the kernels read bias[n] at BIAS + n and g_idx[k] at G_IDX + k: a strided view was read as
     # contiguous (the neighbours' values) and an expanded one (stride 0) past its one element
-    kw = greg.w4_case("strided g_idx bias", "cpu", lead=(5,), K=128, N=24, group=32, layout="gptq", g_idx=True,
+    kw = greg.w4_case("strided g_idx bias", DEVICE, lead=(5,), K=128, N=24, group=32, layout="gptq", g_idx=True,
                       bias=True).kwargs
     want = ref.w4a16_linear(**{k: upcast(v) for k, v in kw.items()})
     strided = {**kw, "bias": _every_other(kw["bias"], 1e4), "g_idx": _every_other(kw["g_idx"], 3 - kw["g_idx"])}
     assert not strided["bias"].is_contiguous() and not strided["g_idx"].is_contiguous()
     with poisoned_outputs():
         assert_close(gemm.w4a16_linear(**strided, lane=lane), want, greg.GEMM)
-    expanded = {**kw, "bias": torch.full((1,), 0.5, dtype=torch.bfloat16).expand(24),
-                "g_idx": torch.full((1,), 2, dtype=torch.int32).expand(128)}
+    expanded = {**kw, "bias": torch.full((1,), 0.5, dtype=torch.bfloat16, device=DEVICE).expand(24),
+                "g_idx": torch.full((1,), 2, dtype=torch.int32, device=DEVICE).expand(128)}
     with poisoned_outputs():
         y = gemm.w4a16_linear(**expanded, lane=lane)
     assert_close(y, ref.w4a16_linear(**{k: upcast(v) for k, v in expanded.items()}), greg.GEMM)
-    mx = greg.mxfp4_case("strided bias", "cpu", lead=(5,), K=64, N=24, bias=True).kwargs
-    for bias in (_every_other(mx["bias"], 1e4), torch.full((1,), 0.5, dtype=torch.bfloat16).expand(24)):
+    mx = greg.mxfp4_case("strided bias", DEVICE, lead=(5,), K=64, N=24, bias=True).kwargs
+    for bias in (_every_other(mx["bias"], 1e4), torch.full((1,), 0.5, dtype=torch.bfloat16, device=DEVICE).expand(24)):
         with poisoned_outputs():
             y = gemm.mxfp4_linear(mx["x"], mx["w_fp4"], mx["w_scale"], bias, lane=lane)
         assert_close(y, ref.mxfp4_linear(upcast(mx["x"]), mx["w_fp4"], mx["w_scale"], upcast(bias)), greg.GEMM)
