@@ -297,6 +297,7 @@ def test_mask_strides_past_int32_use_int64_offsets_in_the_backward(device):
     assert_grads_close(ours, oracle_grads(q, k, v, dout, attn_mask=mask.clone()))
 
 
+@pytest.mark.bigmem
 @pytest.mark.skipif(not ON_GPU, reason="over 2^31 elements: GPU memory only")
 def test_tensors_over_2_to_the_31_elements(device):
     # q, dout and dq each hold 2^31 + 2^23 elements; the gradients of the last rows are checked

@@ -716,6 +716,7 @@ def test_write_gather_and_merge_under_torch_compile(device):
     assert torch.equal(compiled[1, :5], (key[20:] * 1.5).to(torch.bfloat16))
 
 
+@pytest.mark.bigmem
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="more than 2^31 elements needs GPU memory")
 def test_a_cache_of_more_than_2_to_the_31_elements(device):
     """int64 offsets: the last slot of a 2^31 + 16384-element cache is written and read back."""

@@ -717,6 +717,7 @@ def test_q_and_k_kernel_prefetches(device, quant, ahead, monkeypatch):
     _check_q_and_k_on_a_padded_layout(device, quant, B=3, S=37, HQ=5, HK=3, seed=14)
 
 
+@pytest.mark.bigmem
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="more than 2^31 elements needs GPU memory")
 def test_more_than_2_to_the_31_elements(device):
     """int64 offsets: the last rows of a 2^31 + 4096-element tensor are right."""

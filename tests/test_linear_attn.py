@@ -363,6 +363,7 @@ def test_the_benchmark_checks_its_cases_at_tiny_shapes_on_the_reference_lane(mon
     assert bench.check(c, *inputs).startswith("dq: ")
 
 
+@pytest.mark.bigmem
 @pytest.mark.skipif(not ON_GPU, reason="over 2^31 elements: GPU memory only")
 def test_tensors_over_2_to_the_31_elements(device):
     # 2048 sequences of 1024 tokens packed: q, k, v (1, 2^21, 8, 128) hold 2^31 elements each; the

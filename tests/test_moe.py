@@ -818,6 +818,7 @@ def test_grouped_mm_config_comes_from_a_tuned_file_else_from_shared_memory(tmp_p
 
 
 
+@pytest.mark.bigmem
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="more than 2^31 elements needs GPU memory")
 def test_grouped_mm_beyond_2_to_the_31_elements(device):
     """int64 offsets: the last rows of a 2^31 + 64 K-element a, and of its gradient d a, are right;

@@ -449,6 +449,7 @@ def test_works_under_torch_compile_fullgraph(device):
         assert_close(a, b.double(), RNN_BWD)
 
 
+@pytest.mark.bigmem
 @pytest.mark.skipif(not ON_GPU, reason="over 2^31 elements: GPU memory only")
 @pytest.mark.parametrize("cell, big", [("lstm", "input"), ("gru", "input"), ("rnn_tanh", "input"),
                                        ("lstm", "weights")])
