@@ -54,14 +54,13 @@ def flops(c) -> float:
 
 def make_inputs(c, device="cuda"):
     """(x bf16 (M, K), the op's kwargs for lanekit): weights at scale K^-1/2 so outputs are O(1)."""
-    g = torch.Generator().manual_seed(zlib.crc32(name(c).encode()))
+    g = torch.Generator(device).manual_seed(zlib.crc32(name(c).encode()))
     M, K, N = c["M"], c["K"], c["N"]
-    x = torch.randn(M, K, generator=g).to(BF16).to(device)
-    w = (torch.randn(N, K, generator=g) / K ** 0.5)
+    x = torch.randn(M, K, generator=g, device=device).to(BF16)
     op = c["op"]
     if op.startswith("scaled_mm") or op == "mx_mm":
-        a = torch.randn(M, K, generator=g).to(E4M3).to(device)
-        wq = torch.randn(N, K, generator=g).to(E4M3).to(device)
+        a = torch.randn(M, K, generator=g, device=device).to(E4M3)
+        wq = torch.randn(N, K, generator=g, device=device).to(E4M3)
         s = 1.0 / K ** 0.5
         if op == "scaled_mm tensor":
             kw = dict(a=a, b=wq.t(), scale_a=torch.ones((), device=device),
@@ -76,10 +75,10 @@ def make_inputs(c, device="cuda"):
             kw = dict(a=a, a_scale=torch.full((M, K // 32), 127, dtype=torch.uint8, device=device),
                       b=wq.t(), b_scale=torch.full((K // 32, N), 120, dtype=torch.uint8, device=device))
         return x, kw
-    wi = torch.randint(-128, 128, (N, K), generator=g, dtype=torch.int8).to(device)
+    wi = torch.randint(-128, 128, (N, K), generator=g, device=device, dtype=torch.int8)
     ws = torch.full((N,), 1.0 / (127 * K ** 0.5), device=device)
     if op == "int8_mm":
-        ai = torch.randint(-128, 128, (M, K), generator=g, dtype=torch.int8).to(device)
+        ai = torch.randint(-128, 128, (M, K), generator=g, device=device, dtype=torch.int8)
         return x, dict(a=ai, b=wi.t(), scale_a=torch.ones(M, 1, device=device), scale_b=ws.reshape(1, N))
     return x, dict(x=x, weight=wi, weight_scale=ws)
 

@@ -76,22 +76,23 @@ def bytes_moved(c) -> float:
 def make_inputs(c, device="cuda"):
     """(x bf16 (M, K), lanekit's kwargs): random codes, zeros and scales of K^-1/2 / 8 so that
     outputs are O(1)."""
-    g = torch.Generator().manual_seed(zlib.crc32(name(c).encode()))
+    g = torch.Generator(device).manual_seed(zlib.crc32(name(c).encode()))
     M, K, N = c["M"], c["K"], c["N"]
-    x = torch.randn(M, K, generator=g).to(BF16).to(device)
+    x = torch.randn(M, K, generator=g, device=device).to(BF16)
     if c["op"] == "mxfp4":
-        codes = torch.randint(0, 16, (N, K), generator=g)
-        e = torch.randint(118, 122, (N, K // 32), generator=g, dtype=torch.uint8)
-        return x, dict(x=x, w_fp4=pack_int4(codes, 1, dtype=torch.uint8).to(device), w_scale_e8m0=e.to(device))
+        codes = torch.randint(0, 16, (N, K), generator=g, device=device)
+        e = torch.randint(118, 122, (N, K // 32), generator=g, device=device, dtype=torch.uint8)
+        return x, dict(x=x, w_fp4=pack_int4(codes, 1, dtype=torch.uint8), w_scale_e8m0=e)
     layout = "awq" if "awq" in c["op"] else "gptq"
-    q = torch.randint(0, 16, (K, N), generator=g)
-    z = torch.randint(0, 16, (K // GROUP, N), generator=g)
-    s = (torch.rand(K // GROUP, N, generator=g) + 0.5) / (8 * K ** 0.5)
+    q = torch.randint(0, 16, (K, N), generator=g, device=device)
+    z = torch.randint(0, 16, (K // GROUP, N), generator=g, device=device)
+    s = (torch.rand(K // GROUP, N, generator=g, device=device) + 0.5) / (8 * K ** 0.5)
     dim, order = (1, "awq") if layout == "awq" else (0, "sequential")
-    kw = dict(x=x, qweight=pack_int4(q, dim, order).to(device), scales=s.half().to(device),
-              zeros=pack_int4(z, 1, order).to(device), group_size=GROUP, layout=layout)
+    kw = dict(x=x, qweight=pack_int4(q, dim, order), scales=s.half(),
+              zeros=pack_int4(z, 1, order), group_size=GROUP, layout=layout)
     if "act-order" in c["op"]:
-        kw["g_idx"] = (torch.arange(K) // GROUP)[torch.randperm(K, generator=g)].to(torch.int32).to(device)
+        perm = torch.randperm(K, generator=g, device=device)
+        kw["g_idx"] = (torch.arange(K, device=device) // GROUP)[perm].to(torch.int32)
     return x, kw
 
 
@@ -181,14 +182,14 @@ def svdq_make_inputs(c, device="cuda"):
     smooth in [0.5, 2], lora factors ~ N(0, 1/K) and N(0, 1/R): outputs O(1)."""
     from lanekit.reference.quant import quantize_w4a4_wgt
 
-    g = torch.Generator().manual_seed(zlib.crc32(name(c).encode()))
+    g = torch.Generator(device).manual_seed(zlib.crc32(name(c).encode()))
     M, K, N = c["M"], c["K"], c["N"]
-    x = torch.randn(M, K, generator=g).to(BF16).to(device)
-    qweight, wscales = quantize_w4a4_wgt((torch.randn(N, K, generator=g) / K ** 0.5).to(BF16))
-    kw = dict(x=x, qweight=qweight.to(device), wscales=wscales.to(device),
-              lora_down=(torch.randn(K, SVDQ_RANK, generator=g) / K ** 0.5).to(BF16).to(device),
-              lora_up=(torch.randn(N, SVDQ_RANK, generator=g) / SVDQ_RANK ** 0.5).to(BF16).to(device),
-              smooth=(torch.rand(K, generator=g) * 1.5 + 0.5).to(BF16).to(device))
+    x = torch.randn(M, K, generator=g, device=device).to(BF16)
+    qweight, wscales = quantize_w4a4_wgt((torch.randn(N, K, generator=g, device=device) / K ** 0.5).to(BF16))
+    kw = dict(x=x, qweight=qweight, wscales=wscales,
+              lora_down=(torch.randn(K, SVDQ_RANK, generator=g, device=device) / K ** 0.5).to(BF16),
+              lora_up=(torch.randn(N, SVDQ_RANK, generator=g, device=device) / SVDQ_RANK ** 0.5).to(BF16),
+              smooth=(torch.rand(K, generator=g, device=device) * 1.5 + 0.5).to(BF16))
     return x, kw
 
 
@@ -287,15 +288,15 @@ def make_int_inputs(c, device="cuda"):
     scales of K^-1/2 / 8 so that outputs are O(1)."""
     from lanekit.quant import quantize_w4a8
 
-    g = torch.Generator().manual_seed(zlib.crc32(name(c).encode()))
+    g = torch.Generator(device).manual_seed(zlib.crc32(name(c).encode()))
     M, K, N = c["M"], c["K"], c["N"]
     if c["op"] == "w4a8":
-        x = torch.randn(M, K, generator=g).to(BF16).to(device)
-        w = (torch.randn(N, K, generator=g) / K ** 0.5).to(device)
+        x = torch.randn(M, K, generator=g, device=device).to(BF16)
+        w = (torch.randn(N, K, generator=g, device=device) / K ** 0.5)
         qweight, scales, channel, _ = quantize_w4a8(w, 1, GROUP)
         return x, dict(x=x, qweight=qweight, scales=scales, channel_scale=channel, group_size=GROUP)
-    a = torch.randint(0, 256, (M, K // 2), generator=g, dtype=torch.uint8).to(device)
-    b = torch.randint(0, 256, (N, K // 2), generator=g, dtype=torch.uint8).to(device).t()
+    a = torch.randint(0, 256, (M, K // 2), generator=g, device=device, dtype=torch.uint8)
+    b = torch.randint(0, 256, (N, K // 2), generator=g, device=device, dtype=torch.uint8).t()
     sa = torch.full((M, 1), 1.0 / (8 * K ** 0.5), device=device)
     sb = torch.full((1, N), 1.0 / 8, device=device)
     return a, dict(a=a, b=b, scale_a=sa, scale_b=sb)

@@ -139,6 +139,9 @@ def run_family(module, quick: bool, console: Console) -> list[dict]:
             if row[key].get("lanekit") is None:  # no figure of ours: the row says why
                 row["error"] = "lanekit did not run"
         rows.append(row)
+        # a line per case as it is measured: a run cut short still shows what it measured
+        console.print(f"[dim]{row['case']}: " + (row["error"] or ", ".join(
+            f"{peer} {v:.1f}" if v is not None else f"{peer} n/a" for peer, v in row[key].items())))
         del inputs
         torch.cuda.empty_cache()
     return rows
@@ -182,9 +185,9 @@ def main(argv=None) -> int:
             console.print(line)
         results["families"][fam] = rows
         wrong |= any(r["error"] for r in rows)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
+        if args.json:   # after every family: a run cut short keeps the families it finished
+            with open(args.json, "w") as f:
+                json.dump(results, f, indent=1)
     return 1 if wrong else 0
 
 

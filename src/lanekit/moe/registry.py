@@ -562,22 +562,30 @@ _QUANT_SCHEMES = {
 
 def quantize_weight(w: torch.Tensor, scheme: str):
     """Codes and scales of expert weights w (E, rows, cols) for a scheme of _QUANT_SCHEMES (as a
-    checkpoint stores them: scale = amax / qmax per expert, output channel or 128 x 128 block)."""
+    checkpoint stores them: scale = amax / qmax per expert, output channel or 128 x 128 block).
+    One expert at a time: the fp32 temporaries of a whole DeepSeek-V3 layer (256 experts) would
+    take tens of GiB."""
+    parts = [_quantize_expert(w[e], scheme) for e in range(w.shape[0])]
+    return torch.stack([c for c, _ in parts]), torch.stack([s for _, s in parts])
+
+
+def _quantize_expert(w: torch.Tensor, scheme: str):
+    """quantize_weight for one expert's (rows, cols)."""
     from lanekit.reference.numerics import QUANT_MAX, to_codes
 
-    E, R, C = w.shape
+    R, C = w.shape
     dtype = torch.int8 if scheme == "int8 W8A16" else torch.float8_e4m3fn
     wf = w.float()
     if scheme == "fp8 128x128 blocks":
         rb, cb = -(-R // 128), -(-C // 128)
-        p = torch.nn.functional.pad(wf, (0, cb * 128 - C, 0, rb * 128 - R)).view(E, rb, 128, cb, 128)
-        scale = p.abs().amax((2, 4)) / QUANT_MAX[dtype]
-        codes = to_codes(p / scale[:, :, None, :, None], dtype).view(E, rb * 128, cb * 128)[:, :R, :C]
+        p = torch.nn.functional.pad(wf, (0, cb * 128 - C, 0, rb * 128 - R)).view(rb, 128, cb, 128)
+        scale = p.abs().amax((1, 3)) / QUANT_MAX[dtype]
+        codes = to_codes(p / scale[:, None, :, None], dtype).view(rb * 128, cb * 128)[:R, :C]
         return codes.contiguous(), scale
     if scheme == "fp8 per tensor":
-        scale = wf.abs().amax((1, 2)) / QUANT_MAX[dtype]
-        return to_codes(wf / scale[:, None, None], dtype), scale
-    scale = wf.abs().amax(2, keepdim=True) / QUANT_MAX[dtype]
+        scale = wf.abs().amax() / QUANT_MAX[dtype]
+        return to_codes(wf / scale, dtype), scale
+    scale = wf.abs().amax(1, keepdim=True) / QUANT_MAX[dtype]
     return to_codes(wf / scale, dtype), scale
 
 

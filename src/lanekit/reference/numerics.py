@@ -101,8 +101,12 @@ INT4_ORDERS = ("sequential", "awq")
 PACK = {torch.int32: 8, torch.uint8: 2}
 
 
-def _nibbles(order: str, per: int) -> torch.Tensor:
-    return torch.tensor(AWQ_NIBBLE if order == "awq" else range(per), dtype=torch.int64)
+def _nibbles(order: str, per: int, device) -> torch.Tensor:
+    """The nibble of each of ``per`` consecutive elements, made on ``device`` by arithmetic (no
+    copy from the host, so the unpacking can be captured in a CUDA graph): AWQ_NIBBLE[j] is
+    (j % 2) * 4 + j // 2."""
+    j = torch.arange(per, dtype=torch.int64, device=device)
+    return (j % 2) * (per // 2) + j // 2 if order == "awq" else j
 
 
 def unpack_int4(packed: torch.Tensor, dim: int = -1, order: str = "sequential") -> torch.Tensor:
@@ -112,7 +116,7 @@ def unpack_int4(packed: torch.Tensor, dim: int = -1, order: str = "sequential") 
     per = PACK[packed.dtype]
     dim = dim % packed.dim()
     p = packed.movedim(dim, -1).to(torch.int64) & ((1 << (4 * per)) - 1)      # int32 as unsigned
-    shifts = 4 * _nibbles(order, per).to(p.device)
+    shifts = 4 * _nibbles(order, per, p.device)
     codes = (p.unsqueeze(-1) >> shifts) & 0xF                                   # (..., E, per)
     return codes.reshape(*p.shape[:-1], p.shape[-1] * per).movedim(-1, dim).to(torch.uint8)
 
@@ -125,7 +129,7 @@ def pack_int4(codes: torch.Tensor, dim: int = -1, order: str = "sequential",
     dim = dim % codes.dim()
     c = codes.movedim(dim, -1).to(torch.int64)
     c = c.reshape(*c.shape[:-1], c.shape[-1] // per, per)
-    shifts = 4 * _nibbles(order, per).to(c.device)
+    shifts = 4 * _nibbles(order, per, c.device)
     word = (c << shifts).sum(-1)                                                # disjoint bits: sum = or
     if dtype == torch.int32:
         word = torch.where(word >= 2**31, word - 2**32, word)                   # the same 32 bits, signed
@@ -138,8 +142,12 @@ E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -
 
 def e2m1(codes: torch.Tensor, dtype: torch.dtype = torch.float64) -> torch.Tensor:
     """The values of e2m1 codes (integers 0..15), exactly, in ``dtype``."""
-    table = torch.tensor(E2M1_VALUES, dtype=dtype, device=codes.device)
-    return table[codes.to(torch.int64)]
+    c = codes.to(torch.int64)
+    e, m = (c >> 1) & 3, (c & 1).to(dtype)
+    # by arithmetic rather than a table from the host (capturable in a CUDA graph): exponent 0
+    # is subnormal, m / 2; else 2^(e - 1) * (1 + m / 2); bit 3 the sign (code 8 is -0.0)
+    mag = torch.where(e == 0, m * 0.5, torch.exp2((e - 1).to(dtype)) * (1 + m * 0.5))
+    return torch.where((c & 8) != 0, -mag, mag)
 
 
 # ---- W4A8 weights (lanekit.quant.quantize_w4a8): 4-bit codes with group scales, three modes ----
