@@ -156,7 +156,21 @@ NOTES = {
         "fused_moe with fp8 e4m3 W8A8 experts in 128 x 128 blocks (DeepSeek-V3's layout; activations "
         "quantized per 1 x 128 group on the fly, both quantize passes timed) beside lanekit's own bf16 "
         "fused_moe on the same routing; TFLOP/s of the bf16 MLP's FLOPs, so the ratio is the speed-up. "
-        "CUDA graphs."
+        "CUDA graphs. Issue 32's bar: >= 1.6x our bf16 at M = 4096."
+    ),
+    "eager_fast_launch": "The `eager` cases with `LANEKIT_FAST_LAUNCH=1` (lanekit.runtime.launch's shortcut).",
+    "gemm_graphs": (
+        "8-bit matmuls (benchmarks.gemm), TFLOP/s (2 M N K), from CUDA graphs. Peers in the same run: "
+        "cuBLASLt's `torch._scaled_mm`, `torch._int_mm`, bf16 `F.linear`, dequantize-then-`F.linear`, "
+        "and for the 128 x 128 block scheme our own per-tensor fp8. Issue 32's bars: fp8 per tensor "
+        "and rowwise at M >= 1024 >= 0.95x `torch._scaled_mm`; blocks >= 0.9x our per-tensor; "
+        "int8_mm and w8a8_linear at M >= 1024 >= 0.95x `torch._int_mm`; w8a16 at M <= 16 >= 1.7x "
+        "bf16 `F.linear`. (`torch._int_mm` has no kernel for M = 16: n/a.)"
+    ),
+    "quant_graphs": (
+        "The quantize kernels (benchmarks.quant), GB/s of the least traffic (input read, codes and "
+        "scales written), from CUDA graphs, beside the PyTorch composites a user would write (and "
+        "torch.compile of the per-token one). Issue 32's bar: >= 85% of the copy bandwidth."
     ),
 }
 
