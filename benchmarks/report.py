@@ -158,7 +158,8 @@ NOTES = {
         "fused_moe on the same routing; TFLOP/s of the bf16 MLP's FLOPs, so the ratio is the speed-up. "
         "CUDA graphs. Issue 32's bar: >= 1.6x our bf16 at M = 4096."
     ),
-    "eager_fast_launch": "The `eager` cases with `LANEKIT_FAST_LAUNCH=1` (lanekit.runtime.launch's shortcut).",
+    "eager_fast_launch": ("The `eager` cases with lanekit.runtime.launch's shortcut on (`LANEKIT_FAST_LAUNCH=1` "
+                          "then, the default since)."),
     "gemm_graphs": (
         "8-bit matmuls (benchmarks.gemm), TFLOP/s (2 M N K), from CUDA graphs. Peers in the same run: "
         "cuBLASLt's `torch._scaled_mm`, `torch._int_mm`, bf16 `F.linear`, dequantize-then-`F.linear`, "

@@ -131,10 +131,19 @@ def test_a_first_launch_inside_an_interception_is_not_taken_for_tritons_own(kern
     assert len(slow) == 2 and not fast and launch_mod._JIT is None
 
 
-def test_without_the_opt_in_every_launch_takes_tritons_path(kernel, monkeypatch):
+def test_lanekit_fast_launch_0_sends_every_launch_through_tritons_path(kernel, monkeypatch):
+    k, slow, fast = kernel
+    monkeypatch.setenv("LANEKIT_FAST_LAUNCH", "0")
+    x = torch.empty(4)
+    for _ in range(3):
+        launch_mod.launch(k, (1,), x, x, 3, 0.5, BLOCK=16)
+    assert len(slow) == 3 and not fast
+
+
+def test_the_shortcut_is_on_by_default(kernel, monkeypatch):
     k, slow, fast = kernel
     monkeypatch.delenv("LANEKIT_FAST_LAUNCH")
     x = torch.empty(4)
     for _ in range(3):
         launch_mod.launch(k, (1,), x, x, 3, 0.5, BLOCK=16)
-    assert len(slow) == 3 and not fast
+    assert len(slow) == 1 and len(fast) == 2

@@ -13,10 +13,12 @@ ints are keyed more finely than Triton's divisibility classes: never less). A la
 the same key calls the compiled kernel's launcher directly, as ``JITFunction.run`` itself does
 after its lookup.
 
-Opt-in for now: ``LANEKIT_FAST_LAUNCH=1`` (read once, at the first launch) turns the shortcut on;
-without it every launch is ``kernel[grid](...)``. It was written against Triton 3.6's
-``JITFunction.run`` and tested here with stand-ins for Triton's launcher; it becomes the default
-once the native test suite has run through it on a GPU (issue 38's note).
+On by default; ``LANEKIT_FAST_LAUNCH=0`` (read once, at the first launch) turns it off, and every
+launch is then ``kernel[grid](...)``. It was written against Triton 3.6's ``JITFunction.run``,
+tested here with stand-ins for Triton's launcher, and run natively on an H100 (2026-12-07): the
+test suite through it (the 1750 tests that ran before the call's time ran out: every failure was
+one of the suite's own, and the same without the shortcut) and the eager benchmark, each case
+checked against its oracle (flash_attn_func 183 -> 85 us a call, rms_norm 77 -> 63 us).
 
 Only NVIDIA GPUs take the shortcut (AMD's backend specializes a pointer on the size of its buffer
 too, which is not in the key), only when no launch hook is set (profilers add one: they get
@@ -64,7 +66,7 @@ def _jit():
 
         if JITFunction.run.__qualname__ != "JITFunction.run":
             return None
-        enabled = os.environ.get("LANEKIT_FAST_LAUNCH", "") == "1"
+        enabled = os.environ.get("LANEKIT_FAST_LAUNCH", "1") != "0"
         _JIT = (JITFunction, JITFunction.run, knobs.runtime, driver,
                 enabled and not getattr(torch.version, "hip", None))
     return _JIT
