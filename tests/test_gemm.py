@@ -247,3 +247,22 @@ def test_a_nan_or_inf_token_makes_its_output_row_nan_and_no_other(linear, lane):
             ref.fp8_linear(x, w, ws, block_size=block)
     assert torch.isnan(out[1:4]).all() and torch.isnan(want[1:4]).all()
     assert_close(out[[0, 4]], want[[0, 4]], greg.GEMM)
+
+
+@pytest.mark.parametrize("lane", LANES)
+@pytest.mark.parametrize("K", [96, 0], ids=["K96", "K0"])
+def test_w8a16_dx_and_dbias_match_the_float64_oracle(K, lane):
+    # weight-only: differentiable in x and bias, the int8 weight and its scale constants (QLoRA)
+    kw = greg.linear_case(f"grad {K}", DEVICE, lead=(3, 5), K=K, N=23, wdtype=torch.int8, bias=True).kwargs
+    x, bias = kw["x"].detach().requires_grad_(), kw["bias"].detach().requires_grad_()
+    dy = torch.randn(3, 5, 23, generator=torch.Generator().manual_seed(6)).to(x.dtype).to(DEVICE)
+    y = gemm.w8a16_linear(x, kw["weight"], kw["weight_scale"], bias, lane=lane)
+    dx, dbias = torch.autograd.grad(y, (x, bias), dy)
+    x64, b64 = upcast(x).requires_grad_(), upcast(bias).requires_grad_()
+    want = torch.autograd.grad(ref.w8a16_linear(x64, kw["weight"], kw["weight_scale"], b64), (x64, b64), upcast(dy))
+    assert_close(dx, want[0], greg.GEMM)
+    assert_close(dbias, want[1], greg.GEMM)
+    scale = kw["weight_scale"].clone().requires_grad_()
+    if lane == "triton":      # a constant on the Triton lane: refused, not left without a gradient
+        with pytest.raises(ValueError, match="weight_scale: expected a tensor that does not require grad"):
+            gemm.w8a16_linear(x, kw["weight"], scale, bias, lane=lane)

@@ -321,10 +321,16 @@ def test_custom_ops_pass_torch_library_opcheck():
     """The fake (meta) functions and schemas are right: what torch.compile relies on."""
     kw = greg.w4_case("opcheck", DEVICE, lead=(3,), K=64, N=16, group=32, layout="gptq", g_idx=True,
                       bias=True).kwargs
-    torch.library.opcheck(gop._w4a16_op, (kw["x"], kw["qweight"], kw["scales"], kw["zeros"], kw["g_idx"],
-                                          kw["bias"], 32, "gptq"))
+    # with x and bias requiring grad: the registered autograd is checked too
+    x, bias = kw["x"].detach().requires_grad_(), kw["bias"].detach().requires_grad_()
+    torch.library.opcheck(gop._w4a16_op, (x, kw["qweight"], kw["scales"], kw["zeros"], kw["g_idx"], bias, 32,
+                                          "gptq"))
     m = greg.mxfp4_case("opcheck", DEVICE, lead=(3,), K=64, N=16, bias=True).kwargs
-    torch.library.opcheck(gop._mxfp4_op, (m["x"], m["w_fp4"], m["w_scale"], m["bias"]))
+    torch.library.opcheck(gop._mxfp4_op, (m["x"].detach().requires_grad_(), m["w_fp4"], m["w_scale"],
+                                          m["bias"].detach().requires_grad_()))
+    w = greg.linear_case("opcheck", DEVICE, lead=(3,), K=64, N=16, wdtype=torch.int8, bias=True).kwargs
+    torch.library.opcheck(gop._w8a16_op, (w["x"].detach().requires_grad_(), w["weight"], w["weight_scale"],
+                                          w["bias"].detach().requires_grad_()))
 
 
 def _every_other(t, fill):
@@ -353,3 +359,48 @@ def test_strided_and_expanded_bias_and_g_idx_are_read_by_their_strides(lane):
         with poisoned_outputs():
             y = gemm.mxfp4_linear(mx["x"], mx["w_fp4"], mx["w_scale"], bias, lane=lane)
         assert_close(y, ref.mxfp4_linear(upcast(mx["x"]), mx["w_fp4"], mx["w_scale"], upcast(bias)), greg.GEMM)
+
+
+# ---- the backward: differentiable in x and bias (QLoRA's adapters train beside frozen weights) ----
+
+def _grads(fn, kw, dy):
+    """(dx, dbias) of fn(**kw) with x and bias requiring grad, for the output gradient dy."""
+    x, bias = kw["x"].detach().requires_grad_(), kw["bias"].detach().requires_grad_()
+    y = fn(**{**kw, "x": x, "bias": bias})
+    return torch.autograd.grad(y, (x, bias), dy)
+
+
+@pytest.mark.parametrize("lane", LANES)
+@pytest.mark.parametrize("op", ["w4a16 awq", "w4a16 gptq act-order", "mxfp4"])
+def test_dx_and_dbias_match_the_float64_oracle(op, lane):
+    if op == "mxfp4":
+        kw = greg.mxfp4_case("grad", DEVICE, lead=(2, 3), K=96, N=24, bias=True).kwargs
+        kw = {"x": kw["x"], "w_fp4": kw["w_fp4"], "w_scale_e8m0": kw["w_scale"], "bias": kw["bias"]}
+        fn, oracle = gemm.mxfp4_linear, ref.mxfp4_linear
+        ref_kw = {"w_fp4": kw["w_fp4"], "w_scale": kw["w_scale_e8m0"]}
+    else:
+        layout = op.split()[1]
+        kw = dict(greg.w4_case("grad", DEVICE, lead=(2, 3), K=128, N=24, group=32, layout=layout,
+                               g_idx="act-order" in op, bias=True).kwargs)
+        fn, oracle = gemm.w4a16_linear, ref.w4a16_linear
+        ref_kw = {k: v for k, v in kw.items() if k not in ("x", "bias")}
+    dy = torch.randn(2, 3, 24, generator=torch.Generator().manual_seed(4)).to(kw["x"].dtype).to(DEVICE)
+    dx, dbias = _grads(lambda **a: fn(**a, lane=lane), kw, dy)
+    x64, b64 = upcast(kw["x"]).requires_grad_(), upcast(kw["bias"]).requires_grad_()
+    want = torch.autograd.grad(oracle(x64, **ref_kw, bias=b64), (x64, b64), upcast(dy))
+    assert dx.dtype == kw["x"].dtype and dbias.dtype == kw["bias"].dtype
+    assert_close(dx, want[0], greg.GEMM)
+    assert_close(dbias, want[1], greg.GEMM)
+
+
+def test_triton_lane_refuses_scales_that_require_grad_before_launching(no_launch):
+    kw = _good("gptq")
+    with pytest.raises(ValueError, match="scales: expected a tensor that does not require grad"):
+        gemm.w4a16_linear(**{**kw, "scales": kw["scales"].clone().requires_grad_()}, lane="triton")
+
+
+def test_scales_that_require_grad_are_taken_under_no_grad():
+    kw = _good("gptq")
+    with torch.no_grad():       # no gradient asked: nothing to refuse
+        y = gemm.w4a16_linear(**{**kw, "scales": kw["scales"].clone().requires_grad_()}, lane="triton")
+    assert_close(y, ref.w4a16_linear(**{k: upcast(v) for k, v in kw.items()}), greg.GEMM)

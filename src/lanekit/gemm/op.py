@@ -127,9 +127,65 @@ def fp8_linear_reference(*, x, weight, weight_scale, bias=None, x_scale=None, bl
     return _round(ref.fp8_linear(x, weight, weight_scale, bias, x_scale, block_size), x.dtype)
 
 
+# ---- the weight-only linears' backward (w8a16, w4a16, mxfp4) ----
+# Differentiable in x and bias, as the reference lanes are (QLoRA trains adapters beside frozen
+# quantized weights and needs dx): dx = dy @ W with W the dequantized weight, exact in fp32 (codes
+# times fp16, e8m0 or fp32 scales), rounded once to x's dtype; dbias the column sums of dy. The
+# codes are integers and the scales a checkpoint's constants (buffers): the Triton lane refuses
+# scales that require grad (_constant) rather than leave them without a gradient.
+
+
+def _constant(name: str, t: Tensor | None) -> None:
+    if t is not None and t.requires_grad and torch.is_grad_enabled():
+        raise ValueError(f"{name}: expected a tensor that does not require grad (the Triton lane "
+                         f"differentiates in x and bias; a quantized weight's {name} is a constant: detach "
+                         f"it, or use lane='reference'), got one with requires_grad=True")
+
+
+def _keep_dtypes(ctx, x: Tensor, bias: Tensor | None) -> None:
+    ctx.dtypes = (x.dtype, bias.dtype if bias is not None else None)
+
+
+def _dx_and_dbias(ctx, dy: Tensor, w_nk: Tensor, bias_index: int) -> tuple[Tensor | None, Tensor | None]:
+    """(dx, dbias) of y = x @ w_nk.T + bias, x the op's input 0 and bias its input ``bias_index``;
+    dy (M, N), w_nk (N, K) fp32."""
+    x_dtype, bias_dtype = ctx.dtypes
+    dy32 = dy.float()
+    dx = (dy32 @ w_nk).to(x_dtype) if ctx.needs_input_grad[0] else None
+    dbias = dy32.sum(0).to(bias_dtype) if ctx.needs_input_grad[bias_index] else None
+    return dx, dbias
+
+
+@_custom_op("lanekit::w8a16_linear")
+def _w8a16_op(x: Tensor, weight: Tensor, weight_scale: Tensor, bias: Tensor | None) -> Tensor:
+    return _kernels().scaled_mm_fwd(x, weight.t(), None, weight_scale.reshape(-1), bias, x.dtype, SCHEMES["row"],
+                                    widen_b=True)
+
+
+@_w8a16_op.register_fake
+def _(x, weight, weight_scale, bias):
+    return x.new_empty((x.shape[0], weight.shape[0]))
+
+
+def _w8a16_setup(ctx, inputs, output):
+    x, weight, weight_scale, bias = inputs
+    ctx.save_for_backward(weight, weight_scale)
+    _keep_dtypes(ctx, x, bias)
+
+
+def _w8a16_backward(ctx, dy):
+    weight, weight_scale = ctx.saved_tensors
+    dx, dbias = _dx_and_dbias(ctx, dy, weight.float() * weight_scale.float().reshape(-1, 1), 3)
+    return dx, None, None, dbias
+
+
+_w8a16_op.register_autograd(_w8a16_backward, setup_context=_w8a16_setup)
+
+
 def w8a16_linear_triton(*, x, weight, weight_scale, bias=None):
+    _constant("weight_scale", weight_scale)
     lead = x.shape[:-1]
-    y = _mm(_rows(x), weight.t(), None, weight_scale.reshape(1, -1), bias, x.dtype, "row", True)
+    y = _call(_w8a16_op, _rows(x), weight, weight_scale, bias, inputs=(x, bias))
     return y.reshape(*lead, weight.shape[0])
 
 
@@ -160,10 +216,43 @@ def _(x, w_fp4, w_scale, bias):
     return x.new_empty((x.shape[0], w_fp4.shape[0]))
 
 
+def _w4a16_setup(ctx, inputs, output):
+    x, qweight, scales, zeros, g_idx, bias, group_size, layout = inputs
+    ctx.save_for_backward(qweight, scales, zeros, g_idx)
+    ctx.layout = (group_size, layout)
+    _keep_dtypes(ctx, x, bias)
+
+
+def _w4a16_backward(ctx, dy):
+    qweight, scales, zeros, g_idx = ctx.saved_tensors
+    w_kn = ref.w4_weight(qweight, scales.float(), zeros, *ctx.layout, g_idx)          # (K, N) fp32, exact
+    dx, dbias = _dx_and_dbias(ctx, dy, w_kn.t(), 5)
+    return dx, None, None, None, None, dbias, None, None
+
+
+_w4a16_op.register_autograd(_w4a16_backward, setup_context=_w4a16_setup)
+
+
+def _mxfp4_setup(ctx, inputs, output):
+    x, w_fp4, w_scale, bias = inputs
+    ctx.save_for_backward(w_fp4, w_scale)
+    _keep_dtypes(ctx, x, bias)
+
+
+def _mxfp4_backward(ctx, dy):
+    w_fp4, w_scale = ctx.saved_tensors
+    dx, dbias = _dx_and_dbias(ctx, dy, ref.mxfp4_weight(w_fp4, w_scale, torch.float32), 3)
+    return dx, None, None, dbias
+
+
+_mxfp4_op.register_autograd(_mxfp4_backward, setup_context=_mxfp4_setup)
+
+
 def w4a16_linear_triton(*, x, qweight, scales, zeros=None, group_size=128, layout="awq", g_idx=None,
                         bias=None):
+    _constant("scales", scales)
     lead = x.shape[:-1]
-    y = _call(_w4a16_op, _rows(x), qweight, scales, zeros, g_idx, bias, group_size, layout)
+    y = _call(_w4a16_op, _rows(x), qweight, scales, zeros, g_idx, bias, group_size, layout, inputs=(x, bias))
     return y.reshape(*lead, scales.shape[1])
 
 
@@ -174,7 +263,7 @@ def w4a16_linear_reference(*, x, qweight, scales, zeros=None, group_size=128, la
 
 def mxfp4_linear_triton(*, x, w_fp4, w_scale, bias=None):
     lead = x.shape[:-1]
-    y = _call(_mxfp4_op, _rows(x), w_fp4, w_scale, bias)
+    y = _call(_mxfp4_op, _rows(x), w_fp4, w_scale, bias, inputs=(x, bias))
     return y.reshape(*lead, w_fp4.shape[0])
 
 
