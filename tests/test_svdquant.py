@@ -202,7 +202,7 @@ def test_a_nan_in_a_token_makes_its_scale_and_output_row_nan(lane):
 # ---- bad input: a clear error naming the argument, nothing launched ----
 
 def _good():
-    s = greg.svdquant_case("errors", "cpu", lead=(2,), K=128, N=16, R=16, smooth="x", bias="x")
+    s = greg.svdquant_case("errors", DEVICE, lead=(2,), K=128, N=16, R=16, smooth="x", bias="x")
     return {k: v for k, v in s.kwargs.items() if k != "dtype"}
 
 
@@ -221,7 +221,7 @@ def _good():
     (dict(bias=torch.zeros(15, dtype=BF16)), ValueError, "bias: expected shape (16,)"),
 ], ids=lambda v: v if isinstance(v, str) else "")
 def test_bad_arguments_are_refused_with_the_argument_named(change, error, words, lane):
-    kw = {**_good(), **change}
+    kw = {**_good(), **{k: v.to(DEVICE) for k, v in change.items()}}
     with pytest.raises(error, match=__import__("re").escape(words)):
         gemm.svdquant_w4a4_linear(**kw, lane=lane)
 
@@ -245,9 +245,9 @@ def test_the_quantizers_refuse_bad_arguments():
 def test_strided_and_expanded_bias_are_read_by_their_strides(lane):
     # the kernel reads bias[n] at BIAS + n: a strided view was read as contiguous (its neighbours'
     # values) and an expanded one (stride 0) past its one element
-    kw = greg.svdquant_case("strided bias", "cpu", lead=(5,), K=128, N=24, R=16, bias="fp32").kwargs
+    kw = greg.svdquant_case("strided bias", DEVICE, lead=(5,), K=128, N=24, R=16, bias="fp32").kwargs
     for bias in (torch.stack([kw["bias"], kw["bias"] * 0 + 1e4], -1).select(-1, 0),
-                 torch.full((1,), 0.5).expand(24)):
+                 torch.full((1,), 0.5, device=DEVICE).expand(24)):
         args = {**kw, "bias": bias}
         want = rgemm.svdquant_w4a4_linear(**{k: upcast(v) for k, v in args.items()})
         with poisoned_outputs():

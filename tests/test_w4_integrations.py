@@ -222,7 +222,7 @@ def test_hand_packed_words_load_in_the_documented_nibble_order(lane, fmt):
     state = {"0.qweight": qweight, "0.scales": torch.ones(K_ // G_, N_, dtype=torch.float16),
              "0.qzeros": torch.zeros((K_ // G_, N_ // 8), dtype=torch.int32)}
     model = load_quantized_linears(_model(bias=False), state, format=fmt, lane=lane)
-    eye = torch.eye(K_, dtype=torch.float16)[:8]            # x = rows of the identity: y[k] = W[k, :]
+    eye = torch.eye(K_, dtype=torch.float16, device=DEVICE)[:8]     # x = rows of the identity: y[k] = W[k, :]
     got = model(eye)
     if fmt == "awq":
         want = torch.zeros(8, N_, dtype=torch.float16)
@@ -230,7 +230,7 @@ def test_hand_packed_words_load_in_the_documented_nibble_order(lane, fmt):
     else:
         want = torch.full((8, N_), -1.0, dtype=torch.float16)                         # codes 0, z = 1
         want[:, 0] = torch.tensor([-1, 0, 1, 2, 3, 4, 5, 6], dtype=torch.float16)     # W[k, 0] = k - 1
-    assert torch.equal(got, want)
+    assert torch.equal(got.cpu(), want)
 
 
 @pytest.mark.parametrize("lane", LANES)
@@ -249,7 +249,7 @@ def test_hand_made_state_dicts_load_and_match_dequantize_then_linear(lane, fmt, 
     x = _x(M, K_, torch.float16)
     with poisoned_outputs():
         got = model(x)
-    want = _oracle_linear(x, _dequantized(q, z, s, g_idx if act_order else None), bias)
+    want = _oracle_linear(x, _dequantized(q, z, s, g_idx if act_order else None).to(DEVICE), bias)
     assert_close(got, want, greg.GEMM)
 
 
@@ -261,7 +261,7 @@ def test_gptq_v2_with_a_zero_point_of_zero_loads_through_awqs_layout(lane):
     model = load_quantized_linears(_model(bias=False), state, format="gptq_v2", lane=lane)
     assert model[0].layout == "awq"
     x = _x(17, K_, torch.float16)
-    assert_close(model(x), _oracle_linear(x, _dequantized(q, z, s), None), greg.GEMM)
+    assert_close(model(x), _oracle_linear(x, _dequantized(q, z, s).to(DEVICE), None), greg.GEMM)
 
 
 def test_gptq_v1_symmetric_checkpoint_stores_seven_for_zero_eight():
@@ -270,7 +270,7 @@ def test_gptq_v1_symmetric_checkpoint_stores_seven_for_zero_eight():
              "0.qzeros": torch.full((K_ // G_, N_ // 8), 0x77777777, dtype=torch.int32)}
     model = load_quantized_linears(_model(bias=False), state, format="gptq", lane="reference")
     x = _x(3, K_, torch.float16)
-    want = _oracle_linear(x, (q - 8).double() * s.double().repeat_interleave(G_, 0), None)
+    want = _oracle_linear(x, ((q - 8).double() * s.double().repeat_interleave(G_, 0)).to(DEVICE), None)
     assert_close(model(x), want, greg.GEMM)
 
 

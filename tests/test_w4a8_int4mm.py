@@ -49,7 +49,7 @@ def test_int4_mm_low_nibble_first_and_twos_complement(lane):
     b = torch.zeros(16, 32, dtype=torch.uint8)         # B (32, 32) = the identity, packed along K
     for n in range(32):
         b[n // 2, n] = 0x01 if n % 2 == 0 else 0x10
-    one = torch.ones(1)
+    a, b, one = a.to(DEVICE), b.to(DEVICE), torch.ones(1, device=DEVICE)
     y = gemm.int4_mm(a, b, one, one, out_dtype=torch.float32, lane=lane)
     assert y.tolist() == [want]
     # int8 bytes are the same bits
@@ -64,8 +64,9 @@ def test_w4a8_qweight_low_nibble_first_codes_minus_eight(lane):
     x = torch.zeros(6, 32, dtype=torch.bfloat16)
     for row, k in enumerate([0, 1, 2, 3, 30, 31]):
         x[row, k] = 1
-    ones = torch.ones(2, 1, dtype=torch.float32)
-    y = gemm.w4a8_linear(x, qweight, ones, torch.ones(2), group_size=32, lane=lane)
+    ones = torch.ones(2, 1, dtype=torch.float32, device=DEVICE)
+    y = gemm.w4a8_linear(x.to(DEVICE), qweight.to(DEVICE), ones, torch.ones(2, device=DEVICE), group_size=32,
+                         lane=lane)
     assert y.float().tolist() == [[7, 0], [-6, 0], [-8, 0], [1, 0], [0, 4], [0, -5]]
 
 
@@ -138,14 +139,14 @@ def test_an_all_zero_weight_row_gives_zero_not_nan(mode, lane):
     w = torch.randn(8, 64, generator=torch.Generator().manual_seed(2)) * 0.02
     w[3] = 0
     sd = torch.float16 if mode == 0 else E4M3
-    qw, s, ch, corr = quant.quantize_w4a8(w, mode=mode, group_size=32, scale_dtype=sd)
+    qw, s, ch, corr = quant.quantize_w4a8(w.to(DEVICE), mode=mode, group_size=32, scale_dtype=sd)
     assert not torch.isnan(s.float()).any() and s[3].float().eq(0).all()
     assert ch[3] == (1 if mode == 0 else 0)
     assert (quant.unpack_int4(qw)[3] == (0 if mode == 2 else 8)).all()
     x = torch.randn(5, 64, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(3))
     x[0, 7] = 3e38                 # a huge activation times a zero weight still gives 0
-    bias = torch.randn(8, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(4))
-    y = gemm.w4a8_linear(x, qw, s, ch, corr, group_size=32, bias=bias, lane=lane)
+    bias = torch.randn(8, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(4)).to(DEVICE)
+    y = gemm.w4a8_linear(x.to(DEVICE), qw, s, ch, corr, group_size=32, bias=bias, lane=lane)
     assert not torch.isnan(y).any()
     assert torch.equal(y[:, 3], bias[3].expand(5))
 
@@ -157,12 +158,12 @@ def test_the_last_groups_scale_the_largest_is_applied_to_the_last_group_only(mod
     g = torch.Generator().manual_seed(11)
     w = torch.randn(N, K, generator=g) * 0.01
     w[:, -group:] *= 16
-    qw, s, ch, corr = quant.quantize_w4a8(w, mode=mode, group_size=group, scale_dtype=E4M3)
+    qw, s, ch, corr = quant.quantize_w4a8(w.to(DEVICE), mode=mode, group_size=group, scale_dtype=E4M3)
     assert (s[:, -1].float() == 448).all() and (s[:, :-1].float() < 448).all()
     W = ref.w4a8_weight(qw, s, ch, corr, group)
     for cols in (slice(K - group, K), slice(0, group)):     # only the last group's, then the first's
-        x = torch.zeros(3, K, dtype=torch.bfloat16)
-        x[:, cols] = torch.randn(3, group, generator=g).bfloat16()
+        x = torch.zeros(3, K, dtype=torch.bfloat16, device=DEVICE)
+        x[:, cols] = torch.randn(3, group, generator=g).bfloat16().to(DEVICE)
         with poisoned_outputs():
             y = gemm.w4a8_linear(x, qw, s, ch, corr, group_size=group, lane=lane)
         want = ref.w4a8_linear(upcast(x), qw, s, ch, corr, group)
@@ -173,7 +174,7 @@ def test_the_last_groups_scale_the_largest_is_applied_to_the_last_group_only(mod
 
 def _w4a8(mode, M, K, N, group, name, **kw):
     sd = torch.float16 if mode == 0 else E4M3
-    return greg.w4a8_case(name, "cpu", lead=(M,), K=K, N=N, group=group, mode=mode, scale_dtype=sd, bias=True,
+    return greg.w4a8_case(name, DEVICE, lead=(M,), K=K, N=N, group=group, mode=mode, scale_dtype=sd, bias=True,
                           **kw).kwargs
 
 
@@ -192,7 +193,7 @@ def test_public_w4a8_linear_at_the_issues_shapes(mode, M, K, group, lane):
 @pytest.mark.parametrize("lane", LANES)
 @pytest.mark.parametrize("M, K", [(1, 64), (17, 96), (3, 32)], ids=["M1 (decode)", "M17", "K32 (one atom)"])
 def test_public_int4_mm_at_the_issues_shapes(M, K, lane):
-    kw = greg.int4_case(f"int4 {M} {K}", "cpu", M=M, K=K, N=24, bias=True).kwargs
+    kw = greg.int4_case(f"int4 {M} {K}", DEVICE, M=M, K=K, N=24, bias=True).kwargs
     with poisoned_outputs():
         y = gemm.int4_mm(kw["a"], kw["b"], kw["scale_a"], kw["scale_b"], bias=kw["bias"], lane=lane)
     assert y.shape == (M, 24) and y.dtype == torch.bfloat16
@@ -203,10 +204,10 @@ def test_int4_mm_is_exact_in_int32():
     g = torch.Generator().manual_seed(9)
     a = torch.randint(0, 256, (5, 64), generator=g, dtype=torch.uint8)        # K = 128
     b = torch.randint(0, 256, (64, 7), generator=g, dtype=torch.uint8)
-    one = torch.ones(1)
-    y = gemm.int4_mm(a, b, one, one, torch.float32, lane="triton")
-    A, B = ref.int4_values(a, 1).to(torch.int64), ref.int4_values(b, 0).to(torch.int64)
-    assert torch.equal(y, (A @ B).to(torch.float32))
+    one = torch.ones(1, device=DEVICE)
+    y = gemm.int4_mm(a.to(DEVICE), b.to(DEVICE), one, one, torch.float32, lane="triton")
+    A, B = ref.int4_values(a, 1).to(torch.int64), ref.int4_values(b, 0).to(torch.int64)     # int64 @: on the CPU
+    assert torch.equal(y.cpu(), (A @ B).to(torch.float32))
 
 
 def test_w4a8_per_channel_group_minus_one_is_one_group_of_k():
@@ -218,11 +219,11 @@ def test_w4a8_per_channel_group_minus_one_is_one_group_of_k():
 def test_k_zero_with_group_minus_one_quantizes_and_multiplies_to_zeros_plus_bias(lane):
     # quantize_w4a8 refused it ("expected a multiple of 32 dividing K = 0 (or -1), got -1") where
     # w4a8_linear takes it
-    qweight, scales, channel, _ = quant.quantize_w4a8(torch.randn(8, 0), mode=1, group_size=-1)
+    qweight, scales, channel, _ = quant.quantize_w4a8(torch.randn(8, 0, device=DEVICE), mode=1, group_size=-1)
     assert qweight.shape == (8, 0) and scales.shape == (8, 0) and channel.shape == (8,)
-    bias = torch.randn(8, dtype=torch.bfloat16)
-    y = gemm.w4a8_linear(torch.randn(3, 0, dtype=torch.bfloat16), qweight, scales, channel, None, -1, bias,
-                         lane=lane)
+    bias = torch.randn(8, dtype=torch.bfloat16).to(DEVICE)
+    y = gemm.w4a8_linear(torch.randn(3, 0, dtype=torch.bfloat16, device=DEVICE), qweight, scales, channel, None,
+                         -1, bias, lane=lane)
     assert torch.equal(y, bias.expand(3, 8))
 
 
@@ -254,6 +255,11 @@ def _good():
     return dict(_w4a8(2, 4, 64, 16, 32, "good"))
 
 
+def _on_device(kw):
+    """kw with its tensors on DEVICE, beside the good ones; a "meta" one (the device refusal) stays."""
+    return {k: v.to(DEVICE) if isinstance(v, torch.Tensor) and v.device.type != "meta" else v for k, v in kw.items()}
+
+
 @pytest.mark.parametrize("change, error, match", [
     (dict(x=torch.zeros(4, 64, dtype=torch.int8)), TypeError, "x:"),
     (dict(qweight=torch.zeros(16, 32, dtype=torch.int8)), TypeError, "qweight"),
@@ -273,7 +279,7 @@ def _good():
 ])
 def test_w4a8_linear_rejects(change, error, match, no_launch):
     kw = _good()
-    kw.update(change)
+    kw.update(_on_device(change))
     with pytest.raises(error, match=match):
         gemm.w4a8_linear(**kw, lane="triton")
 
@@ -299,9 +305,9 @@ def test_w4a8_k_not_a_multiple_of_group_size_is_refused_not_padded(no_launch):
     (dict(bias=torch.ones(5, dtype=torch.bfloat16)), ValueError, "bias"),
 ])
 def test_int4_mm_rejects(change, error, match, no_launch):
-    kw = dict(a=torch.zeros(4, 16, dtype=torch.uint8), b=torch.zeros(16, 6, dtype=torch.uint8),
-              scale_a=torch.ones(4, 1), scale_b=torch.ones(1, 6))
-    kw.update(change)
+    kw = _on_device(dict(a=torch.zeros(4, 16, dtype=torch.uint8), b=torch.zeros(16, 6, dtype=torch.uint8),
+                         scale_a=torch.ones(4, 1), scale_b=torch.ones(1, 6)))
+    kw.update(_on_device(change))
     with pytest.raises(error, match=match):
         gemm.int4_mm(**kw, lane="triton")
 
@@ -328,12 +334,12 @@ def test_quantize_w4a8_rejects(call, error, match):
 def test_custom_ops_pass_torch_library_opcheck():
     """The fake (meta) functions and schemas are right: what torch.compile relies on."""
     # fp16 scales: opcheck's schema test multiplies the arguments, which e4m3 does not take on a CPU
-    kw = greg.w4a8_case("opcheck", "cpu", lead=(3,), K=64, N=16, mode=2, scale_dtype=torch.float16,
+    kw = greg.w4a8_case("opcheck", DEVICE, lead=(3,), K=64, N=16, mode=2, scale_dtype=torch.float16,
                         bias=True).kwargs
     codes, s = ref.quantize_int8_rows(kw["x"])
     torch.library.opcheck(gop._w4a8_op, (codes, s, kw["qweight"], kw["scales"], kw["channel_scale"],
                                          kw["correction"], kw["bias"], 32, torch.bfloat16))
-    m = greg.int4_case("opcheck", "cpu", M=3, K=64, N=16, bias=True).kwargs
+    m = greg.int4_case("opcheck", DEVICE, M=3, K=64, N=16, bias=True).kwargs
     torch.library.opcheck(gop._int4_mm_op, (m["a"], m["b"], m["scale_a"].reshape(-1),
                                             m["scale_b"].reshape(-1), m["bias"], torch.bfloat16))
 
@@ -346,12 +352,12 @@ def _mlp(dtype):
     for m in model:
         if isinstance(m, nn.Linear):
             nn.init.normal_(m.weight, std=0.02)
-    return model.to(dtype).eval()
+    return model.to(dtype).to(DEVICE).eval()
 
 
 @pytest.mark.parametrize("lane", LANES)
 def test_quantize_linears_w4a8_matches_the_float64_path(lane):
-    x = torch.randn(17, 64, generator=torch.Generator().manual_seed(1)).bfloat16()
+    x = torch.randn(17, 64, generator=torch.Generator().manual_seed(1)).bfloat16().to(DEVICE)
     model = _mlp(torch.bfloat16)
     with torch.no_grad():
         want_float = model(x).float()
@@ -389,7 +395,8 @@ def test_every_e4m3_scale_byte_decodes_exactly(lane):
     qweight[:, 0] = 0x89                          # element 0: code 9, weight 1 * scale
     x = torch.zeros(1, 32)
     x[0, 0] = 127.0                               # its int8 code 127, scale 1
-    y = gemm.w4a8_linear(x, qweight, scales, torch.ones(256), group_size=32, lane=lane)
+    y = gemm.w4a8_linear(x.to(DEVICE), qweight.to(DEVICE), scales.to(DEVICE), torch.ones(256, device=DEVICE),
+                         group_size=32, lane=lane).cpu()
     want = scales.float().reshape(1, 256) * 127
     nan = torch.isnan(want)
     assert nan.sum() == 2 and torch.isnan(y[nan]).all()
@@ -405,7 +412,7 @@ def test_strided_scales_correction_and_bias_are_read_through_their_strides(lane)
                "scales": wide(kw["scales"]), "correction": wide(kw["correction"])}
     assert not strided["channel_scale"].is_contiguous() and not strided["bias"].is_contiguous()
     assert_close(gemm.w4a8_linear(**strided, lane=lane), want, greg.GEMM)
-    m = greg.int4_case("strided", "cpu", M=5, K=64, N=24, bias=True).kwargs
+    m = greg.int4_case("strided", DEVICE, M=5, K=64, N=24, bias=True).kwargs
     sb = torch.stack([m["scale_b"], m["scale_b"]], -1).select(-1, 0)
     bias = torch.stack([m["bias"], m["bias"] * 0 + 1e4], -1).select(-1, 0)
     y = gemm.int4_mm(m["a"], m["b"], m["scale_a"], sb, bias=bias, lane=lane)
