@@ -239,6 +239,12 @@ def _good(layout="awq"):
     return dict(_w4(layout, 4, 64, 16, 32, f"good {layout}"))
 
 
+def _on_device(kw):
+    """kw with its tensors on DEVICE, beside the good ones (else a GPU would refuse the device
+    before the change under test); a "meta" one (the device refusal) stays."""
+    return {k: v.to(DEVICE) if isinstance(v, torch.Tensor) and v.device.type != "meta" else v for k, v in kw.items()}
+
+
 @pytest.mark.parametrize("change, error, match", [
     (dict(x=torch.zeros(4, 64)), TypeError, "x:"),
     (dict(qweight=torch.zeros(64, 2, dtype=torch.int64)), TypeError, "qweight"),
@@ -258,7 +264,7 @@ def _good(layout="awq"):
 ])
 def test_w4a16_linear_rejects(change, error, match, no_launch):
     kw = _good()
-    kw.update(change)
+    kw.update(_on_device(change))
     with pytest.raises(error, match=match):
         gemm.w4a16_linear(**kw, lane="triton")
 
@@ -270,9 +276,12 @@ def test_w4a16_linear_rejects(change, error, match, no_launch):
     (dict(g_idx=torch.zeros(64)), TypeError, "g_idx"),
     (dict(group_size=4, scales=torch.ones(16, 16, dtype=torch.float16)), ValueError, "multiple of 8"),
 ])
-def test_w4a16_linear_rejects_gptq(change, error, match, no_launch):
+def test_w4a16_linear_rejects_gptq(change, error, match, no_launch, monkeypatch):
+    # g_idx's values are read on the host for CPU tensors or in the debug mode, which this asks for
+    # (on a GPU the kernel masks a bad one and records it: test_a_g_idx_out_of_range_...)
+    monkeypatch.setenv("LANEKIT_CHECK_INDICES", "1")
     kw = _good("gptq")
-    kw.update(change)
+    kw.update(_on_device(change))
     with pytest.raises(error, match=match):
         gemm.w4a16_linear(**kw, lane="triton")
 
@@ -296,7 +305,7 @@ def test_k_not_a_multiple_of_group_size_is_refused_not_padded(no_launch):
 def test_mxfp4_linear_rejects(change, error, match, no_launch):
     kw = dict(x=torch.zeros(4, 64, dtype=torch.bfloat16), w_fp4=torch.zeros(8, 32, dtype=torch.uint8),
               w_scale_e8m0=torch.full((8, 2), 127, dtype=torch.uint8))
-    kw.update(change)
+    kw = _on_device({**kw, **change})
     with pytest.raises(error, match=match):
         gemm.mxfp4_linear(**kw, lane="triton")
 
