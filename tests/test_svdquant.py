@@ -254,3 +254,20 @@ def test_strided_and_expanded_bias_are_read_by_their_strides(lane):
             y = gemm.svdquant_w4a4_linear(*(args[k] for k in ("x", "qweight", "wscales", "lora_down", "lora_up",
                                                                 "smooth", "bias")), lane=lane)
         assert_close(y, want, greg.GEMM)
+
+
+@pytest.mark.parametrize("lane", LANES)
+def test_fp16_low_rank_activations_past_65504_stay_finite(lane):
+    # h = x @ lora_down reaches ~2^17 (fp16 ends at 65504) while lora_up brings the output back to
+    # O(100): the kernel once rounded h to fp16 (inf, then NaN); the oracle keeps it in float64
+    s = greg.svdquant_case("fp16 large h", DEVICE, lead=(5,), K=128, N=24, R=16, dtype=torch.float16)
+    kw = {k: v for k, v in s.kwargs.items() if k != "dtype"}
+    kw["lora_down"] = kw["lora_down"] * 40000.0
+    kw["lora_up"] = kw["lora_up"] / 40000.0
+    want = rgemm.svdquant_w4a4_linear(**{k: upcast(v) for k, v in kw.items()}, dtype=torch.float16)
+    h = upcast(kw["x"]) @ upcast(kw["lora_down"])
+    assert h.abs().max() > 65504 and want.abs().max() < 1000
+    with poisoned_outputs():
+        y = gemm.svdquant_w4a4_linear(**kw, lane=lane)
+    assert torch.isfinite(y).all()
+    assert_close(y, want, greg.GEMM)

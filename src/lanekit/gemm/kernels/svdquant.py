@@ -19,6 +19,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from lanekit.common.numerics import power_of_two, unit_exponent
 from lanekit.gemm import tuning
 from lanekit.gemm.kernels.scaled_mm import _swizzle
 from lanekit.gemm.kernels.weight_only import _repeat_cols, _repeat_rows
@@ -79,10 +80,21 @@ def _svdquant_w4a4_kernel(QA, AS, QW, WS, LA, UP, BIAS, Y, M, N, K, R,
                         mask=m_mask[:, None] & r_mask[None, :], other=0.0)            # [BLOCK_M, BLOCK_R] fp32
             u = tl.load(UP + offs_n[None, :] * stride_upn + r[:, None] * stride_upr,
                         mask=r_mask[:, None] & n_mask[None, :], other=0.0)            # [BLOCK_R, BLOCK_N]
-            hi = h.to(dtype)
-            lo = (h - hi.to(tl.float32)).to(dtype)                                     # what hi rounded off
-            acc = tl.dot(hi, u, acc)
-            acc = tl.dot(lo, u, acc)
+            if dtype == tl.float16:
+                # fp16 ends at 65504 and h = x @ lora_down grows with K: a row of h past 2^15 is
+                # split as h * 2^k (k <= 0, exact) and its product taken times 2^-k, so that hi
+                # never overflows to inf (a row within 2^15 has k = 0: the same sum as bf16's)
+                k = tl.minimum(unit_exponent(tl.max(tl.abs(h), 1)) + 14, 0)           # [BLOCK_M]
+                hs = h * power_of_two(k)[:, None]
+                hi = hs.to(dtype)
+                lo = (hs - hi.to(tl.float32)).to(dtype)
+                part = tl.dot(lo, u, tl.dot(hi, u))
+                acc += part * power_of_two(-k)[:, None]
+            else:
+                hi = h.to(dtype)
+                lo = (h - hi.to(tl.float32)).to(dtype)                                 # what hi rounded off
+                acc = tl.dot(hi, u, acc)
+                acc = tl.dot(lo, u, acc)
     if HAS_BIAS:
         acc += tl.load(BIAS + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     tl.store(Y + offs_m[:, None] * stride_ym + offs_n[None, :] * stride_yn, acc.to(Y.dtype.element_ty),
