@@ -243,6 +243,12 @@ def _w4a16_samples(device):
                   group=64, scale_dtype=torch.float32, strided=True)
     yield w4_case("M70 K128 N72 gptq g32 (the prefill row)", device, lead=(70,), K=128, N=72, group=32,
                   layout="gptq")
+    # decode over one tile of columns with many K steps: K split among programs (gemm.tuning.split_k),
+    # their partial sums added by a second launch, bias there
+    yield w4_case("M1 K256 N24 awq g32 bias, K split (decode)", device, lead=(1,), K=256, N=24, group=32,
+                  bias=True, last_group_largest=True)
+    yield w4_case("M2 K256 N24 gptq g32 act-order, K split (decode)", device, lead=(2,), K=256, N=24, group=32,
+                  layout="gptq", g_idx=True, bias=True)
     yield w4_case("K0 bias", device, lead=(3,), K=0, N=16, bias=True)
     yield w4_case("M0", device, lead=(0,), K=64, N=16, group=32)
 
@@ -283,6 +289,8 @@ def _mxfp4_samples(device):
     yield mxfp4_case("M17 K96 N40 fp16, x, w and bias non-contiguous", device, lead=(17,), K=96, N=40,
                      dtype=torch.float16, bias=True, strided=True)
     yield mxfp4_case("M70 K64 N72 (the prefill row)", device, lead=(70,), K=64, N=72)
+    yield mxfp4_case("M1 K256 N24 bias, K split (decode)", device, lead=(1,), K=256, N=24, bias=True,
+                     last_block_largest=True)
     yield mxfp4_case("M0", device, lead=(0,), K=64, N=16)
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lanekit.runtime.tuning import arch_row, compiling, tile_options
+from lanekit.runtime.tuning import arch_row, compiling, processor_count, tile_options
 
 
 @dataclass(frozen=True)
@@ -159,6 +159,17 @@ def w4a16_config(device: torch.device, M: int, group_size: int, K: int, act_orde
     if act_order and cfg is not INTERPRETER:
         block_k = min(block_k, arch_row(ACT_ORDER_BLOCK_K, device))
     return dataclasses.replace(cfg, block_k=block_k)
+
+
+def split_k(device: torch.device, tiles: int, steps: int) -> int:
+    """How many programs share each output tile's K (their fp32 partial sums added by a second
+    launch): 1 where the tiles give every processor two programs; else enough splits for that
+    (decode's single row of tiles left 64 programs on the H100's 132 SMs, each walking all of K:
+    w4a16 read its weight at 125 GB/s, 2026-12-07), each split at least two K steps."""
+    processors = processor_count(device)
+    if tiles >= 2 * processors:
+        return 1
+    return max(1, min(-(-2 * processors // tiles), steps // 2))
 
 
 def mxfp4_config(device: torch.device, M: int) -> GemmConfig:

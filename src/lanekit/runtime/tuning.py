@@ -128,6 +128,28 @@ def arch_row(table: dict, device: torch.device):
     return table[_arch_key(table, arch_id(device))]
 
 
+# Processors (SMs, CUs) of each architecture's usual part, for launches captured for a target that
+# is not present (lanekit export): H100/H200, A100, MI300X, RX 9070 XT, Strix Halo. The generic
+# row (Triton's interpreter) is 1, so that the tests' grids of one tile take the split-K path
+# (gemm.tuning.split_k) and grids of several do not.
+PROCESSORS: dict[str, int] = {"generic": 1, "sm90": 132, "sm80": 108, "gfx942": 304, "gfx1201": 64,
+                              "gfx1151": 40}
+
+
+def processor_count(device: torch.device) -> int:
+    """The streaming multiprocessors (compute units) of ``device``: asked of the driver once per
+    device, or :data:`PROCESSORS`'s for a target compiled for (and for the interpreter)."""
+    if compiling() is None and device.type == "cuda" and torch.cuda.is_available():
+        return _cuda_processors(device.index if device.index is not None else torch.cuda.current_device())
+    arch = arch_id(device)
+    return PROCESSORS.get(arch, PROCESSORS.get(ARCH_ALIASES.get(arch, "generic"), PROCESSORS["generic"]))
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_processors(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 def block16(n: int) -> int:
     """The least power of two that holds n, and at least 16 (the smallest tile tl.dot takes)."""
     return max(16, 1 << max(n - 1, 0).bit_length())

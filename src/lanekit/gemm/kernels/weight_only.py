@@ -20,6 +20,7 @@ masked (its row of K adds nothing) and recorded in the device error flag (runtim
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
@@ -98,14 +99,15 @@ def _codes(QW, k0, pid_n, K, N, stride_qk, stride_qn, AWQ: tl.constexpr,
 
 
 @triton.jit
-def _w4a16_kernel(X, QW, S, Z, G_IDX, BIAS, Y, ERR, M, N, K, group_size, num_groups,
+def _w4a16_kernel(X, QW, S, Z, G_IDX, BIAS, Y, WS, ERR, M, N, K, group_size, num_groups, SPLIT_K,
                   stride_xm, stride_xk, stride_qk, stride_qn, stride_sg, stride_sn,
                   stride_zg, stride_zn, stride_ym, stride_yn, ERR_BIT,
                   AWQ: tl.constexpr, HAS_ZEROS: tl.constexpr, ZERO_OFFSET: tl.constexpr,
                   HAS_G_IDX: tl.constexpr, HAS_BIAS: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                  GROUP_M: tl.constexpr):
+                  GROUP_M: tl.constexpr, SPLIT: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)
+    pid_k = tl.program_id(1)              # this program's share of K (SPLIT_K > 1: _split_k_sum adds them)
     pid_m, pid_n = _swizzle(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
@@ -115,7 +117,8 @@ def _w4a16_kernel(X, QW, S, Z, G_IDX, BIAS, Y, ERR, M, N, K, group_size, num_gro
     dtype = X.dtype.element_ty
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if HAS_G_IDX:
-        for k0 in range(0, K, BLOCK_K):
+        span = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K                       # K steps of this split
+        for k0 in range(pid_k * span, tl.minimum(K, (pid_k + 1) * span), BLOCK_K):
             k = k0 + offs_k
             k_mask = k < K
             a = tl.load(X + offs_m[:, None] * stride_xm + k[None, :] * stride_xk,
@@ -136,7 +139,8 @@ def _w4a16_kernel(X, QW, S, Z, G_IDX, BIAS, Y, ERR, M, N, K, group_size, num_gro
             acc = tl.dot(a, hi, acc)
             acc = tl.dot(a, lo, acc)
     else:
-        for g in range(0, num_groups):
+        per_split = tl.cdiv(num_groups, SPLIT_K)                                     # groups of this split
+        for g in range(pid_k * per_split, tl.minimum(num_groups, (pid_k + 1) * per_split)):
             s = tl.load(S + g * stride_sg + offs_n * stride_sn, mask=n_mask, other=0.0).to(tl.float32)
             z = _zero_points(Z, g, offs_n, n_mask, stride_zg, stride_zn, AWQ, HAS_ZEROS, ZERO_OFFSET)
             part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -150,10 +154,52 @@ def _w4a16_kernel(X, QW, S, Z, G_IDX, BIAS, Y, ERR, M, N, K, group_size, num_gro
                 b = (q - z[None, :]).to(dtype)                                        # [-16, 15]: exact
                 part = tl.dot(a, b, part)
             acc += part * s[None, :]                                                  # the group's scale, once
+    _finish(acc, BIAS, Y, WS, pid_k, M, N, offs_m, offs_n, m_mask, n_mask, stride_ym, stride_yn, HAS_BIAS, SPLIT)
+
+
+@triton.jit
+def _finish(acc, BIAS, Y, WS, pid_k, M, N, offs_m, offs_n, m_mask, n_mask, stride_ym, stride_yn,
+            HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr):
+    """The tile's fp32 sum plus bias, rounded once into Y; or, with K split (SPLIT, a constexpr so
+    that a kernel holds one of the two epilogues: both in one spilled on sm80), this split's
+    partial sum into the workspace WS (SPLIT_K, M, N) fp32, for _split_k_sum."""
+    mask = m_mask[:, None] & n_mask[None, :]
+    if SPLIT:
+        tl.store(WS + (pid_k * M + offs_m[:, None]) * N + offs_n[None, :], acc, mask=mask)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(BIAS + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        tl.store(Y + offs_m[:, None] * stride_ym + offs_n[None, :] * stride_yn, acc.to(Y.dtype.element_ty),
+                 mask=mask)
+
+
+@triton.jit
+def _split_k_sum(WS, BIAS, Y, M, N, SPLIT_K, stride_ym, stride_yn, HAS_BIAS: tl.constexpr,
+                 BLOCK: tl.constexpr):
+    """Y = the SPLIT_K partial sums of WS (SPLIT_K, M, N) fp32, added in split order (the same bits
+    every run), plus bias, rounded once."""
+    idx = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+    mask = idx < M * N
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for k in range(0, SPLIT_K):
+        acc += tl.load(WS + k * M * N + idx, mask=mask, other=0.0)
+    n = idx % N
     if HAS_BIAS:
-        acc += tl.load(BIAS + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    tl.store(Y + offs_m[:, None] * stride_ym + offs_n[None, :] * stride_yn, acc.to(Y.dtype.element_ty),
-             mask=m_mask[:, None] & n_mask[None, :])
+        acc += tl.load(BIAS + n, mask=mask, other=0.0).to(tl.float32)
+    tl.store(Y + (idx // N) * stride_ym + n * stride_yn, acc.to(Y.dtype.element_ty), mask=mask)
+
+
+SPLIT_K_SUM_BLOCK = 1024      # elements a program of _split_k_sum adds: a memory-bound pass
+
+
+def _launch_split(kernel, tiles: int, split: int, out, bias, M: int, N: int, *args, **kwargs):
+    """Launch ``kernel`` over (tiles, split) programs with a workspace for the partial sums where
+    split > 1 (args: the kernel's arguments, WS's place marked by the Ellipsis), then add them."""
+    ws = empty((split, M, N), dtype=torch.float32, device=out.device) if split > 1 else out
+    launch(kernel, (tiles, split), *[ws if a is Ellipsis else a for a in args], SPLIT=split > 1, **kwargs)
+    if split > 1:
+        launch(_split_k_sum, (triton.cdiv(M * N, SPLIT_K_SUM_BLOCK),), ws, bias if bias is not None else ws,
+               out, M, N, split, *out.stride(), HAS_BIAS=bias is not None, BLOCK=SPLIT_K_SUM_BLOCK)
 
 
 def w4a16_linear_fwd(x, qweight, scales, zeros, g_idx, bias, group_size: int, layout: str):
@@ -174,24 +220,27 @@ def w4a16_linear_fwd(x, qweight, scales, zeros, g_idx, bias, group_size: int, la
     # the kernel reads g_idx[k] and bias[n] at G_IDX + k and BIAS + n: strided views as their copies
     g_idx = g_idx.contiguous() if g_idx is not None else None
     bias = bias.contiguous() if bias is not None else None
-    grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n),)
-    launch(_w4a16_kernel, grid,
-           x, qweight, scales, z, g_idx if g_idx is not None else qweight,
-           bias if bias is not None else scales, out, errors.error_flag(x.device), M, N, K, group_size,
-           K // group_size, *x.stride(), *qweight.stride(), *scales.stride(),
-           *(zeros.stride() if zeros is not None else (0, 0)), *out.stride(), BAD_G_IDX,
-           AWQ=layout == "awq", HAS_ZEROS=zeros is not None, ZERO_OFFSET=1 if layout == "gptq" else 0,
-           HAS_G_IDX=g_idx is not None, HAS_BIAS=bias is not None, BLOCK_M=cfg.block_m,
-           BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, **cfg.options())
+    tiles = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
+    steps = triton.cdiv(K, cfg.block_k) if g_idx is not None else K // group_size    # what a split divides
+    split = tuning.split_k(x.device, tiles, steps)
+    _launch_split(_w4a16_kernel, tiles, split, out, bias, M, N,
+                  x, qweight, scales, z, g_idx if g_idx is not None else qweight,
+                  bias if bias is not None else scales, out, ..., errors.error_flag(x.device), M, N, K,
+                  group_size, K // group_size, split, *x.stride(), *qweight.stride(), *scales.stride(),
+                  *(zeros.stride() if zeros is not None else (0, 0)), *out.stride(), BAD_G_IDX,
+                  AWQ=layout == "awq", HAS_ZEROS=zeros is not None, ZERO_OFFSET=1 if layout == "gptq" else 0,
+                  HAS_G_IDX=g_idx is not None, HAS_BIAS=bias is not None, BLOCK_M=cfg.block_m,
+                  BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, **cfg.options())
     return out
 
 
 @triton.jit
-def _mxfp4_linear_kernel(X, W, S, BIAS, Y, M, N, K, stride_xm, stride_xk, stride_wn, stride_wk,
+def _mxfp4_linear_kernel(X, W, S, BIAS, Y, WS, M, N, K, SPLIT_K, stride_xm, stride_xk, stride_wn, stride_wk,
                          stride_sn, stride_sk, stride_ym, stride_yn, HAS_BIAS: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         GROUP_M: tl.constexpr):
+                         GROUP_M: tl.constexpr, SPLIT: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)
+    pid_k = tl.program_id(1)              # this program's share of K (SPLIT_K > 1: _split_k_sum adds them)
     pid_m, pid_n = _swizzle(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
@@ -199,7 +248,8 @@ def _mxfp4_linear_kernel(X, W, S, BIAS, Y, M, N, K, stride_xm, stride_xk, stride
     m_mask = offs_m < M
     n_mask = offs_n < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):          # BLOCK_K = 32: one e8m0 scale per column a step
+    span = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K                           # K steps of this split
+    for k0 in range(pid_k * span, tl.minimum(K, (pid_k + 1) * span), BLOCK_K):   # 32: one e8m0 scale a step
         k = k0 + offs_k
         a = tl.load(X + offs_m[:, None] * stride_xm + k[None, :] * stride_xk, mask=m_mask[:, None], other=0.0)
         kb = k0 // 2 + tl.arange(0, BLOCK_K // 2).to(tl.int64)
@@ -208,10 +258,7 @@ def _mxfp4_linear_kernel(X, W, S, BIAS, Y, M, N, K, stride_xm, stride_xk, stride
         b = e2m1_pairs(byte).to(X.dtype.element_ty)     # [BLOCK_K, BLOCK_N], exact in 16 bits
         e = tl.load(S + offs_n * stride_sn + (k0 // BLOCK_K) * stride_sk, mask=n_mask, other=127)
         acc += tl.dot(a, b) * e8m0_scale(e.to(tl.int32))[None, :]
-    if HAS_BIAS:
-        acc += tl.load(BIAS + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    tl.store(Y + offs_m[:, None] * stride_ym + offs_n[None, :] * stride_yn, acc.to(Y.dtype.element_ty),
-             mask=m_mask[:, None] & n_mask[None, :])
+    _finish(acc, BIAS, Y, WS, pid_k, M, N, offs_m, offs_n, m_mask, n_mask, stride_ym, stride_yn, HAS_BIAS, SPLIT)
 
 
 def mxfp4_linear_fwd(x, w_fp4, w_scale, bias):
@@ -227,10 +274,12 @@ def mxfp4_linear_fwd(x, w_fp4, w_scale, bias):
             out += bias.to(x.dtype)
         return out
     cfg = tuning.mxfp4_config(x.device, M)
-    grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n),)
-    launch(_mxfp4_linear_kernel, grid,      # bias[n] is read at BIAS + n: a strided view as its copy
-           x, w_fp4, w_scale, bias.contiguous() if bias is not None else x, out, M, N, K, *x.stride(),
-           *w_fp4.stride(), *w_scale.stride(), *out.stride(), HAS_BIAS=bias is not None,
-           BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-           **cfg.options())
+    tiles = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
+    split = tuning.split_k(x.device, tiles, triton.cdiv(K, cfg.block_k))
+    bias = bias.contiguous() if bias is not None else None      # read at BIAS + n: a strided view as its copy
+    _launch_split(_mxfp4_linear_kernel, tiles, split, out, bias, M, N,
+                  x, w_fp4, w_scale, bias if bias is not None else x, out, ..., M, N, K, split, *x.stride(),
+                  *w_fp4.stride(), *w_scale.stride(), *out.stride(), HAS_BIAS=bias is not None,
+                  BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+                  **cfg.options())
     return out
