@@ -266,3 +266,20 @@ def test_w8a16_dx_and_dbias_match_the_float64_oracle(K, lane):
     if lane == "triton":      # a constant on the Triton lane: refused, not left without a gradient
         with pytest.raises(ValueError, match="weight_scale: expected a tensor that does not require grad"):
             gemm.w8a16_linear(x, kw["weight"], scale, bias, lane=lane)
+
+
+@pytest.mark.parametrize("lane", LANES)
+def test_w8a16_dx_stays_finite_where_the_weight_passes_fp32s_range(lane):
+    # 127 * 1e37 is past fp32's range: a backward that built W in fp32 gave inf, and NaN (0 * inf)
+    # where dy is 0, while y and the oracle's dx are finite
+    kw = greg.linear_case("grad big", DEVICE, lead=(2,), K=64, N=8, wdtype=torch.int8).kwargs
+    scale = kw["weight_scale"].clone()
+    scale[0] = 1e37
+    x = (kw["x"].float() * 1e-3).to(torch.bfloat16).requires_grad_()
+    dy = torch.full((2, 8), 1e-3).to(torch.bfloat16).to(DEVICE)
+    dy[1, 0] = 0
+    (dx,) = torch.autograd.grad(gemm.w8a16_linear(x, kw["weight"], scale, lane=lane), x, dy)
+    x64 = upcast(x.detach()).requires_grad_()
+    (want,) = torch.autograd.grad(ref.w8a16_linear(x64, kw["weight"], scale), x64, upcast(dy))
+    assert torch.isfinite(dx).all()
+    assert_close(dx, want, greg.GEMM)

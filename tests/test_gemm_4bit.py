@@ -413,3 +413,32 @@ def test_scales_that_require_grad_are_taken_under_no_grad():
     with torch.no_grad():       # no gradient asked: nothing to refuse
         y = gemm.w4a16_linear(**{**kw, "scales": kw["scales"].clone().requires_grad_()}, lane="triton")
     assert_close(y, ref.w4a16_linear(**{k: upcast(v) for k, v in kw.items()}), greg.GEMM)
+
+
+@pytest.mark.parametrize("lane", LANES)
+@pytest.mark.parametrize("op", ["w4a16 fp32 scale 1e38", "mxfp4 e8m0 scale 2^127"])
+def test_dx_stays_finite_where_the_weight_passes_fp32s_range(op, lane):
+    # W = code * scale past 2^128 (inf in fp32) while x and dy are small enough for finite y and
+    # dx: a backward that built W in fp32 gave inf, and NaN (0 * inf) where dy is 0
+    if op.startswith("mxfp4"):
+        kw = dict(greg.mxfp4_case("grad big", DEVICE, lead=(2,), K=64, N=8).kwargs)
+        kw["w_scale_e8m0"] = kw.pop("w_scale").clone()
+        kw["w_scale_e8m0"][0, 0] = 254
+        fn = gemm.mxfp4_linear
+    else:
+        kw = dict(greg.w4_case("grad big", DEVICE, lead=(2,), K=64, N=8, group=32, layout="gptq",
+                               scale_dtype=torch.float32).kwargs)
+        kw["scales"] = kw["scales"].clone()
+        kw["scales"][:, 0] = 1e38
+        fn = gemm.w4a16_linear
+    x = (kw.pop("x").float() * 1e-3).to(torch.bfloat16).requires_grad_()
+    dy = torch.full((2, 8), 1e-3).to(torch.bfloat16).to(DEVICE)
+    dy[1, 0] = 0
+    (dx,) = torch.autograd.grad(fn(x, **kw, lane=lane), x, dy)
+    x64 = upcast(x.detach()).requires_grad_()
+    ref_kw = {("w_scale" if k == "w_scale_e8m0" else k): v for k, v in kw.items() if k != "bias"}
+    oracle = ref.mxfp4_linear if op.startswith("mxfp4") else ref.w4a16_linear
+    (want,) = torch.autograd.grad(oracle(x64, **ref_kw), x64, upcast(dy))
+    assert torch.isfinite(want.to(torch.bfloat16)).all()
+    assert torch.isfinite(dx).all()
+    assert_close(dx, want, greg.GEMM)

@@ -129,9 +129,15 @@ def fp8_linear_reference(*, x, weight, weight_scale, bias=None, x_scale=None, bl
 
 # ---- the weight-only linears' backward (w8a16, w4a16, mxfp4) ----
 # Differentiable in x and bias, as the reference lanes are (QLoRA trains adapters beside frozen
-# quantized weights and needs dx): dx = dy @ W with W the dequantized weight, exact in fp32 (codes
-# times fp16, e8m0 or fp32 scales), rounded once to x's dtype; dbias the column sums of dy. The
-# codes are integers and the scales a checkpoint's constants (buffers): the Triton lane refuses
+# quantized weights and needs dx): dx = dy @ W with W the dequantized weight, built in float64
+# (exact: codes times fp16, bf16, e8m0 or fp32 scales) and only when dx is asked for, rounded once
+# to x's dtype; dbias the column sums of dy, in float64. Not fp32: a weight past fp32's range (an
+# e8m0 scale of 2^127 times e2m1 2 or more; a float scale of 2^124 times a code of 16) was inf
+# there, and dx inf, or NaN (0 * inf where dy is 0), where the oracle's was finite; and an fp32
+# matmul follows torch's TF32 setting, which rounds W to 10 bits. The reference lane's autograd
+# computes the same float64 sum; fp64 matrix throughput is fp32's (without TF32) on H100/H200,
+# A100 and MI300, far below it on RDNA.
+# The codes are integers and the scales a checkpoint's constants (buffers): the Triton lane refuses
 # scales that require grad (_constant) rather than leave them without a gradient.
 
 
@@ -146,13 +152,13 @@ def _keep_dtypes(ctx, x: Tensor, bias: Tensor | None) -> None:
     ctx.dtypes = (x.dtype, bias.dtype if bias is not None else None)
 
 
-def _dx_and_dbias(ctx, dy: Tensor, w_nk: Tensor, bias_index: int) -> tuple[Tensor | None, Tensor | None]:
-    """(dx, dbias) of y = x @ w_nk.T + bias, x the op's input 0 and bias its input ``bias_index``;
-    dy (M, N), w_nk (N, K) fp32."""
+def _dx_and_dbias(ctx, dy: Tensor, weight, bias_index: int) -> tuple[Tensor | None, Tensor | None]:
+    """(dx, dbias) of y = x @ W.T + bias, x the op's input 0 and bias its input ``bias_index``;
+    dy (M, N), ``weight()`` W (N, K) float64, called only where dx is needed."""
     x_dtype, bias_dtype = ctx.dtypes
-    dy32 = dy.float()
-    dx = (dy32 @ w_nk).to(x_dtype) if ctx.needs_input_grad[0] else None
-    dbias = dy32.sum(0).to(bias_dtype) if ctx.needs_input_grad[bias_index] else None
+    dy64 = dy.to(torch.float64)
+    dx = (dy64 @ weight()).to(x_dtype) if ctx.needs_input_grad[0] else None
+    dbias = dy64.sum(0).to(bias_dtype) if ctx.needs_input_grad[bias_index] else None
     return dx, dbias
 
 
@@ -175,7 +181,8 @@ def _w8a16_setup(ctx, inputs, output):
 
 def _w8a16_backward(ctx, dy):
     weight, weight_scale = ctx.saved_tensors
-    dx, dbias = _dx_and_dbias(ctx, dy, weight.float() * weight_scale.float().reshape(-1, 1), 3)
+    dx, dbias = _dx_and_dbias(
+        ctx, dy, lambda: weight.to(torch.float64) * weight_scale.to(torch.float64).reshape(-1, 1), 3)
     return dx, None, None, dbias
 
 
@@ -225,8 +232,8 @@ def _w4a16_setup(ctx, inputs, output):
 
 def _w4a16_backward(ctx, dy):
     qweight, scales, zeros, g_idx = ctx.saved_tensors
-    w_kn = ref.w4_weight(qweight, scales.float(), zeros, *ctx.layout, g_idx)          # (K, N) fp32, exact
-    dx, dbias = _dx_and_dbias(ctx, dy, w_kn.t(), 5)
+    dx, dbias = _dx_and_dbias(      # W (K, N) float64, exact
+        ctx, dy, lambda: ref.w4_weight(qweight, scales.to(torch.float64), zeros, *ctx.layout, g_idx).t(), 5)
     return dx, None, None, None, None, dbias, None, None
 
 
@@ -241,7 +248,7 @@ def _mxfp4_setup(ctx, inputs, output):
 
 def _mxfp4_backward(ctx, dy):
     w_fp4, w_scale = ctx.saved_tensors
-    dx, dbias = _dx_and_dbias(ctx, dy, ref.mxfp4_weight(w_fp4, w_scale, torch.float32), 3)
+    dx, dbias = _dx_and_dbias(ctx, dy, lambda: ref.mxfp4_weight(w_fp4, w_scale, torch.float64), 3)
     return dx, None, None, dbias
 
 
