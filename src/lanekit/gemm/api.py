@@ -257,8 +257,8 @@ def w8a16_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tens
     x: (..., K) bfloat16 or float16, any strides. weight: (N, K) int8 codes; weight_scale:
     float32 (N,) or (N, 1), per output channel. Sums in fp32, the channel scale applied to the
     sum, bias ((N,) in x's dtype or float32) added; returns (..., N) in x's dtype.
-    Differentiable in x and bias (dx = dy @ the dequantized weight, summed in float64, rounded once): the
-    weight and its scale are constants.
+    Differentiable in x and bias (dx = dy @ the dequantized weight, in fp32 on its columns
+    rescaled exactly by powers of two, rounded once): the weight and its scale are constants.
 
     Raises TypeError for a wrong dtype, ValueError for a wrong rank, shape or device, or (Triton
     lane) a weight_scale that requires grad.
@@ -366,7 +366,7 @@ def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
         y: (..., N) in x's dtype. The exact products (codes minus zero times x, then times the
         scale) are summed in fp32 and rounded once (AWQ's and GPTQ's own kernels round the
         dequantized weight to fp16 first; lanekit does not). Differentiable in x and bias (dx =
-        dy @ W.T, W dequantized exactly in float64, rounded once; QLoRA's adapters need it): the
+        dy @ W.T in fp32 on W's exactly rescaled columns, rounded once; QLoRA's adapters need it): the
         codes, zeros and scales are constants.
 
     Raises:
@@ -419,7 +419,7 @@ def mxfp4_linear(x: torch.Tensor, w_fp4: torch.Tensor, w_scale_e8m0: torch.Tenso
     Returns:
         y: (..., N) in x's dtype. The e2m1 values (exact in 16 bits) times x are summed in fp32
         per 32 of K, each partial sum times its scale, then rounded once. Differentiable in x
-        and bias (dx = dy @ W, W dequantized exactly in float64, rounded once).
+        and bias (dx = dy @ W in fp32 on W's exactly rescaled columns, rounded once).
 
     Raises:
         TypeError for a wrong type or dtype, ValueError for K not a multiple of 32 or a wrong

@@ -129,14 +129,16 @@ def fp8_linear_reference(*, x, weight, weight_scale, bias=None, x_scale=None, bl
 
 # ---- the weight-only linears' backward (w8a16, w4a16, mxfp4) ----
 # Differentiable in x and bias, as the reference lanes are (QLoRA trains adapters beside frozen
-# quantized weights and needs dx): dx = dy @ W with W the dequantized weight, built in float64
-# (exact: codes times fp16, bf16, e8m0 or fp32 scales) and only when dx is asked for, rounded once
-# to x's dtype; dbias the column sums of dy, in float64. Not fp32: a weight past fp32's range (an
-# e8m0 scale of 2^127 times e2m1 2 or more; a float scale of 2^124 times a code of 16) was inf
-# there, and dx inf, or NaN (0 * inf where dy is 0), where the oracle's was finite; and an fp32
-# matmul follows torch's TF32 setting, which rounds W to 10 bits. The reference lane's autograd
-# computes the same float64 sum; fp64 matrix throughput is fp32's (without TF32) on H100/H200,
-# A100 and MI300, far below it on RDNA.
+# quantized weights and needs dx): dx = dy @ W, dbias the column sums of dy (in float64). W, the
+# dequantized weight, is built in float64 (exact: codes times fp16, bf16, e8m0 or fp32 scales),
+# only when dx is asked for; each of its columns k is brought by a power of two 2^-e[k] (exact)
+# to a largest magnitude in [0.5, 1) and rounded to fp32, multiplied in fp32 (the speed of the
+# 16-bit world's own backward, and torch's TF32 setting applies, as to F.linear's), and the
+# product taken back by 2^e[k] in float64 before one rounding to x's dtype. Built in fp32 as it
+# stood, a weight past fp32's range (an e8m0 scale of 2^127 times e2m1 2 or more; a float scale
+# of 2^124 times a code of 16) was inf and dx inf, or NaN (0 * inf where dy is 0), where the
+# oracle's was finite (found by helper-24's review); a float64 matmul avoids that too, at a
+# sixteenth of fp32's speed or less on consumer GPUs (RDNA) and without TF32 on NVIDIA's.
 # The codes are integers and the scales a checkpoint's constants (buffers): the Triton lane refuses
 # scales that require grad (_constant) rather than leave them without a gradient.
 
@@ -156,9 +158,13 @@ def _dx_and_dbias(ctx, dy: Tensor, weight, bias_index: int) -> tuple[Tensor | No
     """(dx, dbias) of y = x @ W.T + bias, x the op's input 0 and bias its input ``bias_index``;
     dy (M, N), ``weight()`` W (N, K) float64, called only where dx is needed."""
     x_dtype, bias_dtype = ctx.dtypes
-    dy64 = dy.to(torch.float64)
-    dx = (dy64 @ weight()).to(x_dtype) if ctx.needs_input_grad[0] else None
-    dbias = dy64.sum(0).to(bias_dtype) if ctx.needs_input_grad[bias_index] else None
+    dx = dbias = None
+    if ctx.needs_input_grad[0]:
+        w = weight()
+        e = torch.frexp(w.abs().amax(0)).exponent if w.numel() else w.new_zeros(w.shape[1], dtype=torch.int32)
+        dx = torch.ldexp((dy.float() @ torch.ldexp(w, -e).float()).double(), e).to(x_dtype)
+    if ctx.needs_input_grad[bias_index]:
+        dbias = dy.to(torch.float64).sum(0).to(bias_dtype)
     return dx, dbias
 
 
