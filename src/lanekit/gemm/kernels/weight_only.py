@@ -165,7 +165,7 @@ def _finish(acc, BIAS, Y, WS, pid_k, M, N, offs_m, offs_n, m_mask, n_mask, strid
     partial sum into the workspace WS (SPLIT_K, M, N) fp32, for _split_k_sum."""
     mask = m_mask[:, None] & n_mask[None, :]
     if SPLIT:
-        tl.store(WS + (pid_k * M + offs_m[:, None]) * N + offs_n[None, :], acc, mask=mask)
+        tl.store(WS + (tl.cast(pid_k, tl.int64) * M + offs_m[:, None]) * N + offs_n[None, :], acc, mask=mask)
     else:
         if HAS_BIAS:
             acc += tl.load(BIAS + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
@@ -182,7 +182,7 @@ def _split_k_sum(WS, BIAS, Y, M, N, SPLIT_K, stride_ym, stride_yn, HAS_BIAS: tl.
     mask = idx < M * N
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
     for k in range(0, SPLIT_K):
-        acc += tl.load(WS + k * M * N + idx, mask=mask, other=0.0)
+        acc += tl.load(WS + tl.cast(k, tl.int64) * M * N + idx, mask=mask, other=0.0)
     n = idx % N
     if HAS_BIAS:
         acc += tl.load(BIAS + n, mask=mask, other=0.0).to(tl.float32)
