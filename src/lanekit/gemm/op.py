@@ -132,9 +132,9 @@ def fp8_linear_reference(*, x, weight, weight_scale, bias=None, x_scale=None, bl
 # quantized weights and needs dx): dx = dy @ W, dbias the column sums of dy (in float64). W, the
 # dequantized weight, is built in float64 (exact: codes times fp16, bf16, e8m0 or fp32 scales),
 # only when dx is asked for; each of its columns k is brought by a power of two 2^-e[k] (exact)
-# to a largest magnitude in [0.5, 1) and rounded to fp32, multiplied in fp32 (the speed of the
-# 16-bit world's own backward, and torch's TF32 setting applies, as to F.linear's), and the
-# product taken back by 2^e[k] in float64 before one rounding to x's dtype. Built in fp32 as it
+# to a largest magnitude in [0.5, 1) and rounded to fp32, multiplied in fp32 (torch's TF32
+# setting applies, as to F.linear's backward), and the product taken back by 2^e[k] in float64
+# before one rounding to x's dtype. Built in fp32 as it
 # stood, a weight past fp32's range (an e8m0 scale of 2^127 times e2m1 2 or more; a float scale
 # of 2^124 times a code of 16) was inf and dx inf, or NaN (0 * inf where dy is 0), where the
 # oracle's was finite (found by helper-24's review); a float64 matmul avoids that too, at a
