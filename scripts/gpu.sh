@@ -3,7 +3,7 @@
 #   bash scripts/gpu.sh [STEP ...]
 #   steps: info tests sanitizer check check-sanitized demo tune tune-bwd tune-layers profile bench
 #   bench-layers bench-decode bench-moe bench-new (linear_attn mla attention_fp8 eager train generate;
-#   peers from wheels: see the device README) bench-gemm gemm-explore attention-explore ep-one ep fa-suite tune-moe tune-decode ncu ab (default, in this order: info tests check demo bench bench-layers
+#   peers from wheels: see the device README) bench-gemm bench-gemm4 gemm-explore attention-explore ep-one ep fa-suite tune-moe tune-decode ncu ab (default, in this order: info tests check demo bench bench-layers
 #   bench-decode sanitizer).
 #   check-sanitized is lanekit check under compute-sanitizer's memcheck: every kernel on every
 #   registered sample, checked for out-of-bounds accesses as well as against its oracle.
@@ -15,7 +15,8 @@
 #   ab times one case across source trees, alternating (benchmarks.ab):
 #   AB_ARGS='layers "qk_norm_rope_quant e4m3" old=.gpu/old/src new=src' (carry .gpu).
 # Uses the machine's own python3 (torch, triton, transformers preinstalled); lanekit from src/.
-# Each step's log goes to $OUT/<step>.log; a line per step with its exit code and last line.
+# Each step's log goes to $OUT/<step>.log; a line per step with its exit code and last line. The device
+# tool brings back at most 8 files from $OUT: more steps than that in one call lose their logs.
 set -u
 OUT=${OUT:-/tmp/lanekit-gpu}
 mkdir -p "$OUT"
@@ -63,7 +64,10 @@ for s in "${steps[@]}"; do
     bench-layers) run_step bench-layers python3 -m benchmarks.run layers --json "$OUT/bench-layers.json" ;;
     bench-decode) run_step bench-decode python3 -m benchmarks.run decode prefill --json "$OUT/bench-decode.json" ;;
     bench-new) run_step bench-new python3 -m benchmarks.run linear_attn mla attention_fp8 eager train generate --json "$OUT/bench-new.json" ;;
-    bench-gemm) run_step bench-gemm python3 -m benchmarks.run gemm quant --json "$OUT/bench-gemm.json" ;;
+    # --quick: the full shapes of gemm, quant and gemm_4bit took longer than a call can give them (H100, 2026-12-07)
+    bench-gemm) run_step bench-gemm python3 -m benchmarks.run gemm_graphs quant_graphs --quick --json "$OUT/bench-gemm.json" ;;
+    bench-gemm4) run_step bench-gemm4 python3 -m benchmarks.run gemm4_graphs gemm4_svdquant gemm4_int --quick \
+                   --json "$OUT/bench-gemm4.json" ;;
     gemm-explore) run_step gemm-explore python3 -m benchmarks.explore_gemm_sm90 ;;
     attention-explore) run_step attention-explore python3 -m benchmarks.explore_attention_sm90 ;;
     ep-one) run_step ep-one bash -c "python3 -m benchmarks.moe_ep --world 1 --smoke && python3 -m benchmarks.moe_ep --world 1" ;;
