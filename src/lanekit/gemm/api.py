@@ -202,7 +202,9 @@ def w8a8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tenso
     rounded in fp32; or static: x_scale, one float32 element, used as given. weight: (N, K) int8
     codes; weight_scale: float32 (N,) or (N, 1) per output channel, or one element. The product is
     summed in int32 (exact), scaled by both scales in fp32, bias ((N,) in x's dtype or float32)
-    added. Returns (..., N) in x's dtype.
+    added. Returns (..., N) in x's dtype. Inference only: on the Triton lane the output carries no
+    gradient (x's rounding to codes has none; to train beside quantized weights, use a weight-only
+    linear: w8a16_linear, w4a16_linear, mxfp4_linear).
 
     Raises TypeError for a wrong dtype, ValueError for a wrong rank, shape or device.
     """
@@ -226,7 +228,8 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     ``block_size`` = [128, 128]: per 1 x 128 group of each row instead (DeepSeek-V3), and
     weight_scale per 128 x 128 block. weight: (N, K) float8_e4m3fn; weight_scale float32: (N,) or
     (N, 1) per channel, one element per tensor, or with block_size (ceil(N/128), ceil(K/128)).
-    Sums in fp32; bias (N,) in x's dtype or float32. Returns (..., N) in x's dtype.
+    Sums in fp32; bias (N,) in x's dtype or float32. Returns (..., N) in x's dtype. Inference
+    only: on the Triton lane the output carries no gradient (see w8a8_linear).
 
     Raises TypeError for a wrong dtype, ValueError for a wrong rank, shape, device or block_size.
     """
@@ -477,7 +480,8 @@ def w4a8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, ch
         y: (..., N) in x's dtype: W[n, k] = channel_scale[n] * scales[n, g] * (code - 8)
         (+ correction[n, g]), g = k // group_size. Each group's int32 sum of code products (exact)
         times the group's scale in fp32, the correction times the group's int32 sum of x's codes,
-        then the channel and token scales, bias added in fp32, rounded once.
+        then the channel and token scales, bias added in fp32, rounded once. Inference only: on
+        the Triton lane the output carries no gradient (see w8a8_linear).
 
     Raises:
         TypeError for a wrong type or dtype; ValueError for a wrong rank, shape or device, or a
@@ -614,7 +618,7 @@ def svdquant_w4a4_linear(x: torch.Tensor, qweight: torch.Tensor, wscales: torch.
     Returns:
         y: (..., N) in x's dtype: the exact int4 products summed in int32 per group, times the
         group's two scales in fp32, plus the low-rank branch summed in fp32, plus bias, rounded
-        once.
+        once. Inference only: on the Triton lane the output carries no gradient (see w8a8_linear).
 
     Raises:
         TypeError for a wrong type or dtype (lora_down or lora_up not in x's dtype included);
