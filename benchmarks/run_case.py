@@ -12,7 +12,6 @@ to profile a candidate: ``--set ROTARY.quant_block_rows=16``.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 
 import torch
 
@@ -28,22 +27,10 @@ def main(argv=None) -> int:
     p.add_argument("--repeat", type=int, default=4)
     p.add_argument("--set", action="append", default=[], metavar="TABLE.field=value")
     args = p.parse_args(argv)
-    arch = tuning.arch_id(torch.device("cuda"))
-    for item in args.set:
-        name, _, value = item.partition("=")
-        table_name, _, field = name.partition(".")
-        table = tables.table(table_name)
-        if not isinstance(table, dict) or "generic" not in table:
-            p.error(f"--set: expected TABLE.field=value with TABLE a tuning table, got {item!r}")
-        row = table.get(arch, table["generic"])
-        # a row, or (NORM, FLASH_ATTN_*) rows by bucket: the field is replaced in every bucket
-        rows = row if isinstance(row, dict) else {None: row}
-        first = next(iter(rows.values()))
-        if field not in {f.name for f in dataclasses.fields(first)} or not value.lstrip("-").isdigit():
-            p.error(f"--set: expected an int field of {type(first).__name__} "
-                    f"({', '.join(f.name for f in dataclasses.fields(first))}), got {item!r}")
-        replaced = {k: dataclasses.replace(r, **{field: int(value)}) for k, r in rows.items()}
-        table[arch] = replaced if isinstance(row, dict) else replaced[None]
+    try:
+        tables.apply_settings(args.set, tuning.arch_id(torch.device("cuda")))
+    except ValueError as exc:
+        p.error(f"--set: {exc}")
     module = FAMILIES[args.family]
     try:
         case = case_named(module, args.case)

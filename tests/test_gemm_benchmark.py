@@ -18,3 +18,22 @@ def test_gemm_families_are_registered_and_grouped():
     quick = list(gemm.cases(True))
     assert len(quick) == len(gemm.OPS) * 2 and all(c["K"] == 4096 for c in quick)
     assert gemm.flops(quick[0]) == 2.0 * 16 * 4096 * 4096
+
+
+def test_a_tuning_setting_replaces_its_field_in_every_bucket_of_one_architecture(monkeypatch):
+    # run_case --set and ab's trees with settings (the sm90 fp8 rows' imprecise_acc A/B)
+    import pytest
+
+    from benchmarks import ab, tables
+    from lanekit.gemm import tuning
+
+    monkeypatch.setitem(tuning.GEMM, "sm90", dict(tuning.GEMM["sm90"]))     # put back after the test
+    before = dict(tuning.GEMM["sm80"])
+    tables.apply_settings(["GEMM.imprecise_acc=128"], "sm90")
+    assert {c.imprecise_acc for c in tuning.GEMM["sm90"].values()} == {128}
+    assert tuning.GEMM["sm80"] == before
+    for bad in ("GEMM.imprecise_acc=x", "GEMM.nope=1", "NOPE.block_m=16"):
+        with pytest.raises(ValueError, match="expected"):
+            tables.apply_settings([bad], "sm90")
+    with pytest.raises(SystemExit):     # refused before any child process starts
+        ab.main(["gemm_graphs", "scaled_mm tensor M=1024 K=4096 N=4096", "a=src,NOPE.block_m=16"])
