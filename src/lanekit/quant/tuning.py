@@ -16,6 +16,14 @@ from lanekit.runtime.tuning import arch_row
 QUANT_BLOCK: dict[str, int] = {"generic": 1024}
 QUANT_WARPS: dict[str, int] = {"generic": 4}
 
+# Group granularity with a power-of-two group: a program takes (rows, groups) of them, a
+# [rows, groups, group] tile, so that it moves enough bytes (one program per row and group of 128
+# read 256 bytes and reached 17% of the copy bandwidth at M = 16384, K = 7168 on an H100,
+# 2026-12-07): 4 x 8 groups of 128 are 8 KiB of bf16. The interpreter's 1 x 2 keeps partial tiles
+# in the samples (odd rows, a last group past C).
+QUANT_GROUP_TILE: dict[str, tuple[int, int]] = {"generic": (1, 2), "sm90": (4, 8), "sm80": (4, 8),
+                                               "gfx942": (4, 8), "gfx1201": (2, 8)}
+
 SPILL_ALLOWANCES: dict = {}
 MATRIX_ALLOWANCES: dict = {}
 

@@ -85,6 +85,37 @@ def _quantize_kernel(X, Q, S, AMAX, stride_xm, stride_xk, stride_qm, stride_qk, 
 
 
 @triton.jit
+def _quantize_groups_kernel(X, Q, S, stride_xm, stride_xk, stride_qm, stride_qk, stride_sm, stride_sk, R, C, G,
+                            QMAX: tl.constexpr, INT8: tl.constexpr, STATIC: tl.constexpr, ZERO: tl.constexpr,
+                            GROUP: tl.constexpr, ROWS: tl.constexpr, GROUPS: tl.constexpr):
+    """_quantize_kernel's group granularity (dynamic or static per-group scales, GROUP a power of
+    two) over a [ROWS, GROUPS, GROUP] tile a program: the same elementwise steps and max, so the
+    same bits."""
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS).to(tl.int64)              # [ROWS]
+    gs = tl.program_id(1).to(tl.int64) * GROUPS + tl.arange(0, GROUPS).to(tl.int64)            # [GROUPS]
+    cols = gs[:, None] * GROUP + tl.arange(0, GROUP).to(tl.int64)[None, :]                    # [GROUPS, GROUP]
+    row_ok = rows < R
+    mask = row_ok[:, None, None] & (cols < C)[None, :, :]
+    x = tl.load(X + rows[:, None, None] * stride_xm + cols[None, :, :] * stride_xk, mask=mask,
+                other=0.0).to(tl.float32)                                                      # [ROWS, GROUPS, GROUP]
+    s_ptrs = S + rows[:, None] * stride_sm + gs[None, :] * stride_sk
+    s_mask = row_ok[:, None] & (gs < G)[None, :]
+    if STATIC:
+        scale = tl.load(s_ptrs, mask=s_mask, other=1.0).to(tl.float32)
+    else:
+        scale = quant_scale(tl.max(finite_abs(x), axis=2), QMAX, ZERO)   # NaN for a group holding a NaN or inf
+        tl.store(s_ptrs, scale, mask=s_mask)
+    scale = scale[:, :, None]
+    if INT8:
+        q = quantize(tl.math.div_rn(x, tl.where(scale == 0, 1.0, scale)), QMAX, 1)
+        q = tl.where(scale == 0, 0.0, q)
+    else:
+        q = quantize(tl.math.div_rn(x, scale), QMAX, 2)
+    tl.store(Q + rows[:, None, None] * stride_qm + cols[None, :, :] * stride_qk,
+             cast_codes(q, Q.dtype.element_ty, 1 if INT8 else 2), mask=mask)
+
+
+@triton.jit
 def _dequantize_kernel(Q, S, Y, stride_qm, stride_qk, stride_sm, stride_sk, stride_ym, stride_yk,
                        C, group, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
@@ -131,7 +162,14 @@ def quantize_fwd(*, x, dtype, scale, granularity, group_size):
         s = empty((R, G if granularity == "group" else 1), dtype=torch.float32, device=device)
         amax = s
     s_strides = (0, 0) if tensor else s.stride()
-    if R and C:
+    if R and C and granularity == "group" and group & (group - 1) == 0 and group >= 16:
+        rows, groups = arch_row(tuning.QUANT_GROUP_TILE, device)
+        groups = min(groups, triton.next_power_of_2(G))
+        _quantize_groups_kernel[(triton.cdiv(R, rows), triton.cdiv(G, groups))](
+            x, codes, s, *x.stride(), *codes.stride(), *s_strides, R, C, G,
+            QMAX=QMAX[dtype], INT8=int8, STATIC=scale is not None, ZERO=zero, GROUP=group, ROWS=rows,
+            GROUPS=groups, num_warps=warps)
+    elif R and C:
         _quantize_kernel[(R, G)](
             x, codes, s, amax, *x.stride(), *codes.stride(), *s_strides, C, group,
             QMAX=QMAX[dtype], INT8=int8, TENSOR=tensor, STATIC=scale is not None, ZERO=zero,
