@@ -130,6 +130,34 @@ def _dequantize_kernel(Q, S, Y, stride_qm, stride_qk, stride_sm, stride_sk, stri
         tl.store(Y + row * stride_ym + (c0 + offs) * stride_yk, (q * scale).to(Y.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _dequantize_groups_kernel(Q, S, Y, stride_qm, stride_qk, stride_sm, stride_sk, stride_ym, stride_yk, R, C, G,
+                              GROUP: tl.constexpr, ROWS: tl.constexpr, GROUPS: tl.constexpr):
+    """_dequantize_kernel by group (GROUP a power of two) over a [ROWS, GROUPS, GROUP] tile a
+    program, as _quantize_groups_kernel: the same product and rounding, the same bits."""
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS).to(tl.int64)
+    gs = tl.program_id(1).to(tl.int64) * GROUPS + tl.arange(0, GROUPS).to(tl.int64)
+    cols = gs[:, None] * GROUP + tl.arange(0, GROUP).to(tl.int64)[None, :]
+    row_ok = rows < R
+    mask = row_ok[:, None, None] & (cols < C)[None, :, :]
+    scale = tl.load(S + rows[:, None] * stride_sm + gs[None, :] * stride_sk, mask=row_ok[:, None] & (gs < G)[None, :],
+                    other=0.0)
+    q = tl.load(Q + rows[:, None, None] * stride_qm + cols[None, :, :] * stride_qk, mask=mask).to(tl.float32)
+    tl.store(Y + rows[:, None, None] * stride_ym + cols[None, :, :] * stride_yk,
+             (q * scale[:, :, None]).to(Y.dtype.element_ty), mask=mask)
+
+
+def _group_tile(G: int, device) -> tuple[int, int]:
+    """(rows, groups) of a by-group program (QUANT_GROUP_TILE), no more groups than the row has."""
+    rows, groups = arch_row(tuning.QUANT_GROUP_TILE, device)
+    return rows, min(groups, triton.next_power_of_2(G))
+
+
+def _tiled(granularity: str, group: int) -> bool:
+    """Whether the by-group kernels of [rows, groups, group] tiles take it: a power-of-two group."""
+    return granularity == "group" and group >= 16 and group & (group - 1) == 0
+
+
 def _block(width: int, device) -> int:
     return min(arch_row(tuning.QUANT_BLOCK, device), triton.next_power_of_2(max(width, 16)))
 
@@ -162,9 +190,8 @@ def quantize_fwd(*, x, dtype, scale, granularity, group_size):
         s = empty((R, G if granularity == "group" else 1), dtype=torch.float32, device=device)
         amax = s
     s_strides = (0, 0) if tensor else s.stride()
-    if R and C and granularity == "group" and group & (group - 1) == 0 and group >= 16:
-        rows, groups = arch_row(tuning.QUANT_GROUP_TILE, device)
-        groups = min(groups, triton.next_power_of_2(G))
+    if R and C and _tiled(granularity, group):
+        rows, groups = _group_tile(G, device)
         _quantize_groups_kernel[(triton.cdiv(R, rows), triton.cdiv(G, groups))](
             x, codes, s, *x.stride(), *codes.stride(), *s_strides, R, C, G,
             QMAX=QMAX[dtype], INT8=int8, STATIC=scale is not None, ZERO=zero, GROUP=group, ROWS=rows,
@@ -186,7 +213,12 @@ def dequantize_fwd(*, codes, scale, granularity, group_size, output_dtype):
     group, G = _layout(granularity, R, C, group_size)
     s = scale.to(torch.float32)
     s_strides = (0, 0) if granularity == "tensor" else (s.stride(0), 0 if granularity == "token" else s.stride(1))
-    if R and C:
+    if R and C and _tiled(granularity, group):
+        rows, groups = _group_tile(G, device)
+        _dequantize_groups_kernel[(triton.cdiv(R, rows), triton.cdiv(G, groups))](
+            codes, s, y, *codes.stride(), *s_strides, *y.stride(), R, C, G, GROUP=group, ROWS=rows, GROUPS=groups,
+            num_warps=arch_row(tuning.QUANT_WARPS, device))
+    elif R and C:
         _dequantize_kernel[(R, G)](codes, s, y, *codes.stride(), *s_strides, *y.stride(), C, group,
                                    BLOCK=_block(min(group, C), device),
                                    num_warps=arch_row(tuning.QUANT_WARPS, device))
