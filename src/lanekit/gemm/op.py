@@ -134,11 +134,11 @@ def fp8_linear_reference(*, x, weight, weight_scale, bias=None, x_scale=None, bl
 # only when dx is asked for; each of its columns k is brought by a power of two 2^-e[k] (exact)
 # to a largest magnitude in [0.5, 1) and rounded to fp32, multiplied in fp32 (torch's TF32
 # setting applies, as to F.linear's backward), and the product taken back by 2^e[k] in float64
-# before one rounding to x's dtype. Built in fp32 as it
-# stood, a weight past fp32's range (an e8m0 scale of 2^127 times e2m1 2 or more; a float scale
-# of 2^124 times a code of 16) was inf and dx inf, or NaN (0 * inf where dy is 0), where the
-# oracle's was finite (found by helper-24's review); a float64 matmul avoids that too, at a
-# sixteenth of fp32's speed or less on consumer GPUs (RDNA) and without TF32 on NVIDIA's.
+# before one rounding to x's dtype. Built in fp32 as it stood, a weight past fp32's range (an
+# e8m0 scale of 2^127 times e2m1 2 or more; a float scale of 2^124 times a code of 16) was inf and
+# dx inf, or NaN (0 * inf where dy is 0), where the oracle's was finite (found by helper-24's
+# review); a float64 matmul avoids that too, at a sixteenth of fp32's speed or less on consumer
+# GPUs (RDNA) and without TF32 on NVIDIA's.
 # The codes are integers and the scales a checkpoint's constants (buffers): the Triton lane refuses
 # scales that require grad (_constant) rather than leave them without a gradient.
 
@@ -150,22 +150,28 @@ def _constant(name: str, t: Tensor | None) -> None:
                          f"it, or use lane='reference'), got one with requires_grad=True")
 
 
-def _keep_dtypes(ctx, x: Tensor, bias: Tensor | None) -> None:
-    ctx.dtypes = (x.dtype, bias.dtype if bias is not None else None)
+def _weight_only_autograd(op, bias_index: int, weight) -> None:
+    """Register the backward above for a weight-only linear ``op`` whose input 0 is x and input
+    ``bias_index`` the bias: ``weight(*inputs[1:])`` gives W (N, K) in float64, exactly, and is
+    called only where dx is asked for."""
+    def setup(ctx, inputs, output):
+        rest = inputs[1:]
+        ctx.save_for_backward(*(t if isinstance(t, Tensor) else None for t in rest))
+        ctx.constants = [None if isinstance(t, Tensor) else t for t in rest]
+        ctx.dtypes = (inputs[0].dtype, inputs[bias_index].dtype if inputs[bias_index] is not None else None)
 
+    def backward(ctx, dy):
+        rest = [t if c is None else c for t, c in zip(ctx.saved_tensors, ctx.constants)]
+        grads = [None] * (len(rest) + 1)
+        if ctx.needs_input_grad[0]:
+            w = weight(*rest)
+            e = torch.frexp(w.abs().amax(0)).exponent if w.numel() else w.new_zeros(w.shape[1], dtype=torch.int32)
+            grads[0] = torch.ldexp((dy.float() @ torch.ldexp(w, -e).float()).double(), e).to(ctx.dtypes[0])
+        if ctx.needs_input_grad[bias_index]:
+            grads[bias_index] = dy.to(torch.float64).sum(0).to(ctx.dtypes[1])
+        return tuple(grads)
 
-def _dx_and_dbias(ctx, dy: Tensor, weight, bias_index: int) -> tuple[Tensor | None, Tensor | None]:
-    """(dx, dbias) of y = x @ W.T + bias, x the op's input 0 and bias its input ``bias_index``;
-    dy (M, N), ``weight()`` W (N, K) float64, called only where dx is needed."""
-    x_dtype, bias_dtype = ctx.dtypes
-    dx = dbias = None
-    if ctx.needs_input_grad[0]:
-        w = weight()
-        e = torch.frexp(w.abs().amax(0)).exponent if w.numel() else w.new_zeros(w.shape[1], dtype=torch.int32)
-        dx = torch.ldexp((dy.float() @ torch.ldexp(w, -e).float()).double(), e).to(x_dtype)
-    if ctx.needs_input_grad[bias_index]:
-        dbias = dy.to(torch.float64).sum(0).to(bias_dtype)
-    return dx, dbias
+    op.register_autograd(backward, setup_context=setup)
 
 
 @_custom_op("lanekit::w8a16_linear")
@@ -179,20 +185,8 @@ def _(x, weight, weight_scale, bias):
     return x.new_empty((x.shape[0], weight.shape[0]))
 
 
-def _w8a16_setup(ctx, inputs, output):
-    x, weight, weight_scale, bias = inputs
-    ctx.save_for_backward(weight, weight_scale)
-    _keep_dtypes(ctx, x, bias)
-
-
-def _w8a16_backward(ctx, dy):
-    weight, weight_scale = ctx.saved_tensors
-    dx, dbias = _dx_and_dbias(
-        ctx, dy, lambda: weight.to(torch.float64) * weight_scale.to(torch.float64).reshape(-1, 1), 3)
-    return dx, None, None, dbias
-
-
-_w8a16_op.register_autograd(_w8a16_backward, setup_context=_w8a16_setup)
+_weight_only_autograd(_w8a16_op, 3, lambda weight, weight_scale, bias:
+                      weight.to(torch.float64) * weight_scale.to(torch.float64).reshape(-1, 1))
 
 
 def w8a16_linear_triton(*, x, weight, weight_scale, bias=None):
@@ -229,36 +223,9 @@ def _(x, w_fp4, w_scale, bias):
     return x.new_empty((x.shape[0], w_fp4.shape[0]))
 
 
-def _w4a16_setup(ctx, inputs, output):
-    x, qweight, scales, zeros, g_idx, bias, group_size, layout = inputs
-    ctx.save_for_backward(qweight, scales, zeros, g_idx)
-    ctx.layout = (group_size, layout)
-    _keep_dtypes(ctx, x, bias)
-
-
-def _w4a16_backward(ctx, dy):
-    qweight, scales, zeros, g_idx = ctx.saved_tensors
-    dx, dbias = _dx_and_dbias(      # W (K, N) float64, exact
-        ctx, dy, lambda: ref.w4_weight(qweight, scales.to(torch.float64), zeros, *ctx.layout, g_idx).t(), 5)
-    return dx, None, None, None, None, dbias, None, None
-
-
-_w4a16_op.register_autograd(_w4a16_backward, setup_context=_w4a16_setup)
-
-
-def _mxfp4_setup(ctx, inputs, output):
-    x, w_fp4, w_scale, bias = inputs
-    ctx.save_for_backward(w_fp4, w_scale)
-    _keep_dtypes(ctx, x, bias)
-
-
-def _mxfp4_backward(ctx, dy):
-    w_fp4, w_scale = ctx.saved_tensors
-    dx, dbias = _dx_and_dbias(ctx, dy, lambda: ref.mxfp4_weight(w_fp4, w_scale, torch.float64), 3)
-    return dx, None, None, dbias
-
-
-_mxfp4_op.register_autograd(_mxfp4_backward, setup_context=_mxfp4_setup)
+_weight_only_autograd(_w4a16_op, 5, lambda qweight, scales, zeros, g_idx, bias, group_size, layout:
+                      ref.w4_weight(qweight, scales.to(torch.float64), zeros, group_size, layout, g_idx).t())
+_weight_only_autograd(_mxfp4_op, 3, lambda w_fp4, w_scale, bias: ref.mxfp4_weight(w_fp4, w_scale, torch.float64))
 
 
 def w4a16_linear_triton(*, x, qweight, scales, zeros=None, group_size=128, layout="awq", g_idx=None,
