@@ -11,6 +11,7 @@ from lanekit.attention.api_checks import (_DTYPES, _QUANT_DTYPES, _alibi, _check
                                           _read_indices, _sinks)
 from lanekit.kv_cache import checks
 from lanekit.runtime.lanes import triton_interpreted
+from lanekit.runtime.tuning import processor_count
 from lanekit.runtime.validate import (argument_errors, check_inplace, check_outputs, flag, int_in, is_int,
                                       lane_for, tensor)
 
@@ -33,7 +34,7 @@ def num_splits_heuristic(batch_programs: int, max_seqlen_k: int | None, device: 
     4 stages), which this heuristic splits in two, 4379 in two, 3601 in three, 3192 unsplit. Since
     2026-12-03 that row is the 64-key one (tuning.FLASH_ATTN_KVCACHE_PER_KEY_PAGES), left unsplit:
     4448 GB/s, and 3793 in two."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    sms = processor_count(device) if device.type == "cuda" else 4
     programs = max(batch_programs, 1)
     splits = (2 * sms * max(programs_per_sm, 1) + programs) // (2 * programs)   # rounded to nearest
     if max_seqlen_k is not None:

@@ -141,8 +141,7 @@ def processor_count(device: torch.device) -> int:
     device, or :data:`PROCESSORS`'s for a target compiled for (and for the interpreter)."""
     if compiling() is None and device.type == "cuda" and torch.cuda.is_available():
         return _cuda_processors(device.index if device.index is not None else torch.cuda.current_device())
-    arch = arch_id(device)
-    return PROCESSORS.get(arch, PROCESSORS.get(ARCH_ALIASES.get(arch, "generic"), PROCESSORS["generic"]))
+    return arch_row(PROCESSORS, device)
 
 
 @functools.lru_cache(maxsize=None)
