@@ -42,6 +42,18 @@ def _amax_kernel(X, AMAX, stride_xm, stride_xk, C, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _codes(x, scale, Q, QMAX: tl.constexpr, INT8: tl.constexpr):
+    """The codes of fp32 x with its scale, in Q's dtype: div_rn(x, scale) saturated and rounded half
+    to even; int8 codes are 0 wherever the scale is 0."""
+    if INT8:
+        q = quantize(tl.math.div_rn(x, tl.where(scale == 0, 1.0, scale)), QMAX, 1)
+        q = tl.where(scale == 0, 0.0, q)
+    else:
+        q = quantize(tl.math.div_rn(x, scale), QMAX, 2)
+    return cast_codes(q, Q.dtype.element_ty, 1 if INT8 else 2)
+
+
+@triton.jit
 def _quantize_kernel(X, Q, S, AMAX, stride_xm, stride_xk, stride_qm, stride_qk, stride_sm, stride_sk,
                      C, group, QMAX: tl.constexpr, INT8: tl.constexpr, TENSOR: tl.constexpr,
                      STATIC: tl.constexpr, ZERO: tl.constexpr, BLOCK: tl.constexpr):
@@ -75,13 +87,7 @@ def _quantize_kernel(X, Q, S, AMAX, stride_xm, stride_xk, stride_qm, stride_qk, 
     for c0 in range(start, end, BLOCK):
         mask = offs < end - c0
         x = tl.load(X + row * stride_xm + (c0 + offs) * stride_xk, mask=mask, other=0.0).to(tl.float32)
-        if INT8:
-            q = quantize(tl.math.div_rn(x, tl.where(scale == 0, 1.0, scale)), QMAX, 1)
-            q = tl.where(scale == 0, 0.0, q)
-        else:
-            q = quantize(tl.math.div_rn(x, scale), QMAX, 2)
-        tl.store(Q + row * stride_qm + (c0 + offs) * stride_qk,
-                 cast_codes(q, Q.dtype.element_ty, 1 if INT8 else 2), mask=mask)
+        tl.store(Q + row * stride_qm + (c0 + offs) * stride_qk, _codes(x, scale, Q, QMAX, INT8), mask=mask)
 
 
 @triton.jit
@@ -105,14 +111,8 @@ def _quantize_groups_kernel(X, Q, S, stride_xm, stride_xk, stride_qm, stride_qk,
     else:
         scale = quant_scale(tl.max(finite_abs(x), axis=2), QMAX, ZERO)   # NaN for a group holding a NaN or inf
         tl.store(s_ptrs, scale, mask=s_mask)
-    scale = scale[:, :, None]
-    if INT8:
-        q = quantize(tl.math.div_rn(x, tl.where(scale == 0, 1.0, scale)), QMAX, 1)
-        q = tl.where(scale == 0, 0.0, q)
-    else:
-        q = quantize(tl.math.div_rn(x, scale), QMAX, 2)
     tl.store(Q + rows[:, None, None] * stride_qm + cols[None, :, :] * stride_qk,
-             cast_codes(q, Q.dtype.element_ty, 1 if INT8 else 2), mask=mask)
+             _codes(x, scale[:, :, None], Q, QMAX, INT8), mask=mask)
 
 
 @triton.jit
