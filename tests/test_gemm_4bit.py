@@ -15,7 +15,7 @@ from lanekit.gemm import op as gop
 from lanekit.gemm import registry as greg
 from lanekit.reference import gemm as ref
 from lanekit.runtime import errors
-from lanekit.testing import assert_close, poisoned_outputs, registered_cases, upcast
+from lanekit.testing import assert_close, on_device, poisoned_outputs, registered_cases, upcast
 
 OPS = ["w4a16_linear", "mxfp4_linear"]
 LANES = ["triton", "reference"]
@@ -239,12 +239,6 @@ def _good(layout="awq"):
     return dict(_w4(layout, 4, 64, 16, 32, f"good {layout}"))
 
 
-def _on_device(kw):
-    """kw with its tensors on DEVICE, beside the good ones (else a GPU would refuse the device
-    before the change under test); a "meta" one (the device refusal) stays."""
-    return {k: v.to(DEVICE) if isinstance(v, torch.Tensor) and v.device.type != "meta" else v for k, v in kw.items()}
-
-
 @pytest.mark.parametrize("change, error, match", [
     (dict(x=torch.zeros(4, 64)), TypeError, "x:"),
     (dict(qweight=torch.zeros(64, 2, dtype=torch.int64)), TypeError, "qweight"),
@@ -264,7 +258,7 @@ def _on_device(kw):
 ])
 def test_w4a16_linear_rejects(change, error, match, no_launch):
     kw = _good()
-    kw.update(_on_device(change))
+    kw.update(on_device(change, DEVICE))
     with pytest.raises(error, match=match):
         gemm.w4a16_linear(**kw, lane="triton")
 
@@ -281,7 +275,7 @@ def test_w4a16_linear_rejects_gptq(change, error, match, no_launch, monkeypatch)
     # (on a GPU the kernel masks a bad one and records it: test_a_g_idx_out_of_range_...)
     monkeypatch.setenv("LANEKIT_CHECK_INDICES", "1")
     kw = _good("gptq")
-    kw.update(_on_device(change))
+    kw.update(on_device(change, DEVICE))
     with pytest.raises(error, match=match):
         gemm.w4a16_linear(**kw, lane="triton")
 
@@ -305,7 +299,7 @@ def test_k_not_a_multiple_of_group_size_is_refused_not_padded(no_launch):
 def test_mxfp4_linear_rejects(change, error, match, no_launch):
     kw = dict(x=torch.zeros(4, 64, dtype=torch.bfloat16), w_fp4=torch.zeros(8, 32, dtype=torch.uint8),
               w_scale_e8m0=torch.full((8, 2), 127, dtype=torch.uint8))
-    kw = _on_device({**kw, **change})
+    kw = on_device({**kw, **change}, DEVICE)
     with pytest.raises(error, match=match):
         gemm.mxfp4_linear(**kw, lane="triton")
 
@@ -375,8 +369,8 @@ def test_strided_and_expanded_bias_and_g_idx_are_read_by_their_strides(lane):
 def _grads(fn, kw, dy):
     """(dx, dbias) of fn(**kw) with x and bias requiring grad, for the output gradient dy."""
     x, bias = kw["x"].detach().requires_grad_(), kw["bias"].detach().requires_grad_()
-    y = fn(**{**kw, "x": x, "bias": bias})
-    return torch.autograd.grad(y, (x, bias), dy)
+    with poisoned_outputs():
+        return torch.autograd.grad(fn(**{**kw, "x": x, "bias": bias}), (x, bias), dy)
 
 
 @pytest.mark.parametrize("lane", LANES)
@@ -410,7 +404,7 @@ def test_triton_lane_refuses_scales_that_require_grad_before_launching(no_launch
 
 def test_scales_that_require_grad_are_taken_under_no_grad():
     kw = _good("gptq")
-    with torch.no_grad():       # no gradient asked: nothing to refuse
+    with torch.no_grad(), poisoned_outputs():       # no gradient asked: nothing to refuse
         y = gemm.w4a16_linear(**{**kw, "scales": kw["scales"].clone().requires_grad_()}, lane="triton")
     assert_close(y, ref.w4a16_linear(**{k: upcast(v) for k, v in kw.items()}), greg.GEMM)
 
@@ -434,7 +428,8 @@ def test_dx_stays_finite_where_the_weight_passes_fp32s_range(op, lane):
     x = (kw.pop("x").float() * 1e-3).to(torch.bfloat16).requires_grad_()
     dy = torch.full((2, 8), 1e-3).to(torch.bfloat16).to(DEVICE)
     dy[1, 0] = 0
-    (dx,) = torch.autograd.grad(fn(x, **kw, lane=lane), x, dy)
+    with poisoned_outputs():
+        (dx,) = torch.autograd.grad(fn(x, **kw, lane=lane), x, dy)
     x64 = upcast(x.detach()).requires_grad_()
     ref_kw = {("w_scale" if k == "w_scale_e8m0" else k): v for k, v in kw.items() if k != "bias"}
     oracle = ref.mxfp4_linear if op.startswith("mxfp4") else ref.w4a16_linear

@@ -19,7 +19,7 @@ from lanekit.gemm import registry as greg
 from lanekit.integrations import quantize_linears
 from lanekit.integrations.quantize import QuantizedLinear
 from lanekit.reference import gemm as ref
-from lanekit.testing import assert_close, poisoned_outputs, registered_cases, upcast
+from lanekit.testing import assert_close, on_device, poisoned_outputs, registered_cases, upcast
 
 OPS = ["w4a8_linear", "int4_mm"]
 LANES = ["triton", "reference"]
@@ -255,11 +255,6 @@ def _good():
     return dict(_w4a8(2, 4, 64, 16, 32, "good"))
 
 
-def _on_device(kw):
-    """kw with its tensors on DEVICE, beside the good ones; a "meta" one (the device refusal) stays."""
-    return {k: v.to(DEVICE) if isinstance(v, torch.Tensor) and v.device.type != "meta" else v for k, v in kw.items()}
-
-
 @pytest.mark.parametrize("change, error, match", [
     (dict(x=torch.zeros(4, 64, dtype=torch.int8)), TypeError, "x:"),
     (dict(qweight=torch.zeros(16, 32, dtype=torch.int8)), TypeError, "qweight"),
@@ -279,7 +274,7 @@ def _on_device(kw):
 ])
 def test_w4a8_linear_rejects(change, error, match, no_launch):
     kw = _good()
-    kw.update(_on_device(change))
+    kw.update(on_device(change, DEVICE))
     with pytest.raises(error, match=match):
         gemm.w4a8_linear(**kw, lane="triton")
 
@@ -305,9 +300,9 @@ def test_w4a8_k_not_a_multiple_of_group_size_is_refused_not_padded(no_launch):
     (dict(bias=torch.ones(5, dtype=torch.bfloat16)), ValueError, "bias"),
 ])
 def test_int4_mm_rejects(change, error, match, no_launch):
-    kw = _on_device(dict(a=torch.zeros(4, 16, dtype=torch.uint8), b=torch.zeros(16, 6, dtype=torch.uint8),
-                         scale_a=torch.ones(4, 1), scale_b=torch.ones(1, 6)))
-    kw.update(_on_device(change))
+    kw = on_device(dict(a=torch.zeros(4, 16, dtype=torch.uint8), b=torch.zeros(16, 6, dtype=torch.uint8),
+                        scale_a=torch.ones(4, 1), scale_b=torch.ones(1, 6)), DEVICE)
+    kw.update(on_device(change, DEVICE))
     with pytest.raises(error, match=match):
         gemm.int4_mm(**kw, lane="triton")
 

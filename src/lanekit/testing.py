@@ -232,6 +232,14 @@ def randn(*shape, dtype, device, generator=None, scale: float = 1.0) -> torch.Te
     return x.to(dtype=dtype, device=device)
 
 
+def on_device(kwargs: dict, device) -> dict:
+    """kwargs with its tensors moved to ``device``, beside a case's good ones (else a GPU refuses
+    the device before the change a refusal test makes); a "meta" tensor (a device refusal's own
+    case) stays where it is."""
+    return {k: v.to(device) if isinstance(v, torch.Tensor) and v.device.type != "meta" else v
+            for k, v in kwargs.items()}
+
+
 def upcast(x):
     """float64 copy of a floating tensor; anything else unchanged."""
     if isinstance(x, torch.Tensor) and x.is_floating_point():
