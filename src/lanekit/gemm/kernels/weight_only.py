@@ -192,11 +192,14 @@ def _split_k_sum(WS, BIAS, Y, M, N, SPLIT_K, stride_ym, stride_yn, HAS_BIAS: tl.
 SPLIT_K_SUM_BLOCK = 1024      # elements a program of _split_k_sum adds: a memory-bound pass
 
 
-def _launch_split(kernel, tiles: int, split: int, out, bias, M: int, N: int, *args, **kwargs):
-    """Launch ``kernel`` over (tiles, split) programs with a workspace for the partial sums where
-    split > 1 (args: the kernel's arguments, WS's place marked by the Ellipsis), then add them."""
-    ws = empty((split, M, N), dtype=torch.float32, device=out.device) if split > 1 else out
-    launch(kernel, (tiles, split), *[ws if a is Ellipsis else a for a in args], SPLIT=split > 1, **kwargs)
+def _workspace(split: int, M: int, N: int, out):
+    """Where a split K's fp32 partial sums go, (split, M, N); with no split, out (the kernel writes
+    out itself and never this)."""
+    return empty((split, M, N), dtype=torch.float32, device=out.device) if split > 1 else out
+
+
+def _sum_splits(ws, split: int, out, bias, M: int, N: int) -> None:
+    """out = the splits' partial sums plus bias, rounded once (nothing to do with no split)."""
     if split > 1:
         launch(_split_k_sum, (triton.cdiv(M * N, SPLIT_K_SUM_BLOCK),), ws, bias if bias is not None else ws,
                out, M, N, split, *out.stride(), HAS_BIAS=bias is not None, BLOCK=SPLIT_K_SUM_BLOCK)
@@ -223,14 +226,16 @@ def w4a16_linear_fwd(x, qweight, scales, zeros, g_idx, bias, group_size: int, la
     tiles = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
     steps = triton.cdiv(K, cfg.block_k) if g_idx is not None else K // group_size    # what a split divides
     split = tuning.split_k(x.device, tiles, steps)
-    _launch_split(_w4a16_kernel, tiles, split, out, bias, M, N,
-                  x, qweight, scales, z, g_idx if g_idx is not None else qweight,
-                  bias if bias is not None else scales, out, ..., errors.error_flag(x.device), M, N, K,
-                  group_size, K // group_size, split, *x.stride(), *qweight.stride(), *scales.stride(),
-                  *(zeros.stride() if zeros is not None else (0, 0)), *out.stride(), BAD_G_IDX,
-                  AWQ=layout == "awq", HAS_ZEROS=zeros is not None, ZERO_OFFSET=1 if layout == "gptq" else 0,
-                  HAS_G_IDX=g_idx is not None, HAS_BIAS=bias is not None, BLOCK_M=cfg.block_m,
-                  BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, **cfg.options())
+    ws = _workspace(split, M, N, out)
+    launch(_w4a16_kernel, (tiles, split),
+           x, qweight, scales, z, g_idx if g_idx is not None else qweight,
+           bias if bias is not None else scales, out, ws, errors.error_flag(x.device), M, N, K, group_size,
+           K // group_size, split, *x.stride(), *qweight.stride(), *scales.stride(),
+           *(zeros.stride() if zeros is not None else (0, 0)), *out.stride(), BAD_G_IDX,
+           AWQ=layout == "awq", HAS_ZEROS=zeros is not None, ZERO_OFFSET=1 if layout == "gptq" else 0,
+           HAS_G_IDX=g_idx is not None, HAS_BIAS=bias is not None, BLOCK_M=cfg.block_m,
+           BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, SPLIT=split > 1, **cfg.options())
+    _sum_splits(ws, split, out, bias, M, N)
     return out
 
 
@@ -277,9 +282,11 @@ def mxfp4_linear_fwd(x, w_fp4, w_scale, bias):
     tiles = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
     split = tuning.split_k(x.device, tiles, triton.cdiv(K, cfg.block_k))
     bias = bias.contiguous() if bias is not None else None      # read at BIAS + n: a strided view as its copy
-    _launch_split(_mxfp4_linear_kernel, tiles, split, out, bias, M, N,
-                  x, w_fp4, w_scale, bias if bias is not None else x, out, ..., M, N, K, split, *x.stride(),
-                  *w_fp4.stride(), *w_scale.stride(), *out.stride(), HAS_BIAS=bias is not None,
-                  BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-                  **cfg.options())
+    ws = _workspace(split, M, N, out)
+    launch(_mxfp4_linear_kernel, (tiles, split),
+           x, w_fp4, w_scale, bias if bias is not None else x, out, ws, M, N, K, split, *x.stride(),
+           *w_fp4.stride(), *w_scale.stride(), *out.stride(), HAS_BIAS=bias is not None,
+           BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+           SPLIT=split > 1, **cfg.options())
+    _sum_splits(ws, split, out, bias, M, N)
     return out
