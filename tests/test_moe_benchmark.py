@@ -17,8 +17,8 @@ def test_every_moe_benchmark_case_runs_and_checks_on_the_cpu():
 def test_moe_families_are_registered_and_grouped():
     assert set(run.GROUPS["moe"]) == set(moe.FAMILIES) <= set(run.FAMILIES)
     names = [m.name(c) for m in moe.FAMILIES.values() for c in m.cases(False)]
-    assert len(names) == len(set(names)) == 24 + 12 + 6 + 1 + 4 + 8
-    assert "fused_moe DeepSeek-V3 M=4096" in names and "align+dispatch DeepSeek-V3 M=1" in names
+    assert len(names) == len(set(names)) == 24 + 12 + 6 + 2 + 4 + 8
+    assert "fused_moe DeepSeek-V3 M=4096" in names and "align+dispatch DeepSeek-V3 M=1, CUDA graph" in names
     assert "fused_moe fp8 DeepSeek-V3 M=4096" in names
     assert "fused_moe mxfp4 gpt-oss-120b M=4096" in names and "fused_moe mxfp4 gpt-oss-20b M=1" in names
 
