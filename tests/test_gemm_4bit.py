@@ -8,12 +8,17 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from lanekit import gemm, quant
+from lanekit.common.numerics import e2m1_in
 from lanekit.families import get_op
 from lanekit.gemm import op as gop
 from lanekit.gemm import registry as greg
+from lanekit.gemm.kernels.weight_only import _small_ints
 from lanekit.reference import gemm as ref
+from lanekit.reference.numerics import e2m1
 from lanekit.runtime import errors
 from lanekit.testing import assert_close, on_device, poisoned_outputs, registered_cases, upcast
 
@@ -30,6 +35,43 @@ def test_registered_samples_match_the_oracle(name, sample, lane):
     with poisoned_outputs():
         out = op.lane(lane)(**sample.kwargs)
     assert_close(out, want, greg.GEMM)
+
+
+# ---- the dequantization's 16-bit arithmetic ----
+
+@triton.jit
+def _small_ints_kernel(Q, Z, OUT, DTYPE: tl.constexpr):
+    i = tl.arange(0, 512)
+    m = i < 17 * 16
+    tl.store(OUT + i, _small_ints(tl.load(Q + i, mask=m, other=0), tl.load(Z + i, mask=m, other=0), DTYPE), mask=m)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_code_minus_zero_is_exact_in_16_bits_for_every_code_and_zero(dtype):
+    """weight_only._small_ints builds q - z from bit patterns and a 16-bit subtraction (no int-to-
+    float conversion): every code 0..15 against every zero point 0..16, in each activation dtype."""
+    q = torch.arange(16, dtype=torch.int32, device=DEVICE).repeat(17)
+    z = torch.arange(17, dtype=torch.int32, device=DEVICE).repeat_interleave(16)
+    out = torch.full((17 * 16,), float("nan"), dtype=dtype, device=DEVICE)
+    _small_ints_kernel[(1,)](q, z, out, tl.bfloat16 if dtype == torch.bfloat16 else tl.float16)
+    assert torch.equal(out.float().cpu(), (q - z).float().cpu())
+
+
+@triton.jit
+def _e2m1_kernel(CODES, OUT, DTYPE: tl.constexpr):
+    i = tl.arange(0, 16)
+    tl.store(OUT + i, e2m1_in(tl.load(CODES + i), DTYPE))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_e2m1_codes_built_from_their_bits_are_the_reference_values(dtype):
+    """numerics.e2m1_in (the MXFP4 operands' dequantization, integer operations only): all 16 codes,
+    the subnormal 0.5 and the sign of -0 (code 8) included."""
+    codes = torch.arange(16, dtype=torch.int32, device=DEVICE)
+    out = torch.full((16,), float("nan"), dtype=dtype, device=DEVICE)
+    _e2m1_kernel[(1,)](codes, out, {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}.get(dtype, tl.float32))
+    want = e2m1(codes.cpu()).to(torch.float64)
+    assert torch.equal(out.cpu().double(), want) and torch.equal(out.cpu().double().signbit(), want.signbit())
 
 
 # ---- the nibble order, against tensors packed by hand ----

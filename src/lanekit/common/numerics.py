@@ -108,25 +108,41 @@ def e8m0_scale(e):
 
 
 @triton.jit
-def e2m1_value(code):
-    """The value of an OCP MX FP4 (e2m1) code (int32 0..15) as fp32, exactly: sign bit 3,
-    exponent bits 2..1 (bias 1), mantissa bit 0; 0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives
-    (code 8 is -0.0). As reference.numerics.e2m1."""
-    e = (code >> 1) & 3
-    m = (code & 1).to(tl.float32)
-    # e = 0: m / 2 (subnormal); else (2 + m) * 2^(e - 2)
-    mag = tl.where(e == 0, m * 0.5, (2.0 + m) * tl.where(e == 1, 0.5, tl.where(e == 2, 1.0, 2.0)))
-    return tl.where((code & 8) != 0, -mag, mag)
+def e2m1_in(code, dtype: tl.constexpr):
+    """The value of an e2m1 code (int32 0..15) in dtype (bf16, fp16 or fp32), exactly, built as its bit
+    pattern with integer operations (no int-to-float conversion, no float arithmetic): exponent
+    bits e and mantissa bit m land in the 16-bit format's fields with the exponent rebiased (a
+    normal e2m1 value is 2^(e - 1) (1 + m / 2)); the two subnormals (e = 0: 0 and 0.5) are
+    selected; the sign is bit 3: 0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives (code 8 is -0.0),
+    as reference.numerics.e2m1."""
+    half: tl.constexpr = tl.bfloat16 if dtype == tl.bfloat16 else tl.float16     # fp32: by fp16, exactly
+    if half == tl.bfloat16:
+        one_half = 0x3F00        # 0.5: with (e, m) added above it, e = 1 lands on 1.0 (0x3F80)
+        shift = 6                # e2m1's (e, m) bits to bf16's exponent and mantissa top
+    else:
+        one_half = 0x3800        # fp16 (1 << 10)
+        shift = 9
+    normal = (code & 7) * (1 << shift) + one_half
+    bits = tl.where((code & 6) == 0, (code & 1) * one_half, normal) | ((code & 8) << 12)
+    return bits.to(tl.int16).to(half, bitcast=True).to(dtype)
 
 
 @triton.jit
-def e2m1_pairs(byte):
-    """MXFP4 bytes [R, C] (int32 0..255), two e2m1 codes each along R, element 2i in the low
-    nibble (gpt-oss's and OCP MX's packing), as their values [2R, C] in fp32, exactly: row 2i
-    from byte i's low nibble, row 2i + 1 from its high one. The B operand of the MXFP4 GEMMs
-    (lanekit.gemm's mxfp4_linear, lanekit.moe's fused_moe with use_mxfp4_w4a16)."""
+def _nibbles_along_rows(byte):
+    """Bytes [R, C] (int32 0..255) -> their nibbles [2R, C]: row 2i byte i's low nibble, row
+    2i + 1 its high one."""
     R: tl.constexpr = byte.shape[0]
     C: tl.constexpr = byte.shape[1]
     word = tl.reshape(tl.broadcast_to(byte[:, None, :], (R, 2, C)), (2 * R, C))   # each byte twice
     shift = (tl.arange(0, 2 * R) % 2) * 4
-    return e2m1_value((word >> shift[:, None]) & 0xF)
+    return (word >> shift[:, None]) & 0xF
+
+
+@triton.jit
+def e2m1_pairs_in(byte, dtype: tl.constexpr):
+    """MXFP4 bytes [R, C] (int32 0..255), two e2m1 codes each along R, element 2i in the low
+    nibble (gpt-oss's and OCP MX's packing), as their values [2R, C] in dtype (bf16 or fp16: every
+    e2m1 value is exact in either), by :func:`e2m1_in`: row 2i from byte i's low nibble, row
+    2i + 1 from its high one. The B operand of the MXFP4 GEMMs (lanekit.gemm's mxfp4_linear, lanekit.moe's
+    fused_moe with use_mxfp4_w4a16)."""
+    return e2m1_in(_nibbles_along_rows(byte), dtype)

@@ -1,6 +1,6 @@
 """Fixes for Triton's interpreter, applied when lanekit's kernels run interpreted.
 
-Triton's interpreter (3.6.0 through 3.9.0 at least) gets two things wrong that the GPU gets right:
+Triton's interpreter (3.6.0 through 3.9.0 at least) gets these things wrong that the GPU gets right:
 - It stores bf16 tensors as their uint16 bit patterns and multiplies those integers in ``tl.dot``:
   every bf16 matrix product it computes is garbage (fp8 operands likewise, as uint8 patterns). :func:`fix_bf16_dot` wraps ``create_dot`` so
   bf16 operands are widened to fp32 first, which is exact, and what the GPU's bf16 tensor-core
@@ -14,7 +14,10 @@ Triton's interpreter (3.6.0 through 3.9.0 at least) gets two things wrong that t
   bit-by-bit decoder lands them on the wrong exponent: 1.01e-39 read as 4.4e-39; found by the
   norms' samples of rows near bf16's smallest normal, 2026-12-07). A bf16 is the top half of an
   fp32, so :func:`fix_float_casts` widens it by its bits, exactly, as the GPU does.
-:func:`fix_interpreter` applies both. Only the interpreter is touched; compiled kernels are not.
+- Its bf16 arithmetic (``a - b`` of two bf16 tensors) adds and subtracts the bit patterns as
+  integers. :func:`fix_bf16_arithmetic` computes on the values (the 4-bit linears' dequantization
+  subtracts in bf16, 2026-12-07).
+:func:`fix_interpreter` applies them all. Only the interpreter is touched; compiled kernels are not.
 """
 
 from __future__ import annotations
@@ -121,7 +124,40 @@ def fix_float_casts() -> None:
     builder.create_ui_to_fp = create_ui_to_fp
 
 
+def fix_bf16_arithmetic() -> None:
+    """Make the interpreter's bf16 add, subtract, multiply and divide compute on the values, in
+    fp32, rounded once to nearest even, as the GPU's bf16 instructions do (idempotent)."""
+    import torch
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    if getattr(builder.create_fsub, "_lanekit_bf16", False):
+        return
+
+    def _values(handle):
+        return (np.asarray(handle.data).astype(np.uint32) << 16).view(np.float32)
+
+    def wrap(name, op):
+        original = getattr(builder, name)
+
+        def create(self, lhs, rhs):
+            if lhs.dtype.scalar != tl.bfloat16:
+                return original(self, lhs, rhs)
+            result = np.asarray(op(_values(lhs), _values(rhs)), dtype=np.float32)
+            bits = torch.from_numpy(np.ascontiguousarray(result)).to(torch.bfloat16).view(torch.int16)
+            return interpreter.TensorHandle(bits.numpy().view(np.uint16).reshape(result.shape), tl.bfloat16)
+
+        create._lanekit_bf16 = True
+        setattr(builder, name, create)
+
+    for name, op in (("create_fadd", np.add), ("create_fsub", np.subtract), ("create_fmul", np.multiply),
+                     ("create_fdiv", np.divide)):
+        wrap(name, op)
+
+
 def fix_interpreter() -> None:
     """Every fix above (idempotent)."""
     fix_bf16_dot()
     fix_float_casts()
+    fix_bf16_arithmetic()

@@ -2,11 +2,12 @@
 registers, then multiplied with 16-bit activations by ``tl.dot`` (sums in fp32).
 
 - ``_w4a16_kernel``: y = x @ W + bias, W (K, N) from an AWQ or GPTQ int4 checkpoint,
-  W[k, n] = (q[k, n] - z[g, n]) * s[g, n]. Without g_idx each group of ``group_size`` rows of K
-  is one run of K steps: the codes minus zero (integers in [-16, 15], exact in fp16/bf16) are
-  multiplied in 16 bits and summed in fp32, and the group's scale multiplies that partial sum
-  once, so the result is the exact product summed in fp32 (no dequantized weight is rounded to
-  16 bits). With GPTQ's act-order g_idx the group changes within a K step: the weight
+  W[k, n] = (q[k, n] - z[g, n]) * s[g, n]. Without g_idx the codes minus zero (integers in
+  [-16, 15], exact in fp16/bf16, built from bit patterns: ``_small_ints``) are multiplied in 16
+  bits and summed in fp32, and the group's scale multiplies that partial sum, so the result is the
+  exact product summed in fp32 (no dequantized weight is rounded to 16 bits): per K step where
+  the steps fill each group (``FLAT``: group_size a multiple of the K step, one loop the compiler
+  pipelines), else per group, each group a run of K steps. With GPTQ's act-order g_idx the group changes within a K step: the weight
   (q - z) * s (exact in fp32) is split into a 16-bit value and its 16-bit remainder, each
   multiplied by tl.dot: the weight then carries 16 + 8 significant bits (bf16), not 8.
 - ``_mxfp4_linear_kernel``: y = x @ W.T + bias, W (N, K) OCP MXFP4: e2m1 codes two to a byte
@@ -24,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lanekit.common.numerics import e2m1_pairs, e8m0_scale
+from lanekit.common.numerics import e2m1_pairs_in, e8m0_scale
 from lanekit.gemm import tuning
 from lanekit.gemm.kernels.scaled_mm import _swizzle
 from lanekit.runtime import errors
@@ -54,14 +55,25 @@ def _zero_points(Z, g, offs_n, n_mask, stride_zg, stride_zn,
     """Zero points of rows g of the zeros (packed along N, eight to an int32): g scalar -> [BLOCK_N],
     g [BLOCK_K, 1] -> [BLOCK_K, BLOCK_N]. Without zeros: 8 (symmetric)."""
     if HAS_ZEROS:
+        j = (offs_n % 8).to(tl.int32)      # int32 shifts: an int64 one made the codes, and their conversion, int64
         if AWQ:
-            shift = _awq_shift(offs_n)
+            shift = _awq_shift(j)
         else:
-            shift = (offs_n % 8) * 4
+            shift = j * 4
         word = tl.load(Z + g * stride_zg + (offs_n // 8) * stride_zn, mask=n_mask, other=0)
         return ((word >> shift) & 0xF) + ZERO_OFFSET
     else:
         return tl.full(offs_n.shape, 8, tl.int32)
+
+
+@triton.jit
+def _small_ints(q, z, dtype: tl.constexpr):
+    """q - z in dtype (bf16 or fp16), exactly, for int32 codes q in [0, 15] and zero points z in
+    [0, 16], with no int-to-float conversion (one per element bound the K loop on sm90): q's bits
+    ORed into those of c (128 for bf16, 1024 for fp16, whose exponent makes every value from c to
+    c + 31 exact) are c + q, from which c + z (z's row, built the same way) is subtracted in 16 bits."""
+    c = 0x4300 if dtype == tl.bfloat16 else 0x6400
+    return (q | c).to(tl.int16).to(dtype, bitcast=True) - (z + c).to(tl.int16).to(dtype, bitcast=True)
 
 
 @triton.jit
@@ -87,13 +99,21 @@ def _codes(QW, k0, pid_n, K, N, stride_qk, stride_qn, AWQ: tl.constexpr,
         pn = pid_n * (BLOCK_N // 8) + tl.arange(0, BLOCK_N // 8).to(tl.int64)
         word = tl.load(QW + k[:, None] * stride_qk + pn[None, :] * stride_qn,
                        mask=(k < K)[:, None] & (pn < N // 8)[None, :], other=0)      # [BLOCK_K, BLOCK_N / 8]
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
-        return (_repeat_cols(word, 8) >> _awq_shift(offs_n)[None, :]) & 0xF
     else:
         pk = k0 // 8 + tl.arange(0, BLOCK_K // 8).to(tl.int64)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
         word = tl.load(QW + pk[:, None] * stride_qk + offs_n[None, :] * stride_qn,
                        mask=(pk < K // 8)[:, None] & (offs_n < N)[None, :], other=0)  # [BLOCK_K / 8, BLOCK_N]
+    return _unpack(word, AWQ, BLOCK_K, BLOCK_N)
+
+
+@triton.jit
+def _unpack(word, AWQ: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The [BLOCK_K, BLOCK_N] int32 codes held by a tile of packed words: AWQ's [BLOCK_K, BLOCK_N / 8]
+    (columns in AWQ's order) or GPTQ's [BLOCK_K / 8, BLOCK_N] (row 8e + j in nibble j)."""
+    if AWQ:
+        return (_repeat_cols(word, 8) >> _awq_shift(tl.arange(0, BLOCK_N))[None, :]) & 0xF     # (BLOCK_N % 8 == 0)
+    else:
         shift = (tl.arange(0, BLOCK_K) % 8) * 4
         return (_repeat_rows(word, 8) >> shift[:, None]) & 0xF
 
@@ -105,7 +125,7 @@ def _w4a16_kernel(X, QW, S, Z, G_IDX, BIAS, Y, WS, ERR, M, N, K, group_size, num
                   AWQ: tl.constexpr, HAS_ZEROS: tl.constexpr, ZERO_OFFSET: tl.constexpr,
                   HAS_G_IDX: tl.constexpr, HAS_BIAS: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                  GROUP_M: tl.constexpr, SPLIT: tl.constexpr):
+                  GROUP_M: tl.constexpr, SPLIT: tl.constexpr, FLAT: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)
     pid_k = tl.program_id(1)              # this program's share of K (SPLIT_K > 1: _split_k_sum adds them)
     pid_m, pid_n = _swizzle(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
@@ -138,6 +158,33 @@ def _w4a16_kernel(X, QW, S, Z, G_IDX, BIAS, Y, WS, ERR, M, N, K, group_size, num
             lo = (w - hi.to(tl.float32)).to(dtype)                                   # what hi rounded off
             acc = tl.dot(a, hi, acc)
             acc = tl.dot(a, lo, acc)
+    elif FLAT:
+        # K steps that never straddle two groups (BLOCK_K divides group_size), in one loop that the
+        # compiler pipelines: each step's exact integer-code product scaled by its group's scale
+        steps = K // BLOCK_K
+        per_split = tl.cdiv(steps, SPLIT_K)                                          # steps of this split
+        first = pid_k * per_split
+        k_first = tl.cast(first, tl.int64) * BLOCK_K
+        a_ptrs = X + offs_m[:, None] * stride_xm + (k_first + offs_k)[None, :] * stride_xk
+        if AWQ:
+            pn = pid_n * (BLOCK_N // 8) + tl.arange(0, BLOCK_N // 8).to(tl.int64)
+            q_ptrs = QW + (k_first + offs_k)[:, None] * stride_qk + pn[None, :] * stride_qn
+            q_mask = (pn < N // 8)[None, :]
+            q_step = BLOCK_K * stride_qk
+        else:
+            pk = k_first // 8 + tl.arange(0, BLOCK_K // 8).to(tl.int64)
+            q_ptrs = QW + pk[:, None] * stride_qk + offs_n[None, :] * stride_qn
+            q_mask = n_mask[None, :]
+            q_step = (BLOCK_K // 8) * stride_qk
+        for step in range(first, tl.minimum(steps, first + per_split)):
+            g = tl.cast(step, tl.int64) * BLOCK_K // group_size
+            s = tl.load(S + g * stride_sg + offs_n * stride_sn, mask=n_mask, other=0.0).to(tl.float32)
+            z = _zero_points(Z, g, offs_n, n_mask, stride_zg, stride_zn, AWQ, HAS_ZEROS, ZERO_OFFSET)
+            a = tl.load(a_ptrs, mask=m_mask[:, None], other=0.0)
+            word = tl.load(q_ptrs, mask=q_mask, other=0)
+            acc += tl.dot(a, _small_ints(_unpack(word, AWQ, BLOCK_K, BLOCK_N), z[None, :], dtype)) * s[None, :]
+            a_ptrs += BLOCK_K * stride_xk
+            q_ptrs += q_step
     else:
         per_split = tl.cdiv(num_groups, SPLIT_K)                                     # groups of this split
         for g in range(pid_k * per_split, tl.minimum(num_groups, (pid_k + 1) * per_split)):
@@ -151,7 +198,7 @@ def _w4a16_kernel(X, QW, S, Z, G_IDX, BIAS, Y, WS, ERR, M, N, K, group_size, num
                 a = tl.load(X + offs_m[:, None] * stride_xm + k[None, :] * stride_xk,
                             mask=m_mask[:, None] & k_mask[None, :], other=0.0)
                 q = _codes(QW, k0, pid_n, K, N, stride_qk, stride_qn, AWQ, BLOCK_K, BLOCK_N)
-                b = (q - z[None, :]).to(dtype)                                        # [-16, 15]: exact
+                b = _small_ints(q, z[None, :], dtype)                                    # [-16, 15]: exact
                 part = tl.dot(a, b, part)
             acc += part * s[None, :]                                                  # the group's scale, once
     _finish(acc, BIAS, Y, WS, pid_k, M, N, offs_m, offs_n, m_mask, n_mask, stride_ym, stride_yn, HAS_BIAS, SPLIT)
@@ -224,7 +271,9 @@ def w4a16_linear_fwd(x, qweight, scales, zeros, g_idx, bias, group_size: int, la
     g_idx = g_idx.contiguous() if g_idx is not None else None
     bias = bias.contiguous() if bias is not None else None
     tiles = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
-    steps = triton.cdiv(K, cfg.block_k) if g_idx is not None else K // group_size    # what a split divides
+    flat = g_idx is None and group_size % cfg.block_k == 0
+    # what a split divides: K steps, or (groups not a multiple of the step) whole groups
+    steps = triton.cdiv(K, cfg.block_k) if g_idx is not None or flat else K // group_size
     split = tuning.split_k(x.device, tiles, steps)
     ws = _workspace(split, M, N, out)
     launch(_w4a16_kernel, (tiles, split),
@@ -234,7 +283,8 @@ def w4a16_linear_fwd(x, qweight, scales, zeros, g_idx, bias, group_size: int, la
            *(zeros.stride() if zeros is not None else (0, 0)), *out.stride(), BAD_G_IDX,
            AWQ=layout == "awq", HAS_ZEROS=zeros is not None, ZERO_OFFSET=1 if layout == "gptq" else 0,
            HAS_G_IDX=g_idx is not None, HAS_BIAS=bias is not None, BLOCK_M=cfg.block_m,
-           BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, SPLIT=split > 1, **cfg.options())
+           BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, SPLIT=split > 1, FLAT=flat,
+           **cfg.options())
     _sum_splits(ws, split, out, bias, M, N)
     return out
 
@@ -260,7 +310,7 @@ def _mxfp4_linear_kernel(X, W, S, BIAS, Y, WS, M, N, K, SPLIT_K, stride_xm, stri
         kb = k0 // 2 + tl.arange(0, BLOCK_K // 2).to(tl.int64)
         byte = tl.load(W + offs_n[None, :] * stride_wn + kb[:, None] * stride_wk,
                        mask=n_mask[None, :], other=0).to(tl.int32)                   # [BLOCK_K / 2, BLOCK_N]
-        b = e2m1_pairs(byte).to(X.dtype.element_ty)     # [BLOCK_K, BLOCK_N], exact in 16 bits
+        b = e2m1_pairs_in(byte, X.dtype.element_ty)     # [BLOCK_K, BLOCK_N], exact in 16 bits
         e = tl.load(S + offs_n * stride_sn + (k0 // BLOCK_K) * stride_sk, mask=n_mask, other=127)
         acc += tl.dot(a, b) * e8m0_scale(e.to(tl.int32))[None, :]
     _finish(acc, BIAS, Y, WS, pid_k, M, N, offs_m, offs_n, m_mask, n_mask, stride_ym, stride_yn, HAS_BIAS, SPLIT)

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lanekit.common.numerics import e2m1_pairs, e8m0_scale
+from lanekit.common.numerics import e2m1_pairs_in, e8m0_scale
 from lanekit.moe import tuning
 from lanekit.moe.kernels import fused
 from lanekit.runtime.alloc import empty
@@ -46,7 +46,7 @@ def _mx_tile(W, S, rows, r_mask, k0, stride_wr, stride_wk, stride_sr, stride_sk,
     byte = tl.load(W + rows[None, :] * stride_wr + kb[:, None] * stride_wk,
                    mask=r_mask[None, :], other=0).to(tl.int32)                     # [MX_K / 2, BLOCK_N]
     e = tl.load(S + rows * stride_sr + (k0 // MX_K) * stride_sk, mask=r_mask, other=127)
-    return e2m1_pairs(byte).to(DTYPE), e8m0_scale(e.to(tl.int32))
+    return e2m1_pairs_in(byte, DTYPE), e8m0_scale(e.to(tl.int32))
 
 
 @triton.jit
