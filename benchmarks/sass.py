@@ -2,8 +2,8 @@
 
     python -m benchmarks.sass [case ...] [--dump DIR] [--splits N] [--lines N]
 
-Runs a case of benchmarks.layers or benchmarks.decode through its real launcher on CPU tensors of
-the benchmark's shapes, with sm90's tuning rows; every kernel launch is caught before it runs,
+Runs a case of benchmarks.layers, decode, gemm or gemm_4bit through its real launcher on CPU
+tensors of the benchmark's shapes, with sm90's tuning rows; every kernel launch is caught before it runs,
 compiled by Triton for sm90 with the specialization the launch would get on the GPU (dtypes, ints
 equal to 1, strides of 1, 16-byte alignment), and disassembled with the cuobjdump Triton bundles.
 Prints, per launch: the grid, the tile (block sizes, warps, stages), registers per thread, shared
@@ -39,7 +39,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, compile as triton_compile, make_backend
 from triton.runtime import jit as triton_jit
 
-from benchmarks import decode, run
+from benchmarks import decode, gemm, gemm_4bit, run
 from benchmarks import layers as bench
 from lanekit.runtime import tuning
 
@@ -188,7 +188,8 @@ class _Capture:
 
 # opcodes that say what a loop iteration spends its instructions on
 LOOP_WATCH = ("BAR", "LDGSTS", "LDGDEPBAR", "DEPBAR", "LDG", "LDS", "LDSM", "STS", "HMMA", "HGMMA", "WARPGROUP",
-              "IMAD", "ISETP", "SEL", "LEA", "IADD3", "SHFL", "MUFU", "FMUL", "FFMA", "FADD", "FMNMX")
+              "IMAD", "ISETP", "SEL", "LEA", "IADD3", "SHFL", "MUFU", "FMUL", "FFMA", "FADD", "FMNMX",
+              "I2F", "F2F", "F2FP", "SHF", "LOP3", "PRMT", "HADD2", "HFMA2")
 
 
 def _largest_loop(sass: str) -> dict | None:
@@ -241,6 +242,8 @@ def _launch(family, case, splits: int | None = None):
     """A function that makes the case's lanekit call on CPU tensors of the benchmark's shapes (a
     decode case with ``splits`` splits when given, else the CPU's heuristic's)."""
     inputs = family.make_inputs(case, device="cpu")
+    if family in (gemm, gemm_4bit):    # (x, lanekit's kwargs)
+        return family._lanekit(case, inputs[1])
     if family is decode:
         return decode.runners(case, *inputs, num_splits=splits)["lanekit"]
     return lambda: bench._lanekit(case)(*inputs)
@@ -278,8 +281,8 @@ def report(case: dict, dump: str | None = None, family=bench, splits: int | None
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("cases", nargs="*", help="benchmarks.layers or benchmarks.decode case names, or for decode "
-                                            "another of their form (default: the q-and-k ones and adaln)")
+    p.add_argument("cases", nargs="*", help="benchmarks.layers, decode, gemm or gemm_4bit case names, or for "
+                                            "decode another of their form (default: the q-and-k ones and adaln)")
     p.add_argument("--dump", help="write each launch's SASS into this folder")
     p.add_argument("--splits", type=int, help="decode cases: this split count (default: the CPU's heuristic, 1)")
     p.add_argument("--lines", type=int, default=0, metavar="N",
@@ -288,7 +291,7 @@ def main(argv=None):
     wanted = args.cases or ["rms_norm_rope q,k", "qk_norm_rope_quant e4m3", "adaln"]
     chosen, unknown = [], []
     for name in wanted:   # a bench case's name, or for decode another of its form (run.case_named)
-        for family in (bench, decode):
+        for family in (bench, decode, gemm, gemm_4bit):
             try:
                 chosen.append((family, run.case_named(family, name)))
                 break
@@ -297,7 +300,7 @@ def main(argv=None):
         else:
             unknown.append(name)
     if unknown:
-        p.error(f"unknown case(s) {sorted(unknown)}: expected names of benchmarks.layers or benchmarks.decode "
+        p.error(f"unknown case(s) {sorted(unknown)}: expected names of benchmarks.layers, decode, gemm or gemm_4bit "
                 "(or of the decode cases' form, e.g. 'decode Sk=32k paged 4')")
     for family, case in chosen:
         for r in report(case, args.dump, family, args.splits, args.lines):
