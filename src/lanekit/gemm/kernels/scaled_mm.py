@@ -4,7 +4,8 @@
   strides, int64 offsets. Operands fp8 (e4m3 / e5m2) or int8, or (WIDEN_B) 16-bit A with int8 B
   widened in the load (W8A16). fp8 accumulates in fp32 (``max_num_imprecise_acc=IMPRECISE_ACC``: sm90's fp8
   wgmma otherwise keeps fewer bits in its accumulator; a tuning row's imprecise_acc > 0 lets that
-  many products of K be summed in the tensor core's accumulator before each promotion), int8 in int32 (exact). Scales, by
+  many products of K be summed in the tensor core's accumulator before each promotion, for 16-bit
+  outputs only: an fp32 output's tolerance is 16 fp32 steps), int8 in int32 (exact). Scales, by
   SCHEME: EPILOGUE, a's (M,) and b's (N,) applied after the sum (a stride of 0 makes either one
   per tensor); BLOCK, a per 1 x 128 of K, b per 128 x 128 (DeepSeek-V3), one scale each per K step
   (block_k divides 128); MX, one e8m0 exponent per 32 of K for each row of a and column of b
@@ -137,7 +138,7 @@ def scaled_mm_fwd(a, b, scale_a, scale_b, bias, out_dtype, scheme, *, widen_b=Fa
         *sb_strides, *out.stride(), SCHEME=scheme, IS_INT=a.dtype == torch.int8,
         WIDEN_B=widen_b, HAS_SA=has_sa, HAS_BIAS=bias is not None, BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        IMPRECISE_ACC=cfg.imprecise_acc, **cfg.options())
+        IMPRECISE_ACC=cfg.imprecise_acc if out_dtype != torch.float32 else 0, **cfg.options())
     return out
 
 
