@@ -52,6 +52,7 @@ def cases():
     seqlens = torch.full((8,), 40, dtype=torch.int32)
     out = {
         "layers.rms_norm": lambda: layers.rms_norm(x, w, lane="triton"),
+        "layers.layer_norm": lambda: layers.layer_norm(x, w, w, lane="triton"),
         "layers.apply_rotary": lambda: layers.apply_rotary(q, cos, sin, lane="triton"),
         "layers.swiglu": lambda: layers.swiglu(g, lane="triton"),
         "flash_attn_func": lambda: lanekit.flash_attn_func(q, k, k, causal=True, lane="triton"),

@@ -254,6 +254,40 @@ def test_bad_input_raises_a_clear_error_and_launches_nothing(case, device, monke
     assert all(torch.equal(a, b) for a, b in zip(snapshot, (k, v)))
 
 
+# (a good value, a bad one equal to it in Python: 1 == True == 1.0, with the same hash)
+EQUAL_BUT_REFUSED = {
+    "causal 1 after True": ("causal", True, 1, TypeError, "causal: expected a bool, got int"),
+    "deterministic 0 after False": ("deterministic", False, 0, TypeError, "deterministic: expected a bool"),
+    "return_attn_probs 0 after False": ("return_attn_probs", False, 0, TypeError, "return_attn_probs: expected"),
+    "window (1.0, 0) after (1, 0)": ("window_size", (1, 0), (1.0, 0), TypeError, "window_size"),
+    "scale True after 1": ("softmax_scale", 1, True, ValueError, "softmax_scale"),
+    "dropout False after 0.0": ("dropout_p", 0.0, False, ValueError, "dropout_p"),
+}
+
+
+@pytest.mark.parametrize("case", list(EQUAL_BUT_REFUSED), ids=list(EQUAL_BUT_REFUSED))
+def test_a_signature_that_passed_its_checks_lets_no_equal_but_bad_one_through(case, device):
+    # The checks of a signature seen before are skipped (runtime.signature): a bad value equal to
+    # a good one (1 == True) is another signature, and raises as on a first call.
+    name, good, bad, exc, message = EQUAL_BUT_REFUSED[case]
+    q, k, v = qkv(1, 4, 5, 2, 2, 16, device)
+    lanekit.flash_attn_func(q, k, v, **{name: good})
+    with pytest.raises(exc, match=message):
+        lanekit.flash_attn_func(q, k, v, **{name: bad})
+
+
+def test_a_checked_signature_still_refuses_float64_on_the_triton_lane_and_other_devices(device):
+    q, k, v = qkv(1, 4, 5, 2, 2, 16, device, dtype=torch.float32)
+    lanekit.flash_attn_func(q, k, v, lane="reference")
+    lanekit.flash_attn_func(q.double(), k.double(), v.double(), lane="reference")
+    with pytest.raises(TypeError, match="float64 runs on the reference lane only"):
+        lanekit.flash_attn_func(q.double(), k.double(), v.double(), lane="triton")
+    with pytest.raises(ValueError, match="lane: expected one of"):
+        lanekit.flash_attn_func(q, k, v, lane="gpu")
+    with pytest.raises(ValueError, match="k: expected the device of q"):
+        lanekit.flash_attn_func(q, k.to("meta"), v, lane="reference")
+
+
 def test_numpy_and_0d_tensor_ints_and_bools_are_taken_as_python_ones(device):
     q, k, v = qkv(1, 5, 7, 2, 1, 16, device, dtype=torch.float32)
     want = lanekit.flash_attn_func(q, k, v, 0.1, None, True, (3, 0), return_attn_probs=True, dropout_seed=5,

@@ -399,6 +399,28 @@ def test_append_writes_the_rotated_keys_and_values_in_place(device, lane):
     assert (kc[0, 4:] == 0).all() and (kc[1, :10] == 0).all()   # nothing else written
 
 
+def test_an_append_after_a_checked_call_of_its_signature_still_checks_the_memory_it_writes(device):
+    # The checks of a signature seen before are skipped (runtime.signature), but not those of the
+    # memory an append writes: v_cache given as k_cache, or an inference tensor, has the metadata
+    # of a good call and still raises, writing nothing. (The Triton lane: the reference lane reads
+    # index values back, so it checks everything on every call.)
+    g = gen(5)
+    B, Hkv, D = 2, 2, 16
+    q = randn(B, 1, 4, D, dtype=torch.float16, device=device, generator=g)
+    k = randn(B, 1, Hkv, D, dtype=torch.float16, device=device, generator=g)
+    seqlens = torch.tensor([3, 10], dtype=torch.int32, device=device)
+    kc, vc = torch.zeros(B, 32, Hkv, D, dtype=torch.float16, device=device), torch.zeros(B, 32, Hkv, D, dtype=torch.float16, device=device)
+    lanekit.flash_attn_with_kvcache(q, kc, vc, k, k, cache_seqlens=seqlens, causal=True, lane="triton")
+    kc.zero_()
+    with pytest.raises(ValueError, match="v_cache: expected memory of its own"):
+        lanekit.flash_attn_with_kvcache(q, kc, kc, k, k, cache_seqlens=seqlens, causal=True, lane="triton")
+    with torch.inference_mode():
+        kc_inf = torch.zeros(B, 32, Hkv, D, dtype=torch.float16, device=device)
+    with pytest.raises(ValueError, match="k_cache: expected a tensor that can be written in place"):
+        lanekit.flash_attn_with_kvcache(q, kc_inf, vc, k, k, cache_seqlens=seqlens, causal=True, lane="triton")
+    assert (kc == 0).all() and (kc_inf == 0).all()
+
+
 # each case and the argument its error names
 BAD_KVCACHE = {
     "cache_seqlens past capacity": "cache_seqlens", "leftpad past seqlens": "cache_leftpad",

@@ -11,7 +11,11 @@ from lanekit.attention.api_checks import (_DTYPES, _QUANT_DTYPES, _alibi, _broad
                                           _cu_seqlens, _cu_seqlens_values, _dropout_seed, _options, _quant,
                                           _read_indices, _sinks)
 from lanekit.kv_cache import checks
+from lanekit.runtime.signature import remember, signature
 from lanekit.runtime.validate import argument_errors, flag, int_at_least, lane_for, tensor
+
+# flash_attn_func's checked options by signature: (softmax_scale, left, right, return_attn_probs)
+_CHECKED: dict = {}
 
 
 @argument_errors
@@ -124,40 +128,55 @@ def flash_attn_func(
     FlashAttention-3's ``flash_attn_func``; docs/semantics.md lists where lanekit differs or goes
     beyond.
     """
-    tensor("q", q, dtypes=_DTYPES + (torch.float64,) + _QUANT_DTYPES, ndim=4)
-    tensor("k", k, ndim=4, like=q, like_name="q", like_dtype=True)
-    tensor("v", v, ndim=4, like=q, like_name="q", like_dtype=True)
-    B, Sq, Hq, D = q.shape
-    if k.shape[0] != B or v.shape[0] != B:
-        raise ValueError(f"k, v: expected batch size {B} (that of q), got {k.shape[0]} and {v.shape[0]}")
-    Sk, Hkv = k.shape[1], k.shape[2]
-    if v.shape[1] != Sk or v.shape[2] != Hkv:
-        raise ValueError(f"v: expected (B, Sk, Hkv, Dv) with Sk={Sk}, Hkv={Hkv} (from k), got {tuple(v.shape)}")
-    if k.shape[3] != D:
-        raise ValueError(f"k: expected head dim {D} (that of q), got {k.shape[3]}")
-    Dv = v.shape[3]
-    _check_heads(q.shape, D, Dv, Hq, Hkv)
-    softmax_scale, left, right = _options(D, Sq, Sk, dropout_p, softmax_scale, softcap, causal, window_size)
-    flag("deterministic", deterministic)
-    return_attn_probs = flag("return_attn_probs", return_attn_probs)
-    shape4 = (B, Hq, Sq, Sk)
-    alibi_slopes = _alibi(alibi_slopes, B, Hq, q)
-    if attn_bias is not None:
-        tensor("attn_bias", attn_bias, dtypes=_DTYPES + (torch.float64,), ndim=(0, 1, 2, 3, 4), like=q,
-               like_name="q")
-        attn_bias = _broadcast_4d("attn_bias", attn_bias, shape4)
-    if attn_mask is not None:
-        tensor("attn_mask", attn_mask, dtypes=(torch.bool,), ndim=(0, 1, 2, 3, 4), like=q, like_name="q")
-        attn_mask = _broadcast_4d("attn_mask", attn_mask, shape4)
-    dropout_seed, dropout_offset = _dropout_seed(dropout_p, dropout_seed, dropout_offset)
-    sinks = _sinks(sinks, Hq, q)
-    descales, out_dtype = _quant(q, B, Hkv, q_descale, k_descale, v_descale, out_dtype, dropout_p,
-                                 (("q", q), ("k", k), ("v", v), ("attn_bias", attn_bias), ("sinks", sinks),
-                                  ("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale)))
+    # The checks of a signature seen before are not run again (runtime.signature): only the plain
+    # call is keyed (no bias, mask, ALiBi, sinks or descales), whose checks return scalars alone.
+    key = None
+    if (attn_bias is None and attn_mask is None and alibi_slopes is None and sinks is None and q_descale is None
+            and k_descale is None and v_descale is None):
+        key = signature((q, k, v), (dropout_p, softmax_scale, causal, window_size, softcap, deterministic,
+                                    return_attn_probs, out_dtype))
+    checked = _CHECKED.get(key) if key is not None else None
     extra = {}
-    if sinks is not None or q.dtype in _QUANT_DTYPES:
-        extra = dict(sinks=sinks, q_descale=descales[0], k_descale=descales[1], v_descale=descales[2],
-                     out_dtype=out_dtype)
+    if checked is not None:
+        softmax_scale, left, right, return_attn_probs = checked
+        dropout_seed, dropout_offset = _dropout_seed(dropout_p, dropout_seed, dropout_offset)
+    else:
+        tensor("q", q, dtypes=_DTYPES + (torch.float64,) + _QUANT_DTYPES, ndim=4)
+        tensor("k", k, ndim=4, like=q, like_name="q", like_dtype=True)
+        tensor("v", v, ndim=4, like=q, like_name="q", like_dtype=True)
+        B, Sq, Hq, D = q.shape
+        if k.shape[0] != B or v.shape[0] != B:
+            raise ValueError(f"k, v: expected batch size {B} (that of q), got {k.shape[0]} and {v.shape[0]}")
+        Sk, Hkv = k.shape[1], k.shape[2]
+        if v.shape[1] != Sk or v.shape[2] != Hkv:
+            raise ValueError(f"v: expected (B, Sk, Hkv, Dv) with Sk={Sk}, Hkv={Hkv} (from k), got {tuple(v.shape)}")
+        if k.shape[3] != D:
+            raise ValueError(f"k: expected head dim {D} (that of q), got {k.shape[3]}")
+        Dv = v.shape[3]
+        _check_heads(q.shape, D, Dv, Hq, Hkv)
+        softmax_scale, left, right = _options(D, Sq, Sk, dropout_p, softmax_scale, softcap, causal, window_size)
+        flag("deterministic", deterministic)
+        return_attn_probs = flag("return_attn_probs", return_attn_probs)
+        shape4 = (B, Hq, Sq, Sk)
+        alibi_slopes = _alibi(alibi_slopes, B, Hq, q)
+        if attn_bias is not None:
+            tensor("attn_bias", attn_bias, dtypes=_DTYPES + (torch.float64,), ndim=(0, 1, 2, 3, 4), like=q,
+                   like_name="q")
+            attn_bias = _broadcast_4d("attn_bias", attn_bias, shape4)
+        if attn_mask is not None:
+            tensor("attn_mask", attn_mask, dtypes=(torch.bool,), ndim=(0, 1, 2, 3, 4), like=q, like_name="q")
+            attn_mask = _broadcast_4d("attn_mask", attn_mask, shape4)
+        dropout_seed, dropout_offset = _dropout_seed(dropout_p, dropout_seed, dropout_offset)
+        sinks = _sinks(sinks, Hq, q)
+        descales, out_dtype = _quant(q, B, Hkv, q_descale, k_descale, v_descale, out_dtype, dropout_p,
+                                     (("q", q), ("k", k), ("v", v), ("attn_bias", attn_bias), ("sinks", sinks),
+                                      ("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale)))
+        extra = {}
+        if sinks is not None or q.dtype in _QUANT_DTYPES:
+            extra = dict(sinks=sinks, q_descale=descales[0], k_descale=descales[1], v_descale=descales[2],
+                         out_dtype=out_dtype)
+        if key is not None and not extra:
+            remember(_CHECKED, key, (softmax_scale, left, right, return_attn_probs))
     chosen = lane_for(q, lane, "q")
     # The lane functions the registry names (ops.py), looked up by attribute rather than through
     # the registry's importlib, which torch.compile cannot trace.

@@ -11,12 +11,17 @@ from lanekit.attention.api_checks import (_DTYPES, _QUANT_DTYPES, _alibi, _check
                                           _read_indices, _sinks)
 from lanekit.kv_cache import checks
 from lanekit.runtime.lanes import triton_interpreted
-from lanekit.runtime.tuning import processor_count
+from lanekit.runtime.signature import remember, signature
+from lanekit.runtime.tuning import compiling, processor_count
 from lanekit.runtime.validate import (argument_errors, check_inplace, check_outputs, flag, int_in, is_int,
                                       lane_for, tensor)
 
 
 MAX_SPLITS = 128
+
+# flash_attn_with_kvcache's checked options by signature (S_new, softmax_scale, left, right,
+# rotary_interleaved, num_splits, return_softmax_lse, the key bound)
+_CHECKED: dict = {}
 
 
 def num_splits_heuristic(batch_programs: int, max_seqlen_k: int | None, device: torch.device,
@@ -207,36 +212,59 @@ def flash_attn_with_kvcache(
     Semantics: FlashAttention 2.7's ``flash_attn_with_kvcache`` (Dao et al.); beyond it: any
     page_size, paged caches with num_splits and with cache_leftpad, quantized caches.
     """
-    if isinstance(q, torch.Tensor) and q.dtype in _QUANT_DTYPES:
-        S_new = _kvcache_quant_tensors(q, k_cache, v_cache, k, v, k_cache_scale, v_cache_scale, rotary_cos,
-                                       rotary_sin, block_table is not None)
+    # The checks of a signature seen before are not run again (runtime.signature), but for what
+    # depends on more than metadata: the memory an append writes, the lane (the environment), and
+    # index values where they are read back (then every check runs); the split count's tile
+    # follows the interpreter and lanekit export's target, keyed too. Only the plain call is keyed
+    # (cache_seqlens a tensor; no ALiBi, sinks, descales or out_dtype), whose checks return scalars.
+    key = None
+    if (type(cache_seqlens) is torch.Tensor and alibi_slopes is None and sinks is None and q_descale is None
+            and k_descale is None and v_descale is None and out_dtype is None):
+        key = signature((q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+                         cache_leftpad, block_table, k_cache_scale, v_cache_scale),
+                        (softmax_scale, causal, window_size, softcap, rotary_interleaved, num_splits,
+                         return_softmax_lse, max_seqlen_k, triton_interpreted(), compiling()))
+    checked = _CHECKED.get(key) if key is not None else None
+    chosen = lane_for(q, lane, "q") if checked is not None else None
+    if checked is not None and not _read_indices(chosen):
+        S_new, softmax_scale, left, right, rotary_interleaved, num_splits, return_softmax_lse, bound = checked
+        if S_new:
+            _check_append(q, k_cache, v_cache, k, v, k_cache_scale, v_cache_scale)
+        extra = {}
     else:
-        S_new = _kvcache_tensors(q, k_cache, v_cache, k, v, k_cache_scale, v_cache_scale, block_table is not None)
-    cache_seqlens, capacity = _kvcache_indices(q, k_cache, S_new, cache_seqlens, cache_batch_idx,
-                                               cache_leftpad, block_table)
-    S_ro = _kvcache_rotary(q, rotary_cos, rotary_sin, rotary_interleaved)
-    rotary_interleaved = bool(rotary_interleaved)
-    num_splits = _split_count(num_splits)
-    B, Sq, Hq, D = q.shape
-    softmax_scale, left, right = _options(D, Sq, capacity, 0.0, softmax_scale, softcap, causal, window_size)
-    return_softmax_lse = flag("return_softmax_lse", return_softmax_lse)
-    alibi_slopes = _alibi(alibi_slopes, B, Hq, q)
-    sinks = _sinks(sinks, Hq, q)
-    descales, out_dtype = _quant(q, B, k_cache.shape[2], q_descale, k_descale, v_descale, out_dtype, 0.0)
-    extra = {}
-    if sinks is not None or q.dtype in _QUANT_DTYPES:
-        extra = dict(sinks=sinks, q_descale=descales[0], k_descale=descales[1], v_descale=descales[2],
-                     out_dtype=out_dtype)
+        if isinstance(q, torch.Tensor) and q.dtype in _QUANT_DTYPES:
+            S_new = _kvcache_quant_tensors(q, k_cache, v_cache, k, v, k_cache_scale, v_cache_scale, rotary_cos,
+                                           rotary_sin, block_table is not None)
+        else:
+            S_new = _kvcache_tensors(q, k_cache, v_cache, k, v, k_cache_scale, v_cache_scale, block_table is not None)
+        cache_seqlens, capacity = _kvcache_indices(q, k_cache, S_new, cache_seqlens, cache_batch_idx,
+                                                   cache_leftpad, block_table)
+        S_ro = _kvcache_rotary(q, rotary_cos, rotary_sin, rotary_interleaved)
+        rotary_interleaved = bool(rotary_interleaved)
+        num_splits = _split_count(num_splits)
+        B, Sq, Hq, D = q.shape
+        softmax_scale, left, right = _options(D, Sq, capacity, 0.0, softmax_scale, softcap, causal, window_size)
+        return_softmax_lse = flag("return_softmax_lse", return_softmax_lse)
+        alibi_slopes = _alibi(alibi_slopes, B, Hq, q)
+        sinks = _sinks(sinks, Hq, q)
+        descales, out_dtype = _quant(q, B, k_cache.shape[2], q_descale, k_descale, v_descale, out_dtype, 0.0)
+        extra = {}
+        if sinks is not None or q.dtype in _QUANT_DTYPES:
+            extra = dict(sinks=sinks, q_descale=descales[0], k_descale=descales[1], v_descale=descales[2],
+                         out_dtype=out_dtype)
 
-    chosen = lane_for(q, lane, "q")
-    max_used = None
-    if _read_indices(chosen):
-        max_used = _check_cache_values(cache_seqlens, cache_leftpad, cache_batch_idx, block_table, S_new,
-                                       capacity, k_cache.shape[0], k_cache.shape[1], Sq, S_ro,
-                                       left >= 0 or right >= 0)
-    bound = _key_bound(max_seqlen_k, max_used, capacity)
-    if num_splits == 0:
-        num_splits = kvcache_num_splits(q, k_cache, v_cache, block_table, cache_leftpad, bound)
+        chosen = lane_for(q, lane, "q")
+        max_used = None
+        if _read_indices(chosen):
+            max_used = _check_cache_values(cache_seqlens, cache_leftpad, cache_batch_idx, block_table, S_new,
+                                           capacity, k_cache.shape[0], k_cache.shape[1], Sq, S_ro,
+                                           left >= 0 or right >= 0)
+        bound = _key_bound(max_seqlen_k, max_used, capacity)
+        if num_splits == 0:
+            num_splits = kvcache_num_splits(q, k_cache, v_cache, block_table, cache_leftpad, bound)
+        if key is not None and not extra and max_used is None:
+            remember(_CHECKED, key, (S_new, softmax_scale, left, right, rotary_interleaved, num_splits,
+                                     return_softmax_lse, bound))
 
     # the kernels index these as packed vectors and rows: a strided view is read as its copy
     cache_seqlens = cache_seqlens.contiguous()
@@ -282,13 +310,20 @@ def _kvcache_tensors(q, k_cache, v_cache, k, v, k_cache_scale, v_cache_scale, pa
             raise ValueError(f"{name}: expected shape ({B}, S_new, {Hkv}, {d}) on {q.device} (q's batch, "
                              f"the cache's heads and head dim), got {tuple(t.shape)} on {t.device}")
     if S_new:
-        written = (("k_cache", k_cache), ("v_cache", v_cache), ("k_cache_scale", k_cache_scale),
-                   ("v_cache_scale", v_cache_scale))
-        check_outputs(written, q, k, v)
-        for name, t in written:
-            if t is not None:
-                check_inplace(name, t, "the append of k, v", differentiable=False)
+        _check_append(q, k_cache, v_cache, k, v, k_cache_scale, v_cache_scale)
     return S_new
+
+
+def _check_append(q, k_cache, v_cache, k, v, k_cache_scale, v_cache_scale) -> None:
+    """The caches (and their scales) an append writes: each element written once, into no input
+    (their memory, checked on every call: a signature does not key it), none that autograd
+    tracks or PyTorch refuses to write (an inference tensor outside inference mode)."""
+    written = (("k_cache", k_cache), ("v_cache", v_cache), ("k_cache_scale", k_cache_scale),
+               ("v_cache_scale", v_cache_scale))
+    check_outputs(written, q, k, v)
+    for name, t in written:
+        if t is not None:
+            check_inplace(name, t, "the append of k, v", differentiable=False)
 
 
 def _kvcache_quant_tensors(q, k_cache, v_cache, k, v, k_cache_scale, v_cache_scale, rotary_cos, rotary_sin,

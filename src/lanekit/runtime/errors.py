@@ -16,10 +16,9 @@ A family registers each kind of error once (:func:`register`, at import) and pas
 
 from __future__ import annotations
 
-import os
-
 import torch
 
+from lanekit.runtime.lanes import getenv
 from lanekit.runtime.validate import ArgumentError
 
 _KINDS: dict[int, str] = {}
@@ -56,7 +55,7 @@ def error_flag(device: torch.device) -> torch.Tensor:
 def check_indices_eagerly() -> bool:
     """Whether the public functions check device-resident index values on the host before every
     launch (``LANEKIT_CHECK_INDICES=1``)."""
-    return os.environ.get("LANEKIT_CHECK_INDICES", "") == "1"
+    return getenv("LANEKIT_CHECK_INDICES", "") == "1"
 
 
 def check_errors() -> None:

@@ -15,6 +15,22 @@ import torch
 LANES = ("triton", "reference")
 LANE_ENV = "LANEKIT_LANE"
 
+_ENCODED: dict[str, object] = {}
+
+
+def getenv(name: str, default: str | None = None) -> str | None:
+    """``os.environ.get(name, default)``, read on every call as that is (tests and users change
+    the environment between calls), without encoding the name again each time: os.environ's own
+    get costs about 2 us a read on a slow host, and a call reads a few variables."""
+    data = getattr(os.environ, "_data", None)
+    if data is None:   # not CPython's os._Environ: its own get
+        return os.environ.get(name, default)
+    key = _ENCODED.get(name)
+    if key is None:
+        key = _ENCODED[name] = os.environ.encodekey(name)
+    value = data.get(key)
+    return default if value is None else os.environ.decodevalue(value)
+
 
 def triton_interpreted() -> bool:
     """Whether Triton kernels imported by this process run under Triton's interpreter.
@@ -22,7 +38,7 @@ def triton_interpreted() -> bool:
     Triton reads ``TRITON_INTERPRET`` when a kernel is decorated, that is when its module is first
     imported; lanekit never sets it (the CLI and the test suite do, before any kernel import).
     """
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    return getenv("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def select_lane(device: torch.device, lane: str | None) -> str:
@@ -33,7 +49,7 @@ def select_lane(device: torch.device, lane: str | None) -> str:
     else ``reference``. Asking for ``triton`` on a CPU tensor is only possible when this process
     runs Triton interpreted.
     """
-    chosen = lane if lane is not None else os.environ.get(LANE_ENV) or None
+    chosen = lane if lane is not None else getenv(LANE_ENV) or None
     if chosen is None:
         return "triton" if device.type == "cuda" else "reference"
     if chosen not in LANES:

@@ -14,6 +14,7 @@ merges them by their LSEs.
 from __future__ import annotations
 
 import contextlib
+from typing import NamedTuple
 
 import torch
 import triton
@@ -29,6 +30,8 @@ from lanekit.runtime import alloc, errors
 from lanekit.runtime.host import cdiv, next_power_of_2
 from lanekit.runtime.lanes import triton_interpreted
 from lanekit.runtime.launch import launch
+from lanekit.runtime.signature import meta, remember
+from lanekit.runtime.tuning import compiling
 
 if triton_interpreted():
     from lanekit.runtime.interpreter import fix_interpreter
@@ -518,14 +521,94 @@ def flash_attn_kvcache(
     in the cache's dtype (unquantized caches): the tokens to append, which the kernel writes at
     positions seqlens[b] + t itself (no append launch before it) while it reads them from here.
     """
+    fused = k_new is not None and k_new.shape[1] > 0
+    if fused and k_cache_scale is not None:
+        raise ValueError("k_new: the fused append takes an unquantized cache (codes are appended by kv_cache's kernel)")
+    key = (meta(q), meta(k_cache), meta(v_cache), meta(block_table), meta(seqlens), meta(leftpad),
+           meta(k_cache_scale), meta(v_cache_scale), meta(alibi_slopes), softmax_scale, window_size, softcap,
+           num_splits, max_seqlen_k, out_dtype, s_new, meta(k_new), meta(v_new), triton_interpreted(), compiling())
+    plan = _KVCACHE_PLANS.get(key)
+    if plan is None:
+        plan = remember(_KVCACHE_PLANS, key, _kvcache_plan(
+            q, k_cache, v_cache, block_table, seqlens, leftpad, k_cache_scale, v_cache_scale, softmax_scale,
+            window_size, softcap, alibi_slopes, num_splits, max_seqlen_k, out_dtype, s_new, k_new, v_new))
+    out = alloc.empty(plan.out_shape, dtype=plan.out_dtype, device=q.device)
+    lse = alloc.empty(plan.lse_shape, dtype=torch.float32, device=q.device)
+    if plan.grid is None:
+        return out, lse
+    if num_splits > 1:
+        part = torch.empty(plan.part_shape, dtype=torch.float32, device=q.device)
+        part_lse = torch.empty(plan.part_lse_shape, dtype=torch.float32, device=q.device)
+        dest, dest_lse = part, part_lse
+    else:
+        dest, dest_lse = out, lse
+    # sinks join in the kernel when unsplit, else in the merge
+    quant = quant_args(q, v_cache, sinks if num_splits == 1 else None, q_descale, k_descale, v_descale)
+    quantized = k_cache_scale is not None
+    with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
+        launch(_flash_attn_kvcache_kernel, plan.grid,
+            q, k_cache, v_cache,
+            k_cache_scale if quantized else q, v_cache_scale if quantized else q,
+            block_table if block_table is not None else seqlens, seqlens,
+            leftpad if leftpad is not None else seqlens,
+            alibi_slopes if alibi_slopes is not None else q, dest, dest_lse,
+            *plan.args,
+            **plan.constexprs, **quant, **plan.options,
+            capacity=plan.capacity, num_blocks=k_cache.shape[0], ERR=errors.error_flag(q.device),
+            LEN_BIT=BAD_SEQLENS, PAGE_BIT=BAD_PAGE, s_new=plan.s_new,
+            KNew=k_new if fused else q, VNew=v_new if fused else q,
+            **plan.new_strides, SLOT_BIT=BAD_SLOT if fused else 0, HAS_NEW=fused,
+        )
+        if num_splits > 1:
+            launch(_merge_splits_kernel, plan.merge_grid,
+                part, part_lse, out, lse, *plan.merge_args,
+                **plan.merge_constexprs, num_warps=4,
+                **({"Sinks": sinks.contiguous(), "HAS_SINKS": True} if sinks is not None else {}),
+            )
+    return out, lse
+
+
+class _KVCachePlan(NamedTuple):
+    """A decode launch's metadata for one signature (flash_attn_kvcache's key): the outputs'
+    shapes and dtype, the grid (None: nothing to launch), the kernel's arguments after its
+    tensors (``args``), its constexprs and compile options, the fused append's strides; with
+    num_splits > 1 the partial results' shapes and the merge kernel's grid and arguments."""
+    out_shape: tuple
+    lse_shape: tuple
+    out_dtype: torch.dtype
+    grid: tuple | None
+    args: tuple = ()
+    constexprs: dict = {}
+    options: dict = {}
+    capacity: int = 0
+    s_new: int = 0
+    new_strides: dict = {}
+    part_shape: tuple = ()
+    part_lse_shape: tuple = ()
+    merge_grid: tuple = ()
+    merge_args: tuple = ()
+    merge_constexprs: dict = {}
+
+
+_KVCACHE_PLANS: dict = {}
+
+
+def _strides_of(shape) -> tuple:
+    """The strides of a contiguous tensor of ``shape`` (as alloc.empty and torch.empty make it)."""
+    return torch.empty(shape, device="meta").stride()
+
+
+def _kvcache_plan(q, k_cache, v_cache, block_table, seqlens, leftpad, k_cache_scale, v_cache_scale, softmax_scale,
+                  window_size, softcap, alibi_slopes, num_splits, max_seqlen_k, out_dtype, s_new, k_new,
+                  v_new) -> _KVCachePlan:
+    """flash_attn_kvcache's launch metadata, from its tensors' metadata and its scalars alone."""
     B, Sq, Hq, D = q.shape
     Hkv, Dv = k_cache.shape[2], v_cache.shape[3]
     group, page_size = Hq // Hkv, k_cache.shape[1]
     capacity = block_table.shape[1] * page_size if block_table is not None else page_size
-    out = alloc.empty((B, Sq, Hq, Dv), dtype=out_dtype or q.dtype, device=q.device)
-    lse = alloc.empty((B, Hq, Sq), dtype=torch.float32, device=q.device)
-    if out.numel() == 0:
-        return out, lse
+    out_shape, lse_shape, out_dtype = (B, Sq, Hq, Dv), (B, Hq, Sq), out_dtype or q.dtype
+    if B * Sq * Hq * Dv == 0:
+        return _KVCachePlan(out_shape, lse_shape, out_dtype, None)
     _check_grid(B, Hkv, "KV heads")
     block_d, block_dv = _block(D), _block(Dv)
     if q.dtype in QUANT_DTYPES:  # 8-bit q k^T needs k >= 32 (NVIDIA)
@@ -540,52 +623,33 @@ def flash_attn_kvcache(
     block_m = tuning.kvcache_block_m(cfg, Sq * group)
     m_blocks = cdiv(Sq * group, block_m)
     left, right = window_size
+    part_shape, part_lse_shape = (num_splits, B, Sq, Hq, Dv), (num_splits, B, Hq, Sq)
     if num_splits > 1:
-        part = torch.empty((num_splits, B, Sq, Hq, Dv), dtype=torch.float32, device=q.device)
-        part_lse = torch.empty((num_splits, B, Hq, Sq), dtype=torch.float32, device=q.device)
-        dest, dest_lse = part, part_lse
-        o_strides, l_strides = part.stride(), part_lse.stride()
+        o_strides, l_strides = _strides_of(part_shape), _strides_of(part_lse_shape)
     else:
-        dest, dest_lse = out, lse
-        o_strides, l_strides = (0, *out.stride()), (0, *lse.stride())
-    # sinks join in the kernel when unsplit, else in the merge
-    quant = quant_args(q, v_cache, sinks if num_splits == 1 else None, q_descale, k_descale, v_descale)
+        o_strides, l_strides = (0, *_strides_of(out_shape)), (0, *_strides_of(lse_shape))
     quantized = k_cache_scale is not None
     fused = k_new is not None and k_new.shape[1] > 0
-    if fused and quantized:
-        raise ValueError("k_new: the fused append takes an unquantized cache (codes are appended by kv_cache's kernel)")
     scale_strides = (*k_cache_scale.stride(), *v_cache_scale.stride()) if quantized else (0,) * 6
-    with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
-        launch(_flash_attn_kvcache_kernel, (m_blocks * num_splits, Hkv, B),
-            q, k_cache, v_cache,
-            k_cache_scale if quantized else q, v_cache_scale if quantized else q,
-            block_table if block_table is not None else seqlens, seqlens,
-            leftpad if leftpad is not None else seqlens,
-            alibi_slopes if alibi_slopes is not None else q, dest, dest_lse,
-            *q.stride(), *k_cache.stride(), *v_cache.stride(), *scale_strides,
+    args = (*q.stride(), *k_cache.stride(), *v_cache.stride(), *scale_strides,
             block_table.stride(0) if block_table is not None else 0,
             *(alibi_slopes.stride() if alibi_slopes is not None else (0, 0)),
             *o_strides, *l_strides,
             Sq, group, D, Dv, page_size, page_size.bit_length() - 1, left, right, num_splits,
             softmax_scale * LOG2E,
             softmax_scale / softcap if softcap > 0 else 0.0,
-            softcap * LOG2E,
-            BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, BLOCK_DV=block_dv,
-            HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0, HAS_SOFTCAP=softcap > 0,
-            HAS_ALIBI=alibi_slopes is not None, HAS_LEFTPAD=leftpad is not None, QUANTIZED=quantized,
-            INPUT_PRECISION="ieee" if q.dtype == torch.float32 else None, EVEN_D=(D == block_d and Dv == block_dv),
-            HAS_TABLE=block_table is not None, PAGES=layout.pages, POW2_PAGE=layout.pow2_page, PAGE=layout.page,
-            PAGES_AHEAD=layout.pages_ahead, **quant, **cfg.options(),
-            capacity=capacity, num_blocks=k_cache.shape[0], ERR=errors.error_flag(q.device),
-            LEN_BIT=BAD_SEQLENS, PAGE_BIT=BAD_PAGE, s_new=k_new.shape[1] if fused else s_new,
-            KNew=k_new if fused else q, VNew=v_new if fused else q,
-            **_new_strides(k_new if fused else None, v_new if fused else None),
-            SLOT_BIT=BAD_SLOT if fused else 0, HAS_NEW=fused,
-        )
-        if num_splits > 1:
-            launch(_merge_splits_kernel, (Sq, Hq, B),
-                part, part_lse, out, lse, *part.stride(), *part_lse.stride(), *out.stride(), *lse.stride(),
-                num_splits, Dv, BLOCK_S=max(2, next_power_of_2(num_splits)), BLOCK_DV=block_dv,
-                num_warps=4, **({"Sinks": sinks.contiguous(), "HAS_SINKS": True} if sinks is not None else {}),
-            )
-    return out, lse
+            softcap * LOG2E)
+    constexprs = dict(
+        BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, BLOCK_DV=block_dv,
+        HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0, HAS_SOFTCAP=softcap > 0,
+        HAS_ALIBI=alibi_slopes is not None, HAS_LEFTPAD=leftpad is not None, QUANTIZED=quantized,
+        INPUT_PRECISION="ieee" if q.dtype == torch.float32 else None, EVEN_D=(D == block_d and Dv == block_dv),
+        HAS_TABLE=block_table is not None, PAGES=layout.pages, POW2_PAGE=layout.pow2_page, PAGE=layout.page,
+        PAGES_AHEAD=layout.pages_ahead)
+    merge_args = (*_strides_of(part_shape), *_strides_of(part_lse_shape), *_strides_of(out_shape),
+                  *_strides_of(lse_shape), num_splits, Dv)
+    return _KVCachePlan(
+        out_shape, lse_shape, out_dtype, (m_blocks * num_splits, Hkv, B), args, constexprs, cfg.options(),
+        capacity, k_new.shape[1] if fused else s_new, _new_strides(k_new if fused else None, v_new if fused else None),
+        part_shape, part_lse_shape, (Sq, Hq, B), merge_args,
+        dict(BLOCK_S=max(2, next_power_of_2(num_splits)), BLOCK_DV=block_dv))

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
+from typing import NamedTuple
 
 import torch
 import triton
@@ -21,9 +23,11 @@ from lanekit.attention.kernels.common import (BAD_PAGE, LOG2E, MIN_K_8BIT, QUANT
                                               quant_args)
 from lanekit.common.numerics import tanh as _tanh
 from lanekit.runtime import alloc, errors
-from lanekit.runtime.host import cdiv, next_power_of_2
+from lanekit.runtime.host import cdiv
 from lanekit.runtime.lanes import triton_interpreted
 from lanekit.runtime.launch import launch
+from lanekit.runtime.signature import meta, remember
+from lanekit.runtime.tuning import compiling
 
 if triton_interpreted():
     from lanekit.runtime.interpreter import fix_interpreter
@@ -334,24 +338,78 @@ def flash_attn_fwd(
     if varlen:   # the lengths brought into range on the device (no value read back)
         cu_seqlens_q, cu_seqlens_k = clamp_varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                                   block_table)
+    key = (meta(q), meta(k), meta(v), meta(attn_bias), meta(attn_mask), meta(alibi_slopes), meta(cu_seqlens_q),
+           meta(block_table), max_seqlen_q, max_seqlen_k, softmax_scale, window_size, softcap, dropout_p,
+           out_dtype, triton_interpreted(), compiling())
+    plan = _FWD_PLANS.get(key)
+    if plan is None:
+        plan = remember(_FWD_PLANS, key, _fwd_plan(q, k, v, attn_bias, attn_mask, alibi_slopes, cu_seqlens_q,
+                                                   block_table, max_seqlen_q, max_seqlen_k, softmax_scale, window_size,
+                                                   softcap, dropout_p, out_dtype))
+    out = alloc.empty(plan.out_shape, dtype=plan.out_dtype, device=q.device)
+    lse = alloc.empty(plan.lse_shape, dtype=torch.float32, device=q.device)
+    if plan.grid is None:
+        return out, lse
+    quant = quant_args(q, v, sinks, q_descale, k_descale, v_descale)
+    # The mask is read as bytes: a bool tensor views as uint8 without a copy.
+    mask = attn_mask.view(torch.uint8) if attn_mask is not None else None
+    # Triton launches on the current device: make it q's.
+    with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
+        launch(_flash_attn_fwd_kernel, plan.grid,
+            q, k, v, out, lse,
+            attn_bias if attn_bias is not None else q,
+            mask if mask is not None else q,
+            alibi_slopes if alibi_slopes is not None else q,
+            cu_seqlens_q if varlen else q, cu_seqlens_k if varlen else q,
+            block_table if paged else q,
+            *plan.head, seed, offset, *plan.tail,
+            **plan.constexprs, **quant, **plan.options,
+            num_blocks=plan.num_blocks, ERR=errors.error_flag(q.device) if paged else q,
+            PAGE_BIT=BAD_PAGE,
+        )
+    return out, lse
+
+
+class _FwdPlan(NamedTuple):
+    """A forward launch's metadata for one signature (flash_attn_fwd's key): the outputs' shapes
+    and dtype, the grid (None: nothing to launch), and the kernel's arguments other than its
+    tensors, the dropout seed and offset, and the sinks' and fp8 arguments (quant_args), in the
+    kernel's order: ``head`` before seed and offset, ``tail`` after them."""
+    out_shape: tuple
+    lse_shape: tuple
+    out_dtype: torch.dtype
+    grid: tuple | None
+    head: tuple = ()
+    tail: tuple = ()
+    constexprs: dict = {}
+    options: dict = {}
+    num_blocks: int = 0
+
+
+_FWD_PLANS: dict = {}
+
+
+def _fwd_plan(q, k, v, attn_bias, attn_mask, alibi_slopes, cu_seqlens_q, block_table, max_seqlen_q, max_seqlen_k,
+              softmax_scale, window_size, softcap, dropout_p, out_dtype) -> _FwdPlan:
+    """flash_attn_fwd's launch metadata, from its tensors' metadata and its scalars alone."""
+    varlen, paged = cu_seqlens_q is not None, block_table is not None
+    out_dtype = out_dtype or q.dtype
+    if varlen:
         total_q, Hq, D = q.shape
         B, Sq, Sk = cu_seqlens_q.shape[0] - 1, max_seqlen_q, max_seqlen_k
-        out = alloc.empty((total_q, Hq, v.shape[-1]), dtype=out_dtype or q.dtype, device=q.device)
-        lse = alloc.empty((Hq, total_q), dtype=torch.float32, device=q.device)
+        out_shape, lse_shape = (total_q, Hq, v.shape[-1]), (Hq, total_q)
         stride_lb, stride_lh, rng_stride = 0, total_q, Sk
     else:
         B, Sq, Hq, D = q.shape
         Sk = k.shape[1]
-        out = alloc.empty((B, Sq, Hq, v.shape[3]), dtype=out_dtype or q.dtype, device=q.device)
-        lse = alloc.empty((B, Hq, Sq), dtype=torch.float32, device=q.device)
+        out_shape, lse_shape = (B, Sq, Hq, v.shape[3]), (B, Hq, Sq)
         stride_lb, stride_lh, rng_stride = Hq * Sq, Sq, Sk
     Hkv, Dv = k.shape[-2], v.shape[-1]
-    if out.numel() == 0 or B == 0 or Sq == 0:
-        return out, lse
+    if math.prod(out_shape) == 0 or B == 0 or Sq == 0:
+        return _FwdPlan(out_shape, lse_shape, out_dtype, None)
     _check_grid(B, Hq)
 
     block_d, block_dv = _block(D), _block(Dv)
-    quant = quant_args(q, v, sinks, q_descale, k_descale, v_descale)
     if q.dtype in QUANT_DTYPES:  # 8-bit products need k >= 32 (NVIDIA): q k^T over D, P.V over keys
         block_d = max(block_d, MIN_K_8BIT)
     table = tuning.FLASH_ATTN_FWD_FP32 if q.dtype == torch.float32 else tuning.FLASH_ATTN_FWD
@@ -359,44 +417,34 @@ def flash_attn_fwd(
     if q.dtype in QUANT_DTYPES and cfg.block_n < MIN_K_8BIT:
         cfg = dataclasses.replace(cfg, block_n=MIN_K_8BIT)
     left, right = window_size
-    # The mask is read as bytes: a bool tensor views as uint8 without a copy.
-    mask = attn_mask.view(torch.uint8) if attn_mask is not None else None
+    # out is allocated contiguous (alloc.empty): its strides follow from its shape
+    out_strides = torch.empty(out_shape, device="meta").stride()
+    out_strides = (0, *out_strides) if varlen else out_strides
     # Tile offsets (row within a block times a stride) are int32 unless some stride is so large
     # that they would overflow; the block's own start is always int64.
-    tile_strides = [*q.stride(), *k.stride(), *v.stride(), *_strides4(attn_bias), *_strides4(mask)]
+    tile_strides = [*q.stride(), *k.stride(), *v.stride(), *_strides4(attn_bias), *_strides4(attn_mask)]
     int64_tiles = max(tile_strides) * max(cfg.block_m, cfg.block_n, block_d, block_dv) >= 2**31
     # A varlen sequence holds at most total_q queries: a larger max_seqlen_q would only add
     # programs that find no row (10**7 for 7 tokens took minutes interpreted).
     rows = min(Sq, total_q) if varlen else Sq
-    grid = (cdiv(rows, cfg.block_m), Hq, B)
-    # Triton launches on the current device: make it q's.
-    with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
-        launch(_flash_attn_fwd_kernel, grid,
-            q, k, v, out, lse,
-            attn_bias if attn_bias is not None else q,
-            mask if mask is not None else q,
-            alibi_slopes if alibi_slopes is not None else q,
-            cu_seqlens_q if varlen else q, cu_seqlens_k if varlen else q,
-            block_table if paged else q,
-            *_strides_bthd(q, varlen), *_strides_bthd(k, varlen, paged), *_strides_bthd(v, varlen, paged),
-            *_strides_bthd(out, varlen),
-            *_strides4(attn_bias), *_strides4(mask),
+    head = (*_strides_bthd(q, varlen), *_strides_bthd(k, varlen, paged), *_strides_bthd(v, varlen, paged),
+            *out_strides,
+            *_strides4(attn_bias), *_strides4(attn_mask),
             *(alibi_slopes.stride() if alibi_slopes is not None else (0, 0)),
             stride_lb, stride_lh, block_table.stride(0) if paged else 0,
             Hq, Hq // Hkv, Sq, Sk, D, Dv,
             softmax_scale * LOG2E,
             softmax_scale / softcap if softcap > 0 else 0.0,
             softcap * LOG2E,
-            left, right, dropout_p, seed, offset, rng_stride, k.shape[1] if paged else 1,
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, BLOCK_DV=block_dv,
-            EVEN_D=(D == block_d and Dv == block_dv),
-            HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0, HAS_SOFTCAP=softcap > 0,
-            HAS_ALIBI=alibi_slopes is not None, HAS_BIAS=attn_bias is not None,
-            HAS_MASK=mask is not None, HAS_DROPOUT=dropout_p > 0,
-            INPUT_PRECISION="ieee" if q.dtype == torch.float32 else None, INT64_TILES=int64_tiles,
-            IS_VARLEN=varlen, PAGED=paged,
-            **quant, **cfg.options(),
-            num_blocks=k.shape[0] if paged else 0, ERR=errors.error_flag(q.device) if paged else q,
-            PAGE_BIT=BAD_PAGE,
-        )
-    return out, lse
+            left, right, dropout_p)
+    return _FwdPlan(
+        out_shape, lse_shape, out_dtype, (cdiv(rows, cfg.block_m), Hq, B), head,
+        (rng_stride, k.shape[1] if paged else 1),
+        dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, BLOCK_DV=block_dv,
+             EVEN_D=(D == block_d and Dv == block_dv),
+             HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0, HAS_SOFTCAP=softcap > 0,
+             HAS_ALIBI=alibi_slopes is not None, HAS_BIAS=attn_bias is not None,
+             HAS_MASK=attn_mask is not None, HAS_DROPOUT=dropout_p > 0,
+             INPUT_PRECISION="ieee" if q.dtype == torch.float32 else None, INT64_TILES=int64_tiles,
+             IS_VARLEN=varlen, PAGED=paged),
+        cfg.options(), k.shape[0] if paged else 0)

@@ -27,6 +27,8 @@ from lanekit.runtime.alloc import empty
 from lanekit.runtime.host import cdiv, next_power_of_2
 from lanekit.runtime.lanes import triton_interpreted
 from lanekit.runtime.launch import launch
+from lanekit.runtime.signature import meta, remember
+from lanekit.runtime.tuning import compiling
 
 if triton_interpreted():
     from lanekit.runtime.interpreter import fix_interpreter
@@ -345,24 +347,43 @@ def norm_fwd(*, x, weight, bias, eps, offset=0.0, is_rms, residual=None, gate=No
     if rows == 0 or N == 0:
         return y, h, mean, rstd
     y2, h2 = y.view(-1, N), (h.view(-1, N) if h is not None else None)
-    BLOCK_N, one_block, num_warps = _norm_config(x.device, N)
+    key = (meta(x2), meta(r2), meta(gate), meta(scale), meta(shift), meta(weight), meta(bias), eps, offset, is_rms,
+           rows_per_mod, triton_interpreted(), compiling())
+    plan = _FWD_PLANS.get(key)
+    if plan is None:
+        plan = remember(_FWD_PLANS, key, _norm_fwd_plan(x2, r2, gate, scale, shift, weight, bias, eps, offset,
+                                                        is_rms, rows_per_mod))
+    grid, args, constexprs = plan
+    launch(_norm_fwd_kernel, grid,
+        x2, r2, gate, scale, shift, weight, bias, y2, h2, mean, rstd, *args, **constexprs,
+    )
+    return y, h, mean, rstd
+
+
+_FWD_PLANS: dict = {}
+
+
+def _norm_fwd_plan(x2, r2, gate, scale, shift, weight, bias, eps, offset, is_rms, rows_per_mod):
+    """norm_fwd's (grid, arguments after the tensors, constexprs) for rows x2 (rows, N), from the
+    tensors' metadata and the scalars alone (y and h are allocated contiguous: (N, 1) strides)."""
+    rows, N = x2.shape
+    BLOCK_N, one_block, num_warps = _norm_config(x2.device, N)
     # rows sharing one row of scale and shift (AdaLN per batch entry) go MOD_ROWS to a program,
     # which loads that row once (up to MOD_ROWS times less to read beside x)
     mod_rows = 1
     if scale is not None and one_block:
         while mod_rows < tuning.NORM_MOD_ROWS and rows_per_mod % (2 * mod_rows) == 0:
             mod_rows *= 2
-    launch(_norm_fwd_kernel, (rows // mod_rows,),
-        x2, r2, gate, scale, shift, weight, bias, y2, h2, mean, rstd,
-        *_strides(x2), *_strides(r2), *_strides(gate), *_strides(scale), *_strides(shift),
-        *_strides(y2), *_strides(h2), _stride(weight), _stride(bias),
-        N, rows_per_mod, eps, offset,
-        IS_RMS=is_rms, HAS_RESIDUAL=residual is not None, HAS_GATE=gate is not None,
+    out_strides = torch.empty((rows, N), device="meta").stride()
+    args = (*_strides(x2), *_strides(r2), *_strides(gate), *_strides(scale), *_strides(shift),
+            *out_strides, *(out_strides if r2 is not None else (0, 0)), _stride(weight), _stride(bias),
+            N, rows_per_mod, eps, offset)
+    constexprs = dict(
+        IS_RMS=is_rms, HAS_RESIDUAL=r2 is not None, HAS_GATE=gate is not None,
         HAS_MOD=scale is not None, HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
-        BLOCK_N=BLOCK_N, ONE_BLOCK=one_block, TWO_PART_MEAN=x.dtype == torch.float32,
-        MOD_ROWS=mod_rows, num_warps=num_warps,
-    )
-    return y, h, mean, rstd
+        BLOCK_N=BLOCK_N, ONE_BLOCK=one_block, TWO_PART_MEAN=x2.dtype == torch.float32,
+        MOD_ROWS=mod_rows, num_warps=num_warps)
+    return (rows // mod_rows,), args, constexprs
 
 
 def norm_bwd(*, dy, dh_out, x, weight, bias, mean, rstd, offset=0.0, is_rms, residual=None,
