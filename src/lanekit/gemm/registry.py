@@ -87,6 +87,9 @@ def _scaled_mm_samples(device):
     yield mm_case("K300 rowwise, a and b non-contiguous", device, M=11, K=300, N=19, layout="strided",
                   a_strided=True)
     yield mm_case("M1 rowwise bias (decode)", device, M=1, K=128, N=70, bias=True)
+    yield mm_case("M1 K512 N24 per tensor fp32 bias, K split (decode)", device, M=1, K=512, N=24,
+                  scales="tensor", bias=True, out_dtype=torch.float32)
+    yield mm_case("M2 K384 N24 128x128 blocks bias, K split", device, M=2, K=384, N=24, scales="block", bias=True)
     yield mm_case("K0 rowwise bias: zeros plus bias", device, M=3, K=0, N=5, bias=True)
     yield mm_case("K0 blocks", device, M=3, K=0, N=5, scales="block")
     yield mm_case("M0", device, M=0, K=32, N=8)
@@ -120,6 +123,7 @@ def _mx_mm_samples(device):
     yield mx_case("K320 fp32, b row-major non-contiguous", device, M=7, K=320, N=40,
                   out_dtype=torch.float32, layout="strided")
     yield mx_case("M1 K704", device, M=1, K=704, N=33)
+    yield mx_case("M1 K256 N24, K split (decode)", device, M=1, K=256, N=24)
     yield mx_case("K0", device, M=3, K=0, N=5)
 
 
@@ -185,6 +189,8 @@ def _w8a16_samples(device):
     yield linear_case("K300", device, lead=(9,), K=300, N=40, wdtype=i8)
     yield linear_case("K700 x non-contiguous", device, lead=(6,), K=700, N=21, wdtype=i8, strided=True)
     yield linear_case("M1 K100 bias (decode)", device, lead=(1,), K=100, N=70, wdtype=i8, bias=True)
+    yield linear_case("M1 K256 N24 fp16 bias, K split (decode)", device, lead=(1,), K=256, N=24, wdtype=i8,
+                      dtype=torch.float16, bias=True)
     yield linear_case("K0 bias", device, lead=(3,), K=0, N=5, wdtype=i8, bias=True)
 
 

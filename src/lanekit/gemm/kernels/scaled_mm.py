@@ -10,7 +10,10 @@
   per tensor); BLOCK, a per 1 x 128 of K, b per 128 x 128 (DeepSeek-V3), one scale each per K step
   (block_k divides 128); MX, one e8m0 exponent per 32 of K for each row of a and column of b
   (OCP MX; a K step of 32). Then bias (N,) and the cast to C's dtype. Masks on every partial tile:
-  no scale or bias is read past M or N.
+  no scale or bias is read past M or N. Where the output tiles leave processors idle (decode),
+  fp8 and W8A16 split K among programs (``gemm.tuning.split_k``; SPLIT): each writes its scaled
+  fp32 partial sum, and ``_split_k_sum`` adds them in split order with the bias, rounding once.
+  int8 x int8 is never split (its int32 sum is exact; fp32 partials would not be).
 - ``_quant_rows_kernel``: rows of x (R, C) to int8 or fp8 codes, dynamic (per row or per group of
   columns: scale = amax / qmax, correctly rounded) or static (one given scale): the activation
   quantization of the linears.
@@ -25,6 +28,7 @@ import triton.language as tl
 from lanekit.common.numerics import cast_codes, e8m0_scale, finite_abs, quant_scale, quantize
 from lanekit.gemm import tuning
 from lanekit.runtime.alloc import empty
+from lanekit.runtime.launch import launch
 from lanekit.runtime.lanes import triton_interpreted
 
 if triton_interpreted():
@@ -50,27 +54,30 @@ def _swizzle(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: t
 
 
 @triton.jit
-def _scaled_mm_kernel(A, B, SA, SB, BIAS, C, M, N, K,
+def _scaled_mm_kernel(A, B, SA, SB, BIAS, C, WS, M, N, K, SPLIT_K,
                       stride_am, stride_ak, stride_bk, stride_bn,
                       stride_sam, stride_sak, stride_sbk, stride_sbn, stride_cm, stride_cn,
                       SCHEME: tl.constexpr, IS_INT: tl.constexpr, WIDEN_B: tl.constexpr,
                       HAS_SA: tl.constexpr, HAS_BIAS: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      GROUP_M: tl.constexpr, IMPRECISE_ACC: tl.constexpr):
+                      GROUP_M: tl.constexpr, IMPRECISE_ACC: tl.constexpr, SPLIT: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)
+    pid_k = tl.program_id(1)              # this program's share of K (SPLIT: _split_k_sum adds them)
     pid_m, pid_n = _swizzle(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
     offs_k = tl.arange(0, BLOCK_K).to(tl.int64)
     m_mask = offs_m < M
     n_mask = offs_n < N
-    a_ptrs = A + offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak
-    b_ptrs = B + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn
+    span = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K                           # K of this split
+    k_lo = pid_k * span
+    a_ptrs = A + offs_m[:, None] * stride_am + (k_lo + offs_k)[None, :] * stride_ak
+    b_ptrs = B + (k_lo + offs_k)[:, None] * stride_bk + offs_n[None, :] * stride_bn
     if IS_INT:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(k_lo, tl.minimum(K, k_lo + span), BLOCK_K):
         k_mask = offs_k < K - k0
         a = tl.load(a_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
         b = tl.load(b_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
@@ -101,11 +108,47 @@ def _scaled_mm_kernel(A, B, SA, SB, BIAS, C, M, N, K,
             out = out * sa[:, None]
         sb = tl.load(SB + offs_n * stride_sbn, mask=n_mask, other=0.0)
         out = out * sb[None, :]
+    mask = m_mask[:, None] & n_mask[None, :]
+    if SPLIT:    # this split's scaled fp32 partial sum, for _split_k_sum (bias there)
+        tl.store(WS + (tl.cast(pid_k, tl.int64) * M + offs_m[:, None]) * N + offs_n[None, :], out, mask=mask)
+    else:
+        if HAS_BIAS:
+            bias = tl.load(BIAS + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+            out = out + bias[None, :]
+        c_ptrs = C + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
+        tl.store(c_ptrs, out.to(C.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _split_k_sum(WS, BIAS, Y, M, N, SPLIT_K, stride_ym, stride_yn, HAS_BIAS: tl.constexpr,
+                 BLOCK: tl.constexpr):
+    """Y = the SPLIT_K partial sums of WS (SPLIT_K, M, N) fp32, added in split order (the same bits
+    every run), plus bias, rounded once."""
+    idx = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+    mask = idx < M * N
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for k in range(0, SPLIT_K):
+        acc += tl.load(WS + tl.cast(k, tl.int64) * M * N + idx, mask=mask, other=0.0)
+    n = idx % N
     if HAS_BIAS:
-        bias = tl.load(BIAS + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-        out = out + bias[None, :]
-    c_ptrs = C + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
-    tl.store(c_ptrs, out.to(C.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+        acc += tl.load(BIAS + n, mask=mask, other=0.0).to(tl.float32)
+    tl.store(Y + (idx // N) * stride_ym + n * stride_yn, acc.to(Y.dtype.element_ty), mask=mask)
+
+
+SPLIT_K_SUM_BLOCK = 1024      # elements a program of _split_k_sum adds: a memory-bound pass
+
+
+def _workspace(split: int, M: int, N: int, out):
+    """Where a split K's fp32 partial sums go, (split, M, N); with no split, out (the kernel writes
+    out itself and never this)."""
+    return empty((split, M, N), dtype=torch.float32, device=out.device) if split > 1 else out
+
+
+def _sum_splits(ws, split: int, out, bias, M: int, N: int) -> None:
+    """out = the splits' partial sums plus bias, rounded once (nothing to do with no split)."""
+    if split > 1:
+        launch(_split_k_sum, (triton.cdiv(M * N, SPLIT_K_SUM_BLOCK),), ws, bias if bias is not None else ws,
+               out, M, N, split, *out.stride(), HAS_BIAS=bias is not None, BLOCK=SPLIT_K_SUM_BLOCK)
 
 
 def scaled_mm_fwd(a, b, scale_a, scale_b, bias, out_dtype, scheme, *, widen_b=False):
@@ -131,14 +174,21 @@ def scaled_mm_fwd(a, b, scale_a, scale_b, bias, out_dtype, scheme, *, widen_b=Fa
         sb_strides = (0, scale_b.stride(0))
     else:
         sa_strides, sb_strides = sa.stride(), scale_b.stride()
+    bias = bias.contiguous() if bias is not None else None      # read at BIAS + n: a strided view as its copy
     bias_t = bias if bias is not None else scale_b
-    grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n),)
-    _scaled_mm_kernel[grid](
-        a, b, sa, scale_b, bias_t, out, M, N, K, *a.stride(), *b.stride(), *sa_strides,
-        *sb_strides, *out.stride(), SCHEME=scheme, IS_INT=a.dtype == torch.int8,
+    tiles = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
+    is_int = a.dtype == torch.int8
+    # decode's few output tiles share K among programs (fp32 partial sums; int8's exact int32 sum
+    # is never split)
+    split = 1 if is_int else tuning.split_k(a.device, tiles, triton.cdiv(K, cfg.block_k))
+    ws = _workspace(split, M, N, out)
+    _scaled_mm_kernel[(tiles, split)](
+        a, b, sa, scale_b, bias_t, out, ws, M, N, K, split, *a.stride(), *b.stride(), *sa_strides,
+        *sb_strides, *out.stride(), SCHEME=scheme, IS_INT=is_int,
         WIDEN_B=widen_b, HAS_SA=has_sa, HAS_BIAS=bias is not None, BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        IMPRECISE_ACC=cfg.imprecise_acc if out_dtype != torch.float32 else 0, **cfg.options())
+        IMPRECISE_ACC=cfg.imprecise_acc if out_dtype != torch.float32 else 0, SPLIT=split > 1, **cfg.options())
+    _sum_splits(ws, split, out, bias, M, N)
     return out
 
 

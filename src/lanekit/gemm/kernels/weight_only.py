@@ -7,9 +7,10 @@ registers, then multiplied with 16-bit activations by ``tl.dot`` (sums in fp32).
   bits and summed in fp32, and the group's scale multiplies that partial sum, so the result is the
   exact product summed in fp32 (no dequantized weight is rounded to 16 bits): per K step where
   the steps fill each group (``FLAT``: group_size a multiple of the K step, one loop the compiler
-  pipelines), else per group, each group a run of K steps. With GPTQ's act-order g_idx the group changes within a K step: the weight
-  (q - z) * s (exact in fp32) is split into a 16-bit value and its 16-bit remainder, each
-  multiplied by tl.dot: the weight then carries 16 + 8 significant bits (bf16), not 8.
+  pipelines), else per group, each group a run of K steps. With GPTQ's act-order g_idx the group
+  changes within a K step: the weight (q - z) * s (exact in fp32) is split into a 16-bit value and
+  its 16-bit remainder, each multiplied by tl.dot: the weight then carries 16 + 8 significant bits
+  (bf16), not 8.
 - ``_mxfp4_linear_kernel``: y = x @ W.T + bias, W (N, K) OCP MXFP4: e2m1 codes two to a byte
   (element 2i in the low nibble), one e8m0 scale per 32 of K; a K step of 32 (one scale per
   column a step) whose e2m1 values (exact in 16 bits) are multiplied and the product scaled.
@@ -21,13 +22,12 @@ masked (its row of K adds nothing) and recorded in the device error flag (runtim
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 
 from lanekit.common.numerics import e2m1_pairs_in, e8m0_scale
 from lanekit.gemm import tuning
-from lanekit.gemm.kernels.scaled_mm import _swizzle
+from lanekit.gemm.kernels.scaled_mm import _sum_splits, _swizzle, _workspace
 from lanekit.runtime import errors
 from lanekit.runtime.alloc import empty
 from lanekit.runtime.launch import launch
@@ -218,38 +218,6 @@ def _finish(acc, BIAS, Y, WS, pid_k, M, N, offs_m, offs_n, m_mask, n_mask, strid
             acc += tl.load(BIAS + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
         tl.store(Y + offs_m[:, None] * stride_ym + offs_n[None, :] * stride_yn, acc.to(Y.dtype.element_ty),
                  mask=mask)
-
-
-@triton.jit
-def _split_k_sum(WS, BIAS, Y, M, N, SPLIT_K, stride_ym, stride_yn, HAS_BIAS: tl.constexpr,
-                 BLOCK: tl.constexpr):
-    """Y = the SPLIT_K partial sums of WS (SPLIT_K, M, N) fp32, added in split order (the same bits
-    every run), plus bias, rounded once."""
-    idx = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
-    mask = idx < M * N
-    acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    for k in range(0, SPLIT_K):
-        acc += tl.load(WS + tl.cast(k, tl.int64) * M * N + idx, mask=mask, other=0.0)
-    n = idx % N
-    if HAS_BIAS:
-        acc += tl.load(BIAS + n, mask=mask, other=0.0).to(tl.float32)
-    tl.store(Y + (idx // N) * stride_ym + n * stride_yn, acc.to(Y.dtype.element_ty), mask=mask)
-
-
-SPLIT_K_SUM_BLOCK = 1024      # elements a program of _split_k_sum adds: a memory-bound pass
-
-
-def _workspace(split: int, M: int, N: int, out):
-    """Where a split K's fp32 partial sums go, (split, M, N); with no split, out (the kernel writes
-    out itself and never this)."""
-    return empty((split, M, N), dtype=torch.float32, device=out.device) if split > 1 else out
-
-
-def _sum_splits(ws, split: int, out, bias, M: int, N: int) -> None:
-    """out = the splits' partial sums plus bias, rounded once (nothing to do with no split)."""
-    if split > 1:
-        launch(_split_k_sum, (triton.cdiv(M * N, SPLIT_K_SUM_BLOCK),), ws, bias if bias is not None else ws,
-               out, M, N, split, *out.stride(), HAS_BIAS=bias is not None, BLOCK=SPLIT_K_SUM_BLOCK)
 
 
 def w4a16_linear_fwd(x, qweight, scales, zeros, g_idx, bias, group_size: int, layout: str):
