@@ -208,7 +208,10 @@ BAD_INPUTS = {
     "batch mismatch": (dict(k_B=2), ValueError, "expected batch size"),
     "not a tensor": (dict(q_list=True), TypeError, "q: expected a torch.Tensor"),
     "no query heads": (dict(Hq=0), ValueError, "q: expected at least one head"),
-    "scale is a bool": (dict(softmax_scale=True), ValueError, "softmax_scale"),
+    "scale is a bool": (dict(softmax_scale=True), TypeError, r"softmax_scale: expected a finite float .* got bool"),
+    "scale is a str": (dict(softmax_scale="0.1"), TypeError, r"softmax_scale: expected a finite float .* got str"),
+    "dropout a str": (dict(dropout_p="0.1"), TypeError, r"dropout_p: expected a float in \[0, 1\), got str"),
+    "softcap a str": (dict(softcap="1"), TypeError, "softcap: expected a finite float >= 0, got str"),
     "scale beyond fp32": (dict(softmax_scale=1e300), ValueError, "softmax_scale"),
     "causal not a bool": (dict(causal="yes"), TypeError, "causal: expected a bool"),
     "causal an int": (dict(causal=1), TypeError, "causal: expected a bool, got int"),
@@ -260,8 +263,8 @@ EQUAL_BUT_REFUSED = {
     "deterministic 0 after False": ("deterministic", False, 0, TypeError, "deterministic: expected a bool"),
     "return_attn_probs 0 after False": ("return_attn_probs", False, 0, TypeError, "return_attn_probs: expected"),
     "window (1.0, 0) after (1, 0)": ("window_size", (1, 0), (1.0, 0), TypeError, "window_size"),
-    "scale True after 1": ("softmax_scale", 1, True, ValueError, "softmax_scale"),
-    "dropout False after 0.0": ("dropout_p", 0.0, False, ValueError, "dropout_p"),
+    "scale True after 1": ("softmax_scale", 1, True, TypeError, "softmax_scale: expected a finite float .* got bool"),
+    "dropout False after 0.0": ("dropout_p", 0.0, False, TypeError, "dropout_p: expected a float .* got bool"),
 }
 
 

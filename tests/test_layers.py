@@ -563,8 +563,12 @@ def test_quantized_qk_rows_put_out_of_range_by_the_weights(device, case, quant):
     (lambda x, w: L.swiglu(x, x[:2]), "up", ValueError),
     (lambda x, w: L.geglu(x, x, approximate="erf"), "approximate", ValueError),
     (lambda x, w: L.swiglu(x, x, out=x.t()[:4]), "out", ValueError),
+    (lambda x, w: L.layer_norm(x, w, None, eps="1e-5"), "eps", TypeError),
+    (lambda x, w: L.rms_norm(x, w, offset="1"), "offset", TypeError),
+    (lambda x, w: L.rms_norm(x, w, eps=True), "eps", TypeError),
 ], ids=["weight shape", "eps", "x dtype", "residual dtype", "bias shape", "adaln scale shape",
-        "gate without residual", "odd fused width", "up shape", "gelu approximation", "out shape"])
+        "gate without residual", "odd fused width", "up shape", "gelu approximation", "out shape",
+        "eps a str", "offset a str", "eps a bool"])
 def test_bad_input_names_the_argument(device, call, arg, error):
     x = torch.randn(4, 8, device=device)
     w = torch.randn(8, device=device)

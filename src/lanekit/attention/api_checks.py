@@ -9,7 +9,7 @@ import math
 import torch
 
 from lanekit.runtime.errors import check_indices_eagerly
-from lanekit.runtime.validate import flag, int_pair, is_int, is_real, tensor
+from lanekit.runtime.validate import flag, int_pair, is_int, real, tensor
 
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -45,10 +45,11 @@ def _options(D: int, Sq: int, Sk: int, dropout_p, softmax_scale, softcap, causal
     """Check the scalar options of the attention functions; returns (softmax_scale, left, right)
     with the default scale filled in and the causal mask folded into the window. Ints and bools
     follow runtime.validate's one rule (NumPy's and 0-d tensors count; a bool is not an int)."""
-    if not (is_real(dropout_p) and 0.0 <= dropout_p < 1.0):
+    if not 0.0 <= real("dropout_p", dropout_p, "a float in [0, 1)") < 1.0:
         raise ValueError(f"dropout_p: expected a float in [0, 1), got {dropout_p!r}")
     softmax_scale = _softmax_scale(D, softmax_scale)
-    if not (is_real(softcap) and softcap >= 0 and math.isfinite(softcap)):
+    softcap_value = real("softcap", softcap, "a finite float >= 0")
+    if not (softcap_value >= 0 and math.isfinite(softcap_value)):
         raise ValueError(f"softcap: expected a finite float >= 0, got {softcap!r}")
     causal = flag("causal", causal)
     left, right = int_pair("window_size", window_size, " (left, right)")
@@ -70,7 +71,8 @@ def _softmax_scale(D: int, softmax_scale) -> float:
     FlashMLA's default)."""
     if softmax_scale is None:
         return D ** -0.5
-    if not (is_real(softmax_scale) and math.isfinite(softmax_scale) and abs(softmax_scale) < _FP32_MAX):
+    value = real("softmax_scale", softmax_scale, "a finite float (fp32 range) or None")
+    if not (math.isfinite(value) and abs(value) < _FP32_MAX):
         raise ValueError(f"softmax_scale: expected a finite float (fp32 range) or None, got {softmax_scale!r}")
     return float(softmax_scale)
 

@@ -11,8 +11,7 @@ from lanekit.runtime.errors import check_indices_eagerly as _check_indices_eager
 from lanekit.runtime.lanes import select_lane as _select_lane
 from lanekit.runtime.validate import (check_inplace as _check_inplace, check_writable as _check_writable,
                                       flag as _flag, int_at_least as _int_at_least, is_int as _is_int,
-                                      is_real as _is_real, lane_for as _lane, shape as _shape,
-                                      tensor as _tensor)
+                                      lane_for as _lane, real as _real, shape as _shape, tensor as _tensor)
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _WITH_F64 = _DTYPES + (torch.float64,)   # float64 runs on the reference lane only
@@ -20,9 +19,10 @@ _QUANT_DTYPES = (torch.int8, torch.float8_e4m3fn)
 
 
 def _eps(eps) -> float:
-    if not (_is_real(eps) and eps >= 0 and math.isfinite(eps)):
+    eps = _real("eps", eps, "a finite number >= 0")
+    if not (eps >= 0 and math.isfinite(eps)):
         raise ValueError(f"eps: expected a finite number >= 0, got {eps!r}")
-    return float(eps)
+    return eps
 
 
 def _x_and_residual(x, residual):
@@ -75,7 +75,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float = 1e-6,
     _x_and_residual(x, residual)
     _feature_param("weight", weight, x)
     eps = _eps(eps)
-    if not (_is_real(offset) and math.isfinite(offset)):
+    if not math.isfinite(_real("offset", offset, "a finite number")):
         raise ValueError(f"offset: expected a finite number, got {offset!r}")
     chosen = _lane(x, lane)
     return getattr(_lanes, f"rms_norm_{chosen}")(x=x, weight=weight, eps=eps, residual=residual,
@@ -381,7 +381,7 @@ def _qk_common(q, k, q_weight, k_weight, cos, sin, eps, offset, interleaved, rot
     if isinstance(seqlen_offsets, torch.Tensor) and seqlen_offsets.shape[0] != q.shape[0]:
         raise ValueError(f"seqlen_offsets: expected ({q.shape[0]},), got {tuple(seqlen_offsets.shape)}")
     _check_rope_range(q.shape[1], cos, seqlen_offsets, position_ids)
-    if not (_is_real(offset) and math.isfinite(offset)):
+    if not math.isfinite(_real("offset", offset, "a finite number")):
         raise ValueError(f"offset: expected a finite number, got {offset!r}")
     return _eps(eps), float(offset), rotary_dim, position_ids, seqlen_offsets
 

@@ -21,9 +21,9 @@ from lanekit.runtime.lanes import select_lane as _select_lane
 from lanekit.runtime.validate import flag as _flag
 from lanekit.runtime.validate import int_at_least as _int_at_least
 from lanekit.runtime.validate import is_int as _is_int
-from lanekit.runtime.validate import is_real as _is_real
 from lanekit.runtime.validate import lane_for as _lane
 from lanekit.runtime.validate import lane_for as _lane_for
+from lanekit.runtime.validate import real as _real
 from lanekit.runtime.validate import shape as _shape
 from lanekit.runtime.validate import tensor as _tensor
 
@@ -143,7 +143,7 @@ def grouped_topk(gating_output: torch.Tensor, topk: int, num_expert_group: int, 
         if e_score_correction_bias.shape[0] != E:
             raise ValueError(f"e_score_correction_bias: expected shape ({E},) (E), got "
                              f"{tuple(e_score_correction_bias.shape)}")
-    if not (_is_real(routed_scaling_factor) and math.isfinite(routed_scaling_factor)):
+    if not math.isfinite(_real("routed_scaling_factor", routed_scaling_factor, "a finite number")):
         raise ValueError(f"routed_scaling_factor: expected a finite number, got {routed_scaling_factor!r}")
     return getattr(_lanes, f"grouped_topk_{chosen}")(
         gating_output=gating_output, topk=topk, num_expert_group=groups, topk_group=topk_group,

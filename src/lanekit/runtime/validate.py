@@ -58,6 +58,15 @@ def is_real(x) -> bool:
     return t is not bool and isinstance(x, numbers.Real) and not isinstance(x, np.bool_)
 
 
+def real(name: str, value, expected: str) -> float:
+    """``value`` as a Python float: a TypeError unless :func:`is_real` (``eps="1e-5"`` is a wrong
+    type, as ``causal=1`` is); its range is the caller's to check (a ValueError with the same
+    ``expected``)."""
+    if not is_real(value):
+        raise ArgumentTypeError(f"{name}: expected {expected}, got {type(value).__name__}")
+    return float(value)
+
+
 def is_int(x) -> bool:
     """An integer: Python's or NumPy's (not a bool: True would silently mean 1), or a 0-d tensor of
     an integer dtype (its value is read back where it is used: on a GPU, one sync). Floats are not
