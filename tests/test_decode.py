@@ -421,6 +421,25 @@ def test_an_append_after_a_checked_call_of_its_signature_still_checks_the_memory
     assert (kc == 0).all() and (kc_inf == 0).all()
 
 
+def test_a_0d_cache_seqlens_is_checked_and_widened_on_every_call_of_its_signature(device):
+    # A 0-d integer cache_seqlens is an int (one length for every sequence): its value is checked
+    # and made a (B,) tensor on every call. Kept by the signature cache, a later call of another
+    # value went to the kernel unchecked as a 0-d tensor, which read it past its one element.
+    g = gen(6)
+    B, Hkv, D = 2, 2, 16
+    q = randn(B, 1, 4, D, dtype=torch.float16, device=device, generator=g)
+    kc = randn(B, 32, Hkv, D, dtype=torch.float16, device=device, generator=g)
+    vc = randn(B, 32, Hkv, D, dtype=torch.float16, device=device, generator=g)
+    for n in (20, 7):
+        got = lanekit.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=torch.tensor(n, device=device),
+                                              causal=True, lane="triton")
+        want = lanekit.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=n, causal=True, lane="reference")
+        assert torch.allclose(got.float(), want.float(), atol=2e-3, rtol=0), n
+    with pytest.raises(ValueError, match="cache_seqlens: expected 0..32"):
+        lanekit.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=torch.tensor(1000, device=device), causal=True,
+                                        lane="triton")
+
+
 # each case and the argument its error names
 BAD_KVCACHE = {
     "cache_seqlens past capacity": "cache_seqlens", "leftpad past seqlens": "cache_leftpad",

@@ -217,9 +217,11 @@ def flash_attn_with_kvcache(
     # index values where they are read back (then every check runs); the split count's tile
     # follows the interpreter and lanekit export's target, keyed too. Only the plain call is keyed
     # (cache_seqlens a tensor; no ALiBi, sinks, descales or out_dtype), whose checks return scalars.
+    # A 0-d cache_seqlens is an int (is_int): its value is checked and widened to (B,) on every call.
     key = None
-    if (type(cache_seqlens) is torch.Tensor and alibi_slopes is None and sinks is None and q_descale is None
-            and k_descale is None and v_descale is None and out_dtype is None):
+    if (type(cache_seqlens) is torch.Tensor and cache_seqlens.dim() == 1 and alibi_slopes is None
+            and sinks is None and q_descale is None and k_descale is None and v_descale is None
+            and out_dtype is None):
         key = signature((q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
                          cache_leftpad, block_table, k_cache_scale, v_cache_scale),
                         (softmax_scale, causal, window_size, softcap, rotary_interleaved, num_splits,
