@@ -99,8 +99,8 @@ def _scaled_mm_kernel(A, B, SA, SB, BIAS, C, WS, M, N, K, SPLIT_K,
             acc = tl.dot(a, b, acc, out_dtype=tl.int32)
         else:
             acc = tl.dot(a, b, acc, max_num_imprecise_acc=IMPRECISE_ACC)
-        a_ptrs += BLOCK_K * stride_ak
-        b_ptrs += BLOCK_K * stride_bk
+        a_ptrs += BLOCK_K * tl.cast(stride_ak, tl.int64)
+        b_ptrs += BLOCK_K * tl.cast(stride_bk, tl.int64)
     out = acc.to(tl.float32)
     if SCHEME == 0:
         if HAS_SA:

@@ -170,12 +170,12 @@ def _w4a16_kernel(X, QW, S, Z, G_IDX, BIAS, Y, WS, ERR, M, N, K, group_size, num
             pn = pid_n * (BLOCK_N // 8) + tl.arange(0, BLOCK_N // 8).to(tl.int64)
             q_ptrs = QW + (k_first + offs_k)[:, None] * stride_qk + pn[None, :] * stride_qn
             q_mask = (pn < N // 8)[None, :]
-            q_step = BLOCK_K * stride_qk
+            q_step = BLOCK_K * tl.cast(stride_qk, tl.int64)
         else:
             pk = k_first // 8 + tl.arange(0, BLOCK_K // 8).to(tl.int64)
             q_ptrs = QW + pk[:, None] * stride_qk + offs_n[None, :] * stride_qn
             q_mask = n_mask[None, :]
-            q_step = (BLOCK_K // 8) * stride_qk
+            q_step = (BLOCK_K // 8) * tl.cast(stride_qk, tl.int64)
         for step in range(first, tl.minimum(steps, first + per_split)):
             g = tl.cast(step, tl.int64) * BLOCK_K // group_size
             s = tl.load(S + g * stride_sg + offs_n * stride_sn, mask=n_mask, other=0.0).to(tl.float32)
@@ -183,7 +183,7 @@ def _w4a16_kernel(X, QW, S, Z, G_IDX, BIAS, Y, WS, ERR, M, N, K, group_size, num
             a = tl.load(a_ptrs, mask=m_mask[:, None], other=0.0)
             word = tl.load(q_ptrs, mask=q_mask, other=0)
             acc += tl.dot(a, _small_ints(_unpack(word, AWQ, BLOCK_K, BLOCK_N), z[None, :], dtype)) * s[None, :]
-            a_ptrs += BLOCK_K * stride_xk
+            a_ptrs += BLOCK_K * tl.cast(stride_xk, tl.int64)
             q_ptrs += q_step
     else:
         per_split = tl.cdiv(num_groups, SPLIT_K)                                     # groups of this split

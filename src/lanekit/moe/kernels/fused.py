@@ -119,9 +119,9 @@ def _fused_moe_gemm1_kernel(X, W1, A, TOPK_W, SORTED, EXPERT_IDS, NUM_POST,
         wu = tl.load(u_ptrs, mask=w_mask, other=0.0)
         acc_g = tl.dot(x, wg, acc_g)
         acc_u = tl.dot(x, wu, acc_u)
-        x_ptrs += BLOCK_K * stride_xk
-        g_ptrs += BLOCK_K * stride_wk
-        u_ptrs += BLOCK_K * stride_wk
+        x_ptrs += BLOCK_K * tl.cast(stride_xk, tl.int64)
+        g_ptrs += BLOCK_K * tl.cast(stride_wk, tl.int64)
+        u_ptrs += BLOCK_K * tl.cast(stride_wk, tl.int64)
     _gemm1_epilogue(A, acc_g, acc_u, TOPK_W, flat, stride_tw, rows, offs_n, valid, n_mask,
                     stride_am, stride_an, ACT, MUL_WEIGHT)
 
@@ -155,8 +155,8 @@ def _fused_moe_gemm2_kernel(A, W2, Y, TOPK_W, SORTED, EXPERT_IDS, NUM_POST,
         a = tl.load(a_ptrs, mask=valid[:, None] & n_mask[None, :], other=0.0)       # [BLOCK_M, BLOCK_K]
         w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)      # [BLOCK_K, BLOCK_N]
         acc = tl.dot(a, w, acc)
-        a_ptrs += BLOCK_K * stride_an
-        w_ptrs += BLOCK_K * stride_wn
+        a_ptrs += BLOCK_K * tl.cast(stride_an, tl.int64)
+        w_ptrs += BLOCK_K * tl.cast(stride_wn, tl.int64)
     if MUL_WEIGHT:
         wt = tl.load(TOPK_W + flat * stride_tw, mask=valid, other=0.0).to(tl.float32)
         acc = acc * wt[:, None]

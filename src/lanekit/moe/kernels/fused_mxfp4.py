@@ -79,7 +79,7 @@ def _fused_moe_mxfp4_gemm1_kernel(X, W1, W1S, A, TOPK_W, SORTED, EXPERT_IDS, NUM
         wu, su = _mx_tile(w, s, offs_n + N, n_mask, k0, stride_wn, stride_wk, stride_sn, stride_sk, dtype, MX_K)
         acc_g += tl.dot(x, wg) * sg[None, :]                           # each 32-wide sum times its scale
         acc_u += tl.dot(x, wu) * su[None, :]
-        x_ptrs += MX_K * stride_xk
+        x_ptrs += MX_K * tl.cast(stride_xk, tl.int64)
     fused._gemm1_epilogue(A, acc_g, acc_u, TOPK_W, flat, stride_tw, rows, offs_n, valid, n_mask,
                           stride_am, stride_an, ACT, MUL_WEIGHT)
 

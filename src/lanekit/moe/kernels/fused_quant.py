@@ -151,9 +151,9 @@ def _fused_moe_quant_gemm1_kernel(X, XS, W1, W1S, A, TOPK_W, SORTED, EXPERT_IDS,
         else:
             acc_g = tl.dot(x, wg, acc_g, max_num_imprecise_acc=0)
             acc_u = tl.dot(x, wu, acc_u, max_num_imprecise_acc=0)
-        x_ptrs += BLOCK_K * stride_xk
-        g_ptrs += BLOCK_K * stride_wk
-        u_ptrs += BLOCK_K * stride_wk
+        x_ptrs += BLOCK_K * tl.cast(stride_xk, tl.int64)
+        g_ptrs += BLOCK_K * tl.cast(stride_wk, tl.int64)
+        u_ptrs += BLOCK_K * tl.cast(stride_wk, tl.int64)
     if SCHEME == 0:       # per tensor: x's scale times the expert's
         s = tl.load(XS) * tl.load(s_base)
         acc_g = acc_g * s
@@ -214,8 +214,8 @@ def _fused_moe_quant_gemm2_kernel(A, AS, W2, W2S, Y, TOPK_W, SORTED, EXPERT_IDS,
             acc += tl.dot(a, w, max_num_imprecise_acc=0) * (as_[:, None] * ws[None, :])
         else:
             acc = tl.dot(a, w, acc, max_num_imprecise_acc=0)
-        a_ptrs += BLOCK_K * stride_an
-        w_ptrs += BLOCK_K * stride_wn
+        a_ptrs += BLOCK_K * tl.cast(stride_an, tl.int64)
+        w_ptrs += BLOCK_K * tl.cast(stride_wn, tl.int64)
     if SCHEME == 0:
         acc = acc * (tl.load(AS) * tl.load(s_base))
     elif SCHEME == 1:

@@ -126,8 +126,8 @@ def _grouped_mm_fwd_kernel(A, B, C, OFFS, FLAG, M, N, K, E,
                 a = tl.load(a_ptrs, mask=mask_m[:, None] & (ks[None, :] < K - k0), other=0.0)
                 b = tl.load(b_ptrs, mask=(ks[:, None] < K - k0) & mask_n[None, :], other=0.0)
             acc = _dot(a, b, acc, DOT_F32)
-            a_ptrs += BLOCK_K * stride_ak
-            b_ptrs += BLOCK_K * stride_bk
+            a_ptrs += BLOCK_K * tl.cast(stride_ak, tl.int64)
+            b_ptrs += BLOCK_K * tl.cast(stride_bk, tl.int64)
     c_ptrs = C + rows[:, None] * stride_cm + cols[None, :] * stride_cn
     tl.store(c_ptrs, acc.to(C.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
