@@ -207,11 +207,13 @@ BAD_INPUTS = {
     "alibi dtype": (dict(alibi_f16=True), TypeError, "alibi_slopes: expected dtype"),
     "batch mismatch": (dict(k_B=2), ValueError, "expected batch size"),
     "not a tensor": (dict(q_list=True), TypeError, "q: expected a torch.Tensor"),
+    "sparse": (dict(q_sparse=True), TypeError, r"q: expected a dense \(strided\) tensor, got layout torch.sparse_coo"),
     "no query heads": (dict(Hq=0), ValueError, "q: expected at least one head"),
     "scale is a bool": (dict(softmax_scale=True), TypeError, r"softmax_scale: expected a finite float .* got bool"),
     "scale is a str": (dict(softmax_scale="0.1"), TypeError, r"softmax_scale: expected a finite float .* got str"),
     "dropout a str": (dict(dropout_p="0.1"), TypeError, r"dropout_p: expected a float in \[0, 1\), got str"),
     "softcap a str": (dict(softcap="1"), TypeError, "softcap: expected a finite float >= 0, got str"),
+    "scale an int past float's range": (dict(softmax_scale=10**400), ValueError, "softmax_scale: expected a finite"),
     "scale beyond fp32": (dict(softmax_scale=1e300), ValueError, "softmax_scale"),
     "causal not a bool": (dict(causal="yes"), TypeError, "causal: expected a bool"),
     "causal an int": (dict(causal=1), TypeError, "causal: expected a bool, got int"),
@@ -245,6 +247,8 @@ def test_bad_input_raises_a_clear_error_and_launches_nothing(case, device, monke
         kw["alibi_slopes"] = torch.ones(Hq, device=device, dtype=torch.float16)
     if spec.get("q_list"):
         q = q.tolist()
+    if spec.get("q_sparse"):
+        q = q.to_sparse()
     snapshot = [t.clone() for t in (k, v)]
 
     def no_launch(**_):

@@ -234,6 +234,7 @@ def _bad_call(case, device):
         "g shape": (chunk_simple_gla, (q, k, v, g[..., None]), {}),
         "g int": (fused_recurrent_simple_gla, (q, k, v, g.to(torch.int64)), {}),
         "scale str": (chunk_simple_gla, (q, k, v, g), {"scale": "0.1"}),
+        "scale inf": (chunk_linear_attn, (q, k, v), {"scale": float("inf")}),
         "initial_state shape": (chunk_simple_gla, (q, k, v, g), {"initial_state": h0[:, :, :, :39]}),
         "initial_state batch": (fused_recurrent_simple_gla, (q, k, v, g), {"initial_state": h0[:1]}),
         "output_final_state int": (chunk_linear_attn, (q, k, v), {"output_final_state": 1}),
@@ -262,7 +263,8 @@ BAD_INPUTS = {
     "K over 256": (ValueError, r"q: expected a key head dim K in \[1, 256\], got 300"),
     "g shape": (ValueError, r"g: expected shape \(2, 9, 2\) \(\(B, T, H\): one log decay per token and head\)"),
     "g int": (TypeError, "g: expected dtype in .*, got torch.int64"),
-    "scale str": (TypeError, r"scale: expected a float or None \(K \*\* -0.5\), got str"),
+    "scale str": (TypeError, r"scale: expected a finite float or None \(K \*\* -0.5\), got str"),
+    "scale inf": (ValueError, r"scale: expected a finite float or None \(K \*\* -0.5\), got inf"),
     "initial_state shape": (ValueError, r"initial_state: expected shape \(2, 2, 24, 40\) \(\(B, H, K, V\)\), got "
                                         r"\(2, 2, 24, 39\)"),
     "initial_state batch": (ValueError, r"initial_state: expected shape \(2, 2, 24, 40\)"),

@@ -3,11 +3,13 @@ layout: validated, dispatched to a lane."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from lanekit.linear_attn import op as _lanes
 from lanekit.runtime import errors as _errors
-from lanekit.runtime.validate import flag, is_real, lane_for, tensor
+from lanekit.runtime.validate import flag, lane_for, real, tensor
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _ALL = _DTYPES + (torch.float64,)
@@ -61,8 +63,8 @@ def _validate(q, k, v, g, scale, initial_state, output_final_state, cu_seqlens, 
         if tuple(g.shape) != (B, T, H):
             raise ValueError(f"g: expected shape ({B}, {T}, {H}) ((B, T, H): one log decay per token and "
                              f"head), got {tuple(g.shape)}")
-    if scale is not None and not is_real(scale):
-        raise TypeError(f"scale: expected a float or None (K ** -0.5), got {type(scale).__name__}")
+    if scale is not None and not math.isfinite(real("scale", scale, "a finite float or None (K ** -0.5)")):
+        raise ValueError(f"scale: expected a finite float or None (K ** -0.5), got {scale!r}")
     output_final_state = flag("output_final_state", output_final_state)
     N = _cu_seqlens(cu_seqlens, q)
     N, what = (B, "(B, H, K, V)") if N is None else (N, "(N, H, K, V), one per sequence of cu_seqlens")

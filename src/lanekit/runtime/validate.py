@@ -9,6 +9,7 @@ catches that. ``except ValueError`` and ``except RuntimeError`` both catch them.
 from __future__ import annotations
 
 import functools
+import math
 import numbers
 
 import numpy as np
@@ -64,7 +65,10 @@ def real(name: str, value, expected: str) -> float:
     ``expected``)."""
     if not is_real(value):
         raise ArgumentTypeError(f"{name}: expected {expected}, got {type(value).__name__}")
-    return float(value)
+    try:
+        return float(value)
+    except OverflowError:      # an int past float's range (10**400): out of every range a caller takes
+        return math.inf if value > 0 else -math.inf
 
 
 def is_int(x) -> bool:
@@ -268,6 +272,8 @@ def tensor(name: str, t, *, dtypes=None, ndim=None, like: torch.Tensor | None = 
     like's dtype (a TypeError naming like_name). Reads only metadata."""
     if not isinstance(t, torch.Tensor):
         raise ArgumentTypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.layout != torch.strided:   # sparse or nested: no strides for a kernel to read
+        raise ArgumentTypeError(f"{name}: expected a dense (strided) tensor, got layout {t.layout}")
     if like_dtype and t.dtype != like.dtype:
         raise ArgumentTypeError(f"{name}: expected the dtype of {like_name} ({like.dtype}), got {t.dtype}")
     if dtypes is not None and t.dtype not in dtypes:
