@@ -89,22 +89,31 @@ def _repeat_cols(w, R: tl.constexpr):
 
 
 @triton.jit
-def _codes(QW, k0, pid_n, K, N, stride_qk, stride_qn, AWQ: tl.constexpr,
-           BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The 4-bit codes q[k0 + i, pid_n * BLOCK_N + j]: [BLOCK_K, BLOCK_N] int32, each int32 word
-    loaded once. AWQ: (K, N/8), columns packed in AWQ's order; GPTQ: (K/8, N), row 8e + j in
-    nibble j (k0 a multiple of 8). Rows past K and columns past N read 0."""
+def _code_words(QW, k0, pid_n, K, N, stride_qk, stride_qn, AWQ: tl.constexpr,
+                BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Where the int32 words holding the 4-bit codes q[k0 + i, pid_n * BLOCK_N + j] are: (pointers,
+    the words' rows inside K, their columns inside N, the pointers' move to the next K step).
+    AWQ: (K, N/8), columns packed in AWQ's order, [BLOCK_K, BLOCK_N / 8]; GPTQ: (K/8, N), row 8e + j
+    in nibble j (k0 a multiple of 8), [BLOCK_K / 8, BLOCK_N]."""
     if AWQ:
         k = k0 + tl.arange(0, BLOCK_K).to(tl.int64)
         pn = pid_n * (BLOCK_N // 8) + tl.arange(0, BLOCK_N // 8).to(tl.int64)
-        word = tl.load(QW + k[:, None] * stride_qk + pn[None, :] * stride_qn,
-                       mask=(k < K)[:, None] & (pn < N // 8)[None, :], other=0)      # [BLOCK_K, BLOCK_N / 8]
+        return (QW + k[:, None] * stride_qk + pn[None, :] * stride_qn, (k < K)[:, None], (pn < N // 8)[None, :],
+                BLOCK_K * tl.cast(stride_qk, tl.int64))
     else:
         pk = k0 // 8 + tl.arange(0, BLOCK_K // 8).to(tl.int64)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
-        word = tl.load(QW + pk[:, None] * stride_qk + offs_n[None, :] * stride_qn,
-                       mask=(pk < K // 8)[:, None] & (offs_n < N)[None, :], other=0)  # [BLOCK_K / 8, BLOCK_N]
-    return _unpack(word, AWQ, BLOCK_K, BLOCK_N)
+        return (QW + pk[:, None] * stride_qk + offs_n[None, :] * stride_qn, (pk < K // 8)[:, None],
+                (offs_n < N)[None, :], (BLOCK_K // 8) * tl.cast(stride_qk, tl.int64))
+
+
+@triton.jit
+def _codes(QW, k0, pid_n, K, N, stride_qk, stride_qn, AWQ: tl.constexpr,
+           BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The 4-bit codes q[k0 + i, pid_n * BLOCK_N + j]: [BLOCK_K, BLOCK_N] int32, each int32 word
+    loaded once (:func:`_code_words`). Rows past K and columns past N read 0."""
+    ptrs, k_ok, n_ok, _ = _code_words(QW, k0, pid_n, K, N, stride_qk, stride_qn, AWQ, BLOCK_K, BLOCK_N)
+    return _unpack(tl.load(ptrs, mask=k_ok & n_ok, other=0), AWQ, BLOCK_K, BLOCK_N)
 
 
 @triton.jit
@@ -166,16 +175,8 @@ def _w4a16_kernel(X, QW, S, Z, G_IDX, BIAS, Y, WS, ERR, M, N, K, group_size, num
         first = pid_k * per_split
         k_first = tl.cast(first, tl.int64) * BLOCK_K
         a_ptrs = X + offs_m[:, None] * stride_xm + (k_first + offs_k)[None, :] * stride_xk
-        if AWQ:
-            pn = pid_n * (BLOCK_N // 8) + tl.arange(0, BLOCK_N // 8).to(tl.int64)
-            q_ptrs = QW + (k_first + offs_k)[:, None] * stride_qk + pn[None, :] * stride_qn
-            q_mask = (pn < N // 8)[None, :]
-            q_step = BLOCK_K * tl.cast(stride_qk, tl.int64)
-        else:
-            pk = k_first // 8 + tl.arange(0, BLOCK_K // 8).to(tl.int64)
-            q_ptrs = QW + pk[:, None] * stride_qk + offs_n[None, :] * stride_qn
-            q_mask = n_mask[None, :]
-            q_step = (BLOCK_K // 8) * tl.cast(stride_qk, tl.int64)
+        q_ptrs, _, q_mask, q_step = _code_words(QW, k_first, pid_n, K, N, stride_qk, stride_qn, AWQ,
+                                                BLOCK_K, BLOCK_N)                  # (the steps cover K exactly)
         for step in range(first, tl.minimum(steps, first + per_split)):
             g = tl.cast(step, tl.int64) * BLOCK_K // group_size
             s = tl.load(S + g * stride_sg + offs_n * stride_sn, mask=n_mask, other=0.0).to(tl.float32)
