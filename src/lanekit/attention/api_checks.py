@@ -45,12 +45,9 @@ def _options(D: int, Sq: int, Sk: int, dropout_p, softmax_scale, softcap, causal
     """Check the scalar options of the attention functions; returns (softmax_scale, left, right)
     with the default scale filled in and the causal mask folded into the window. Ints and bools
     follow runtime.validate's one rule (NumPy's and 0-d tensors count; a bool is not an int)."""
-    if not 0.0 <= real("dropout_p", dropout_p, "a float in [0, 1)") < 1.0:
-        raise ValueError(f"dropout_p: expected a float in [0, 1), got {dropout_p!r}")
+    real("dropout_p", dropout_p, "a float in [0, 1)", lambda p: 0.0 <= p < 1.0)
     softmax_scale = _softmax_scale(D, softmax_scale)
-    softcap_value = real("softcap", softcap, "a finite float >= 0")
-    if not (softcap_value >= 0 and math.isfinite(softcap_value)):
-        raise ValueError(f"softcap: expected a finite float >= 0, got {softcap!r}")
+    real("softcap", softcap, "a finite float >= 0", lambda c: c >= 0 and math.isfinite(c))
     causal = flag("causal", causal)
     left, right = int_pair("window_size", window_size, " (left, right)")
     if left < -1 or right < -1:
@@ -71,10 +68,8 @@ def _softmax_scale(D: int, softmax_scale) -> float:
     FlashMLA's default)."""
     if softmax_scale is None:
         return D ** -0.5
-    value = real("softmax_scale", softmax_scale, "a finite float (fp32 range) or None")
-    if not (math.isfinite(value) and abs(value) < _FP32_MAX):
-        raise ValueError(f"softmax_scale: expected a finite float (fp32 range) or None, got {softmax_scale!r}")
-    return float(softmax_scale)
+    return real("softmax_scale", softmax_scale, "a finite float (fp32 range) or None",
+                lambda s: math.isfinite(s) and abs(s) < _FP32_MAX)
 
 
 def _alibi(alibi_slopes, B: int, Hq: int, q: torch.Tensor) -> torch.Tensor | None:

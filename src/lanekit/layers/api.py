@@ -19,10 +19,7 @@ _QUANT_DTYPES = (torch.int8, torch.float8_e4m3fn)
 
 
 def _eps(eps) -> float:
-    eps = _real("eps", eps, "a finite number >= 0")
-    if not (eps >= 0 and math.isfinite(eps)):
-        raise ValueError(f"eps: expected a finite number >= 0, got {eps!r}")
-    return eps
+    return _real("eps", eps, "a finite number >= 0", lambda e: e >= 0 and math.isfinite(e))
 
 
 def _x_and_residual(x, residual):
@@ -75,11 +72,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float = 1e-6,
     _x_and_residual(x, residual)
     _feature_param("weight", weight, x)
     eps = _eps(eps)
-    if not math.isfinite(_real("offset", offset, "a finite number")):
-        raise ValueError(f"offset: expected a finite number, got {offset!r}")
+    offset = _real("offset", offset, "a finite number")
     chosen = _lane(x, lane)
     return getattr(_lanes, f"rms_norm_{chosen}")(x=x, weight=weight, eps=eps, residual=residual,
-                                                 offset=float(offset))
+                                                 offset=offset)
 
 
 def layer_norm(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
@@ -381,9 +377,8 @@ def _qk_common(q, k, q_weight, k_weight, cos, sin, eps, offset, interleaved, rot
     if isinstance(seqlen_offsets, torch.Tensor) and seqlen_offsets.shape[0] != q.shape[0]:
         raise ValueError(f"seqlen_offsets: expected ({q.shape[0]},), got {tuple(seqlen_offsets.shape)}")
     _check_rope_range(q.shape[1], cos, seqlen_offsets, position_ids)
-    if not math.isfinite(_real("offset", offset, "a finite number")):
-        raise ValueError(f"offset: expected a finite number, got {offset!r}")
-    return _eps(eps), float(offset), rotary_dim, position_ids, seqlen_offsets
+    offset = _real("offset", offset, "a finite number")
+    return _eps(eps), offset, rotary_dim, position_ids, seqlen_offsets
 
 
 def rms_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor | None,

@@ -10,8 +10,6 @@ host before each launch instead: ``lanekit.runtime.errors``).
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from lanekit.moe import op as _lanes
@@ -143,13 +141,12 @@ def grouped_topk(gating_output: torch.Tensor, topk: int, num_expert_group: int, 
         if e_score_correction_bias.shape[0] != E:
             raise ValueError(f"e_score_correction_bias: expected shape ({E},) (E), got "
                              f"{tuple(e_score_correction_bias.shape)}")
-    if not math.isfinite(_real("routed_scaling_factor", routed_scaling_factor, "a finite number")):
-        raise ValueError(f"routed_scaling_factor: expected a finite number, got {routed_scaling_factor!r}")
+    routed_scaling_factor = _real("routed_scaling_factor", routed_scaling_factor, "a finite number")
     return getattr(_lanes, f"grouped_topk_{chosen}")(
         gating_output=gating_output, topk=topk, num_expert_group=groups, topk_group=topk_group,
         renormalize=renormalize, scoring_func=scoring_func,
         e_score_correction_bias=e_score_correction_bias,
-        routed_scaling_factor=float(routed_scaling_factor))
+        routed_scaling_factor=routed_scaling_factor)
 
 
 

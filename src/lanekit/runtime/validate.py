@@ -59,16 +59,19 @@ def is_real(x) -> bool:
     return t is not bool and isinstance(x, numbers.Real) and not isinstance(x, np.bool_)
 
 
-def real(name: str, value, expected: str) -> float:
+def real(name: str, value, expected: str, valid=math.isfinite) -> float:
     """``value`` as a Python float: a TypeError unless :func:`is_real` (``eps="1e-5"`` is a wrong
-    type, as ``causal=1`` is); its range is the caller's to check (a ValueError with the same
-    ``expected``)."""
+    type, as ``causal=1`` is), a ValueError unless ``valid`` (a predicate on the float; default:
+    finite), each saying ``expected``."""
     if not is_real(value):
         raise ArgumentTypeError(f"{name}: expected {expected}, got {type(value).__name__}")
     try:
-        return float(value)
+        x = float(value)
     except OverflowError:      # an int past float's range (10**400): out of every range a caller takes
-        return math.inf if value > 0 else -math.inf
+        x = math.inf if value > 0 else -math.inf
+    if not valid(x):
+        raise ArgumentError(f"{name}: expected {expected}, got {value!r}")
+    return x
 
 
 def is_int(x) -> bool:
