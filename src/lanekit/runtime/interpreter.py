@@ -25,6 +25,12 @@ from __future__ import annotations
 import numpy as np
 
 
+def _bf16_values(bits) -> np.ndarray:
+    """The fp32 values of bf16 bit patterns (uint16, as the interpreter holds bf16): exactly, a bf16
+    being the top half of an fp32."""
+    return (np.asarray(bits).astype(np.uint32) << 16).view(np.float32)
+
+
 def fix_bf16_dot() -> None:
     """Make the interpreter's ``tl.dot`` correct for bf16 operands (idempotent)."""
     import triton.language as tl
@@ -41,8 +47,7 @@ def fix_bf16_dot() -> None:
 
     def _widen(handle):
         if handle.dtype.scalar == tl.bfloat16:
-            bits = handle.data.astype(np.uint32) << 16
-            return interpreter.TensorHandle(bits.view(np.float32), tl.float32)
+            return interpreter.TensorHandle(_bf16_values(handle.data), tl.float32)
         if handle.dtype.scalar in fp8:    # fp8 bit patterns: decoded exactly (fused_moe's W8A8)
             codes = torch.from_numpy(np.ascontiguousarray(handle.data).view(np.uint8))
             values = codes.view(fp8[handle.dtype.scalar]).float().numpy().reshape(np.shape(handle.data))
@@ -77,7 +82,7 @@ def fix_float_casts() -> None:
             return None
         data = src.data
         if src.dtype.scalar == tl.bfloat16:  # stored as bit patterns: widen exactly first
-            data = (data.astype(np.uint32) << 16).view(np.float32)
+            data = _bf16_values(data)
         elif src.dtype.scalar in narrow:     # fp8 bit patterns: decode exactly first
             codes = torch.from_numpy(np.ascontiguousarray(data).view(np.uint8))
             data = codes.view(narrow[src.dtype.scalar][0]).float().numpy().reshape(np.shape(data))
@@ -92,7 +97,7 @@ def fix_float_casts() -> None:
         dst = dst_type.scalar
         if src.dtype.scalar != tl.bfloat16 or dst not in (tl.float32, tl.float64, tl.float16):
             return None
-        data = (np.asarray(src.data).astype(np.uint32) << 16).view(np.float32)
+        data = _bf16_values(src.data)
         np_dst = {tl.float32: np.float32, tl.float64: np.float64, tl.float16: np.float16}[dst]
         return interpreter.TensorHandle(data.astype(np_dst), dst)
 
@@ -135,16 +140,13 @@ def fix_bf16_arithmetic() -> None:
     if getattr(builder.create_fsub, "_lanekit_bf16", False):
         return
 
-    def _values(handle):
-        return (np.asarray(handle.data).astype(np.uint32) << 16).view(np.float32)
-
     def wrap(name, op):
         original = getattr(builder, name)
 
         def create(self, lhs, rhs):
             if lhs.dtype.scalar != tl.bfloat16:
                 return original(self, lhs, rhs)
-            result = np.asarray(op(_values(lhs), _values(rhs)), dtype=np.float32)
+            result = np.asarray(op(_bf16_values(lhs.data), _bf16_values(rhs.data)), dtype=np.float32)
             bits = torch.from_numpy(np.ascontiguousarray(result)).to(torch.bfloat16).view(torch.int16)
             return interpreter.TensorHandle(bits.numpy().view(np.uint16).reshape(result.shape), tl.bfloat16)
 
