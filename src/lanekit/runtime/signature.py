@@ -12,7 +12,8 @@ seen before skips them:
   checks returned for a signature that passed them: a different signature never hits it, and a
   bad one is never kept, so it raises on every call as before. What the checks read beyond
   metadata (the environment, memory overlap, inference tensors) stays outside the cache.
-- :func:`meta`: a launcher's key of one tensor (dtype, shape, strides, device).
+- :func:`meta`: a launcher's key of one tensor (dtype, shape, strides, device); :func:`contiguous_strides`,
+  the strides of an output a plan has not allocated yet.
 
 Both caches are bounded by :func:`remember`.
 """
@@ -58,6 +59,12 @@ def signature(tensors: tuple, scalars: tuple) -> tuple | None:
 def meta(t: torch.Tensor | None):
     """What launch metadata can read of ``t``: its dtype, shape, strides and device (None: absent)."""
     return None if t is None else (t.dtype, t.shape, t.stride(), t.device)
+
+
+def contiguous_strides(shape) -> tuple:
+    """The strides of a contiguous tensor of ``shape``, as alloc.empty makes a launcher's outputs
+    (a plan computes them from the shape, before the output exists)."""
+    return torch.empty(shape, device="meta").stride()
 
 
 def remember(cache: dict, key, value):

@@ -30,7 +30,7 @@ from lanekit.runtime import alloc, errors
 from lanekit.runtime.host import cdiv, next_power_of_2
 from lanekit.runtime.lanes import triton_interpreted
 from lanekit.runtime.launch import launch
-from lanekit.runtime.signature import meta, remember
+from lanekit.runtime.signature import contiguous_strides, meta, remember
 from lanekit.runtime.tuning import compiling
 
 if triton_interpreted():
@@ -593,11 +593,6 @@ class _KVCachePlan(NamedTuple):
 _KVCACHE_PLANS: dict = {}
 
 
-def _strides_of(shape) -> tuple:
-    """The strides of a contiguous tensor of ``shape`` (as alloc.empty and torch.empty make it)."""
-    return torch.empty(shape, device="meta").stride()
-
-
 def _kvcache_plan(q, k_cache, v_cache, block_table, seqlens, leftpad, k_cache_scale, v_cache_scale, softmax_scale,
                   window_size, softcap, alibi_slopes, num_splits, max_seqlen_k, out_dtype, s_new, k_new,
                   v_new) -> _KVCachePlan:
@@ -625,9 +620,9 @@ def _kvcache_plan(q, k_cache, v_cache, block_table, seqlens, leftpad, k_cache_sc
     left, right = window_size
     part_shape, part_lse_shape = (num_splits, B, Sq, Hq, Dv), (num_splits, B, Hq, Sq)
     if num_splits > 1:
-        o_strides, l_strides = _strides_of(part_shape), _strides_of(part_lse_shape)
+        o_strides, l_strides = contiguous_strides(part_shape), contiguous_strides(part_lse_shape)
     else:
-        o_strides, l_strides = (0, *_strides_of(out_shape)), (0, *_strides_of(lse_shape))
+        o_strides, l_strides = (0, *contiguous_strides(out_shape)), (0, *contiguous_strides(lse_shape))
     quantized = k_cache_scale is not None
     fused = k_new is not None and k_new.shape[1] > 0
     scale_strides = (*k_cache_scale.stride(), *v_cache_scale.stride()) if quantized else (0,) * 6
@@ -646,8 +641,8 @@ def _kvcache_plan(q, k_cache, v_cache, block_table, seqlens, leftpad, k_cache_sc
         INPUT_PRECISION="ieee" if q.dtype == torch.float32 else None, EVEN_D=(D == block_d and Dv == block_dv),
         HAS_TABLE=block_table is not None, PAGES=layout.pages, POW2_PAGE=layout.pow2_page, PAGE=layout.page,
         PAGES_AHEAD=layout.pages_ahead)
-    merge_args = (*_strides_of(part_shape), *_strides_of(part_lse_shape), *_strides_of(out_shape),
-                  *_strides_of(lse_shape), num_splits, Dv)
+    merge_args = (*contiguous_strides(part_shape), *contiguous_strides(part_lse_shape), *contiguous_strides(out_shape),
+                  *contiguous_strides(lse_shape), num_splits, Dv)
     return _KVCachePlan(
         out_shape, lse_shape, out_dtype, (m_blocks * num_splits, Hkv, B), args, constexprs, cfg.options(),
         capacity, k_new.shape[1] if fused else s_new, _new_strides(k_new if fused else None, v_new if fused else None),

@@ -26,7 +26,7 @@ from lanekit.runtime import alloc, errors
 from lanekit.runtime.host import cdiv
 from lanekit.runtime.lanes import triton_interpreted
 from lanekit.runtime.launch import launch
-from lanekit.runtime.signature import meta, remember
+from lanekit.runtime.signature import contiguous_strides, meta, remember
 from lanekit.runtime.tuning import compiling
 
 if triton_interpreted():
@@ -418,7 +418,7 @@ def _fwd_plan(q, k, v, attn_bias, attn_mask, alibi_slopes, cu_seqlens_q, block_t
         cfg = dataclasses.replace(cfg, block_n=MIN_K_8BIT)
     left, right = window_size
     # out is allocated contiguous (alloc.empty): its strides follow from its shape
-    out_strides = torch.empty(out_shape, device="meta").stride()
+    out_strides = contiguous_strides(out_shape)
     out_strides = (0, *out_strides) if varlen else out_strides
     # Tile offsets (row within a block times a stride) are int32 unless some stride is so large
     # that they would overflow; the block's own start is always int64.

@@ -27,7 +27,7 @@ from lanekit.runtime.alloc import empty
 from lanekit.runtime.host import cdiv, next_power_of_2
 from lanekit.runtime.lanes import triton_interpreted
 from lanekit.runtime.launch import launch
-from lanekit.runtime.signature import meta, remember
+from lanekit.runtime.signature import contiguous_strides, meta, remember
 from lanekit.runtime.tuning import compiling
 
 if triton_interpreted():
@@ -374,7 +374,7 @@ def _norm_fwd_plan(x2, r2, gate, scale, shift, weight, bias, eps, offset, is_rms
     if scale is not None and one_block:
         while mod_rows < tuning.NORM_MOD_ROWS and rows_per_mod % (2 * mod_rows) == 0:
             mod_rows *= 2
-    out_strides = torch.empty((rows, N), device="meta").stride()
+    out_strides = contiguous_strides((rows, N))
     args = (*_strides(x2), *_strides(r2), *_strides(gate), *_strides(scale), *_strides(shift),
             *out_strides, *(out_strides if r2 is not None else (0, 0)), _stride(weight), _stride(bias),
             N, rows_per_mod, eps, offset)
