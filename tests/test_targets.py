@@ -206,6 +206,52 @@ def test_committed_record_holds_every_launch_the_registered_samples_make_on_ever
                                        f"no longer launched {extra[:5]}. {HOW}")
 
 
+def test_targets_keeps_the_report_of_an_unchanged_fingerprint_and_verify_finds_an_edited_one(tmp_path):
+    """`lanekit targets` compiles only what changed since the record; --verify compiles kept reports
+    again and names one that differs from the compiler's."""
+    out = _compiled_python("""
+        import dataclasses, json
+        import triton
+        from lanekit import export
+
+        @triton.jit
+        def other_kernel(x):
+            pass
+
+        def copy(record):
+            return json.loads(json.dumps(record))
+
+        first = export.compile_record(["sm80"], None, ops=["adaln"], jobs=1)
+        record = export.record(first.results)
+        again = export.compile_record(["sm80"], record, ops=["adaln"], jobs=1)
+        edited, stale = copy(record), copy(record)
+        edited["specializations"][0]["registers"] += 1
+        stale["specializations"][0]["fingerprint"] = "0" * 16
+        verified = export.compile_record(["sm80"], edited, ops=["adaln"], verify=1000, seed=1, jobs=1)
+        refreshed = export.compile_record(["sm80"], stale, ops=["adaln"], jobs=1)
+        spec = first.results[0][0]
+        print(json.dumps({
+            "first": [first.compiled, first.reused], "again": [again.compiled, again.reused],
+            "verified": [verified.compiled, verified.reused, verified.verified,
+                         [(s.key, a["registers"], b["registers"]) for s, a, b in verified.mismatches]],
+            "refreshed": [refreshed.compiled, refreshed.reused],
+            "same": [export.record(again.results) == record, export.record(refreshed.results) == record],
+            "edited_key": edited["specializations"][0]["key"],
+            "registers": record["specializations"][0]["registers"],
+            "fingerprints": [spec.fingerprint != dataclasses.replace(spec, fn=other_kernel).fingerprint,
+                             spec.fingerprint != dataclasses.replace(spec, spill_budget=8).fingerprint,
+                             spec.fingerprint == dataclasses.replace(spec, samples=["x"]).fingerprint],
+        }))
+    """, tmp_path)
+    got = json.loads(out.splitlines()[-1])
+    n = got["first"][0]
+    assert n > 1 and got["first"] == [n, 0]
+    assert got["again"] == [0, n] and got["refreshed"] == [1, n - 1] and got["same"] == [True, True]
+    registers = got["registers"]
+    assert got["verified"] == [0, 0, n, [[got["edited_key"], registers + 1, registers]]]
+    assert got["fingerprints"] == [True, True, True]
+
+
 def test_the_execution_matrix_says_compiled_per_target_from_the_record():
     ops = {name: op for name, op in matrix.registry().items() if name == "lstm_cell"}
     data = {"specializations": [

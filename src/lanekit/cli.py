@@ -6,8 +6,9 @@
         regenerate docs/execution-matrix.md from the registry and docs/checks/*.json
     lanekit export --target T [--target T ...] [--op NAME ...] --out DIR [--jobs N]
         compile every kernel's canonical specializations for GPU targets with no GPU (lanekit.export)
-    lanekit targets [--check] [--jobs N]
-        compile for every target and regenerate docs/targets.json and docs/targets.md
+    lanekit targets [--check] [--recompile] [--verify N [--seed S]] [--jobs N]
+        compile for every target and regenerate docs/targets.json and docs/targets.md (what changed
+        since the record; --verify N compiles N unchanged ones again to check the record)
     lanekit demo [ARGS ...]
         lanekit.demo.main(ARGS)
 
@@ -82,9 +83,18 @@ def _parser() -> argparse.ArgumentParser:
 
     targets = sub.add_parser("targets", help="compile for every target; regenerate docs/targets.md",
                              description="Compile every kernel for every target and write the compiler's "
-                             "report to docs/targets.json and docs/targets.md.")
+                             "report to docs/targets.json and docs/targets.md. A specialization whose "
+                             "fingerprint (Triton's release, the kernel's source and its callees', the "
+                             "launch, the options, the allowances) is that of a recorded one keeps its "
+                             "report unless --recompile.")
     targets.add_argument("--check", action="store_true",
                          help="write nothing; exit 1 if either file differs from what would be written")
+    targets.add_argument("--recompile", action="store_true",
+                         help="compile every specialization (default: keep the record's report of each "
+                         "one whose fingerprint is unchanged)")
+    targets.add_argument("--verify", type=int, default=0, metavar="N",
+                         help="compile N of the kept reports again, drawn at random, and fail if any differs")
+    targets.add_argument("--seed", type=int, metavar="S", help="the seed that draws them (default: a fresh one)")
     targets.add_argument("--jobs", type=int, metavar="N", help="compiling processes (default: one per CPU)")
     targets.add_argument("--docs", metavar="DIR", help="the docs folder (default: the checkout's docs/)")
     targets.set_defaults(run=_targets)
@@ -327,8 +337,26 @@ def _targets(args) -> int:
     from lanekit.runtime.targets import TARGETS
 
     docs = Path(args.docs) if args.docs else docs_dir()
-    results = export.compile_all(TARGETS, jobs=args.jobs, progress=_progress("lanekit targets"))
-    data = export.record(results)
+    previous = None
+    if not args.recompile and (docs / export.RECORD_FILE).exists():
+        try:
+            previous = export.read_record(docs / export.RECORD_FILE)
+        except ValueError:      # a record of another version: compile everything
+            previous = None
+    done = export.compile_record(TARGETS, previous, verify=args.verify, seed=args.seed, jobs=args.jobs,
+                                 progress=_progress("lanekit targets"))
+    print(f"lanekit targets: {done.compiled} specializations compiled, {done.reused} reports kept from "
+          f"docs/{export.RECORD_FILE} (fingerprint unchanged)"
+          + (f", {done.verified} of those compiled again to verify them (--seed {done.seed})" if done.verified else ""))
+    for spec, recorded, compiled in done.mismatches:
+        changed = {k: (recorded[k], compiled[k]) for k in recorded if recorded[k] != compiled[k]}
+        print(f"{spec.target} · {spec.kernel} ({spec.key}): the record says {', '.join(f'{k}={a!r}' for k, (a, _) in changed.items())}"
+              f" but compiling it again gives {', '.join(f'{k}={b!r}' for k, (_, b) in changed.items())}")
+    if done.mismatches:
+        print(f"{len(done.mismatches)} reports of docs/{export.RECORD_FILE} differ from a fresh compile of the same "
+              f"fingerprint (the record was edited, or the compiler is not deterministic here): run "
+              f"`lanekit targets --recompile`")
+    data = export.record(done.results)
     files = {docs / export.RECORD_FILE: export.dumps_record(data),
              docs / export.DOC_FILE: export.render(data)}
     if args.check:
@@ -342,11 +370,11 @@ def _targets(args) -> int:
         if not stale:
             print(f"{len(data['specializations'])} specializations: docs/{export.RECORD_FILE} and "
                   f"docs/{export.DOC_FILE} are up to date")
-        return 1 if stale else 0
+        return 1 if stale or done.mismatches else 0
     for path, text in files.items():
         path.write_text(text)
         print(f"wrote {path}")
-    return 0
+    return 1 if done.mismatches else 0
 
 
 def _demo(argv: list[str]) -> int:

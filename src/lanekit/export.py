@@ -6,7 +6,14 @@ GPU, and writes per kernel its binaries (``<key>.cubin`` or ``<key>.hsaco``) and
 ``<kernel>.json``. ``lanekit targets`` does
 the same for every target without writing binaries, and records the compiler's report in
 docs/targets.json, from which docs/targets.md is rendered; ``lanekit targets --check`` (run by CI)
-compiles again and fails when a kernel no longer compiles, or when anything in the report moved.
+fails when either file is not what the current kernels give.
+
+Each recorded specialization carries its fingerprint (``Specialization.fingerprint``): a hash of
+everything its compile and its judgement read. ``lanekit targets`` compiles only the
+specializations whose fingerprint is not in the record and keeps the others' reports (a fresh
+compile of all ~5,500 takes about half an hour on two cores; ``--recompile`` does it); CI's
+``--check --verify N`` compiles N of the kept ones again, drawn at random, and fails if a report
+moved, so the record is checked against the compiler itself too.
 
 Compiling runs in parallel processes (forked after the capture, so they share the captured
 kernels); Triton's cache ($TRITON_CACHE_DIR, by default ~/.triton/cache) makes a second run fast.
@@ -27,7 +34,7 @@ from typing import Callable, Iterable
 from lanekit import families
 from lanekit.runtime.targets import GPU_TARGETS, SPILL_BUDGET, TARGETS, UNSUPPORTED, Report, Specialization
 
-RECORD_VERSION = 1
+RECORD_VERSION = 2
 RECORD_FILE = "targets.json"
 DOC_FILE = "targets.md"
 REGENERATE = "run `lanekit targets` (in a checkout, `python3 dev.py lanekit targets`)"
@@ -44,19 +51,31 @@ def _compile_one(index: int, want_binary: bool):
     return index, dataclasses.asdict(report), binary
 
 
+def capture_all(targets: Iterable[str], ops: Iterable[str] | None = None,
+                keep: Callable[[Specialization], bool] | None = None) -> list[Specialization]:
+    """The specializations the registered samples of ``ops`` (op names; default: every registered
+    op) launch on each target, those ``keep`` accepts (default: all)."""
+    from lanekit.runtime.targets import capture
+
+    chosen = [families.get_op(name) for name in ops] if ops is not None else list(families.registry().values())
+    allowances = families.allowances()
+    return [spec for target in targets for spec in capture(target, chosen, allowances)
+            if keep is None or keep(spec)]
+
+
 def compile_all(targets: Iterable[str], ops: Iterable[str] | None = None, *, jobs: int | None = None,
                 binaries: bool = False, progress: Callable[[int, int], None] | None = None,
                 keep: Callable[[Specialization], bool] | None = None):
     """Capture and compile for each target: a list of (Specialization, Report, binary or None).
     ``ops``: op names (default: every registered op). ``keep``: compile only the specializations
     it accepts."""
-    from lanekit.runtime.targets import capture
+    return compile_specs(capture_all(targets, ops, keep), jobs=jobs, binaries=binaries, progress=progress)
 
+
+def compile_specs(specs: list[Specialization], *, jobs: int | None = None, binaries: bool = False,
+                  progress: Callable[[int, int], None] | None = None):
+    """Compile each of ``specs``: a list of (Specialization, Report, binary or None), in order."""
     global _SPECS
-    chosen = [families.get_op(name) for name in ops] if ops is not None else list(families.registry().values())
-    allowances = families.allowances()
-    specs = [spec for target in targets for spec in capture(target, chosen, allowances)
-             if keep is None or keep(spec)]
     _SPECS = specs
     results: list = [None] * len(specs)
     jobs = max(1, jobs or os.cpu_count() or 1)
@@ -89,6 +108,59 @@ def compile_all(targets: Iterable[str], ops: Iterable[str] | None = None, *, job
             pool.shutdown(cancel_futures=True)
         _SPECS = []
     return results
+
+
+@dataclasses.dataclass
+class Compiled:
+    """What :func:`compile_record` did: every specialization with its report (``results``, as
+    :func:`compile_all` gives them), how many reports it took from the previous record
+    (``reused``) and how many it compiled (``compiled``), and of the reused ones it compiled
+    again to verify them, the seed that chose them, how many, and those whose report differed
+    from the record's (``mismatches``: (spec, recorded fields, compiled fields))."""
+
+    results: list
+    reused: int
+    compiled: int
+    verified: int
+    seed: int
+    mismatches: list
+
+
+def compile_record(targets: Iterable[str], previous: dict | None = None, *, ops: Iterable[str] | None = None,
+                   verify: int = 0, seed: int | None = None, jobs: int | None = None,
+                   progress: Callable[[int, int], None] | None = None) -> Compiled:
+    """The reports of every specialization on ``targets``, for the compile record.
+
+    A specialization whose fingerprint (``Specialization.fingerprint``: the Triton release, the
+    kernel's source and its callees', the launch, the compile options, the allowances, the
+    judging code) equals that of an entry of ``previous`` (a record, :func:`read_record`) keeps
+    that entry's report; the rest are compiled. ``verify`` of the reused ones, drawn at random
+    with ``seed`` (default: a fresh one), are compiled again and compared with the record."""
+    import random
+
+    specs = capture_all(targets, ops)
+    recorded = {}
+    if previous is not None and previous.get("triton") == triton_version():
+        recorded = {(e["target"], e["key"]): e for e in previous["specializations"] if "fingerprint" in e}
+    reports: list = [None] * len(specs)
+    for i, spec in enumerate(specs):
+        entry = recorded.get((spec.target, spec.key))
+        if entry is not None and entry["fingerprint"] == spec.fingerprint:
+            reports[i] = Report(spec.key, spec.kernel, spec.target,
+                                **{f.name: entry[f.name] for f in dataclasses.fields(Report)
+                                   if f.name not in ("key", "kernel", "target")})
+    reused = [i for i, r in enumerate(reports) if r is not None]
+    seed = random.SystemRandom().randrange(2 ** 32) if seed is None else seed
+    checked = sorted(random.Random(seed).sample(reused, min(verify, len(reused))))
+    to_compile = sorted(set(i for i, r in enumerate(reports) if r is None) | set(checked))
+    mismatches = []
+    for i, (_, report, _) in zip(to_compile, compile_specs([specs[i] for i in to_compile], jobs=jobs,
+                                                              progress=progress)):
+        if reports[i] is not None and _report_fields(reports[i]) != _report_fields(report):
+            mismatches.append((specs[i], _report_fields(reports[i]), _report_fields(report)))
+        reports[i] = report
+    return Compiled([(spec, report, None) for spec, report in zip(specs, reports)], reused=len(reused) - len(checked),
+                    compiled=len(to_compile) - len(checked), verified=len(checked), seed=seed, mismatches=mismatches)
 
 
 def triton_version() -> str:
@@ -129,7 +201,7 @@ def record(results) -> dict:
     """The compile record: the Triton version, and per specialization its launch and its report."""
     entries = []
     for spec, report, *_ in results:
-        entry = {"target": spec.target, "kernel": spec.kernel, "key": spec.key,
+        entry = {"target": spec.target, "kernel": spec.kernel, "key": spec.key, "fingerprint": spec.fingerprint,
                  "num_warps": spec.options["num_warps"], "num_stages": spec.options["num_stages"],
                  "samples": spec.samples}
         entry.update(_report_fields(report))

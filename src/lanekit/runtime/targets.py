@@ -152,12 +152,32 @@ class Specialization:
         text = json.dumps([self.signature, self.constexprs, self.attrs, self.options], sort_keys=True)
         return f"{self.kernel}-{hashlib.sha256(text.encode()).hexdigest()[:10]}"
 
+    @property
+    def fingerprint(self) -> str:
+        """A hash of everything compiling this specialization and judging its report read: the
+        Triton release, the kernel's source and that of every function it calls with the global
+        constants they read (Triton's own ``JITFunction.cache_key``, the key of its compile
+        cache), this specialization's key and compile options, the family's allowances on the
+        target, and this module (the targets, how a report is read and judged). Equal
+        fingerprints give equal reports: ``lanekit targets`` compiles again only what changed."""
+        from importlib import metadata
+
+        options = {k: v for k, v in self.compile_options.items() if k != "extern_libs"}  # paths of this venv
+        text = json.dumps([metadata.version("triton"), self.fn.cache_key if self.fn is not None else None,
+                           self.key, self.target, _jsonable(sorted(options.items())), self.spill_budget,
+                           self.matrix_allowance, _MODULE_HASH], sort_keys=True)
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
     def manifest(self) -> dict:
         return {"name": self.kernel, "module": self.module, "key": self.key, "target": self.target,
                 "signature": self.signature, "constexprs": self.constexprs, "attrs": self.attrs,
                 "num_warps": self.options["num_warps"], "num_stages": self.options["num_stages"],
                 "options": self.options, "samples": self.samples}
 
+
+# This module's own text, in every fingerprint: the targets, and how a report is read and judged.
+with open(__file__, "rb") as _f:
+    _MODULE_HASH = hashlib.sha256(_f.read()).hexdigest()
 
 # The compile options a specialization records beside warps and stages, when the launcher set them.
 _RECORDED_OPTIONS = ("waves_per_eu", "enable_fp_fusion", "matrix_instr_nonkdim", "maxnreg")
