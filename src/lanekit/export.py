@@ -244,8 +244,11 @@ def render(data: dict) -> str:
         f"{data['triton']}: the canonical specializations are the launches that the registered samples "
         "of every op make (`lanekit.runtime.targets.capture`, handed every op of `lanekit.families`), configured with that target's tuning rows. "
         f"Generated from `docs/{RECORD_FILE}`; to refresh both, {REGENERATE}. "
-        "`tests/test_targets.py` fails when either is out of date, and CI (`lanekit targets --check`) "
-        "compiles everything again and fails when a kernel stops compiling or its report moves. "
+        "`tests/test_targets.py` fails when either is out of date. Each specialization's report is kept "
+        "while its fingerprint (the Triton release, the kernel's source and its callees', the launch, the "
+        "options, the allowances) is unchanged, and compiled again when it changes; CI "
+        "(`lanekit targets --check --verify 200`) fails when the record is not what the current kernels "
+        "give, and compiles 200 kept reports again, drawn at random, failing if one moved. "
         "`lanekit export --target T --out DIR` writes the binaries and a manifest per kernel.",
         "",
         "## Kernels and targets",
