@@ -248,7 +248,7 @@ def test_targets_keeps_the_report_of_an_unchanged_fingerprint_and_verify_finds_a
     assert n > 1 and got["first"] == [n, 0]
     assert got["again"] == [0, n] and got["refreshed"] == [1, n - 1] and got["same"] == [True, True]
     registers = got["registers"]
-    assert got["verified"] == [0, 0, n, [[got["edited_key"], registers + 1, registers]]]
+    assert got["verified"] == [0, n, n, [[got["edited_key"], registers + 1, registers]]]
     assert got["fingerprints"] == [True, True, True]
 
 

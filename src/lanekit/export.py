@@ -114,9 +114,10 @@ def compile_specs(specs: list[Specialization], *, jobs: int | None = None, binar
 class Compiled:
     """What :func:`compile_record` did: every specialization with its report (``results``, as
     :func:`compile_all` gives them), how many reports it took from the previous record
-    (``reused``) and how many it compiled (``compiled``), and of the reused ones it compiled
-    again to verify them, the seed that chose them, how many, and those whose report differed
-    from the record's (``mismatches``: (spec, recorded fields, compiled fields))."""
+    (``reused``) and how many it compiled for want of one (``compiled``), and of the reused ones:
+    how many it compiled again to verify them (``verified``), the seed that drew them, and those
+    whose report differed from the record's (``mismatches``: (spec, recorded fields, compiled
+    fields))."""
 
     results: list
     reused: int
@@ -159,7 +160,7 @@ def compile_record(targets: Iterable[str], previous: dict | None = None, *, ops:
         if reports[i] is not None and _report_fields(reports[i]) != _report_fields(report):
             mismatches.append((specs[i], _report_fields(reports[i]), _report_fields(report)))
         reports[i] = report
-    return Compiled([(spec, report, None) for spec, report in zip(specs, reports)], reused=len(reused) - len(checked),
+    return Compiled([(spec, report, None) for spec, report in zip(specs, reports)], reused=len(reused),
                     compiled=len(to_compile) - len(checked), verified=len(checked), seed=seed, mismatches=mismatches)
 
 
