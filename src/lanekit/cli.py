@@ -349,9 +349,10 @@ def _targets(args) -> int:
           f"docs/{export.RECORD_FILE} (fingerprint unchanged)"
           + (f", {done.verified} of those compiled again to verify them (--seed {done.seed})" if done.verified else ""))
     for spec, recorded, compiled in done.mismatches:
-        changed = {k: (recorded[k], compiled[k]) for k in recorded if recorded[k] != compiled[k]}
-        print(f"{spec.target} · {spec.kernel} ({spec.key}): the record says {', '.join(f'{k}={a!r}' for k, (a, _) in changed.items())}"
-              f" but compiling it again gives {', '.join(f'{k}={b!r}' for k, (_, b) in changed.items())}")
+        changed = [k for k in recorded if recorded[k] != compiled[k]]
+        print(f"{spec.target} · {spec.kernel} ({spec.key}): the record says "
+              f"{', '.join(f'{k}={recorded[k]!r}' for k in changed)} but compiling it again gives "
+              f"{', '.join(f'{k}={compiled[k]!r}' for k in changed)}")
     if done.mismatches:
         print(f"{len(done.mismatches)} reports of docs/{export.RECORD_FILE} differ from a fresh compile of the same "
               f"fingerprint (the record was edited, or the compiler is not deterministic here): run "

@@ -140,13 +140,12 @@ def compile_record(targets: Iterable[str], previous: dict | None = None, *, ops:
     import random
 
     specs = capture_all(targets, ops)
-    recorded = {}
-    if previous is not None and previous.get("triton") == triton_version():
-        recorded = {(e["target"], e["key"]): e for e in previous["specializations"] if "fingerprint" in e}
+    # (the fingerprint holds the Triton release: a record of another Triton keeps nothing)
+    recorded = {(e["target"], e["key"]): e for e in previous["specializations"]} if previous is not None else {}
     reports: list = [None] * len(specs)
     for i, spec in enumerate(specs):
         entry = recorded.get((spec.target, spec.key))
-        if entry is not None and entry["fingerprint"] == spec.fingerprint:
+        if entry is not None and entry.get("fingerprint") == spec.fingerprint:
             reports[i] = Report(spec.key, spec.kernel, spec.target,
                                 **{f.name: entry[f.name] for f in dataclasses.fields(Report)
                                    if f.name not in ("key", "kernel", "target")})
@@ -157,8 +156,10 @@ def compile_record(targets: Iterable[str], previous: dict | None = None, *, ops:
     mismatches = []
     for i, (_, report, _) in zip(to_compile, compile_specs([specs[i] for i in to_compile], jobs=jobs,
                                                               progress=progress)):
-        if reports[i] is not None and _report_fields(reports[i]) != _report_fields(report):
-            mismatches.append((specs[i], _report_fields(reports[i]), _report_fields(report)))
+        if reports[i] is not None:
+            kept, fresh = _report_fields(reports[i]), _report_fields(report)
+            if kept != fresh:
+                mismatches.append((specs[i], kept, fresh))
         reports[i] = report
     return Compiled([(spec, report, None) for spec, report in zip(specs, reports)], reused=len(reused),
                     compiled=len(to_compile) - len(checked), verified=len(checked), seed=seed, mismatches=mismatches)
